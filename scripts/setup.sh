@@ -14,7 +14,10 @@ command -v "$py" >/dev/null || py=python3
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 vpy=.venv/bin/python
 stamp=.venv/.parity-setup
-want="$device $(cat pyproject.toml clients/node/package.json 2>/dev/null | sha256sum | cut -c1-16)"
+inputs=(pyproject.toml)
+[ -f clients/node/package-lock.json ] && inputs+=(clients/node/package-lock.json)
+[ -f clients/node/package.json ] && inputs+=(clients/node/package.json)
+want="$device $(cat "${inputs[@]}" | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "setup: .venv is up to date ($device)"
 else
