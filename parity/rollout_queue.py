@@ -1,0 +1,298 @@
+"""The rollout queue: one Redis stream, one consumer group, at-least-once delivery.
+
+Producers (rollout actors) `publish` one `RolloutGroup` per entry and read `backlog()` for
+backpressure. The trainer consumes through the consumer group. Invariants:
+
+- **Ack after use.** An entry stays in the group's pending list (PEL) from `XREADGROUP` until the
+  trainer calls `ack` after the optimizer step that used it has been applied. A consumer that dies
+  leaves its entries pending; `read` takes them over with `XAUTOCLAIM` once idle `claim_idle_ms`.
+- **Trimming never drops an unconsumed entry.** The stream is trimmed (by `publish`, when it is
+  longer than `maxlen`) with `XTRIM MINID` to the *safe point*: the smallest of, over every group,
+  the oldest pending id, the first undelivered id, and the group's *replay floor*. Entries below it
+  have been acknowledged by every group. The stream can exceed `maxlen` only by entries that are
+  still unconsumed (the actor's backpressure on `backlog()` bounds those).
+- **Replay floor.** The trainer checkpoints every few steps; entries acknowledged after its last
+  checkpoint must be consumed again after a crash. `set_replay_floor(id)` (written after each
+  durable checkpoint) keeps every entry >= id in the stream, and `rewind(id)` makes the group
+  deliver them again on restart. Without a floor nothing acknowledged is trimmed (safe default).
+- **Dedupe is the consumer's job** (by rollout id; the trainer persists its set with the checkpoint
+  so that it always matches the weights it describes).
+
+Entry fields: b"group" (RolloutGroup protobuf bytes), b"traceparent", b"group_id", b"min_version",
+b"max_version". Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import redis
+
+from parity.v1 import rollouts_pb2
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STREAM = "parity:rollouts"
+MIN_ID = "0-0"
+
+Delivery = Literal["pending", "claimed", "new"]
+
+
+def parse_id(entry_id: str | bytes) -> tuple[int, int]:
+    """'ms-seq' -> (ms, seq), comparable."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def format_id(parts: tuple[int, int]) -> str:
+    return f"{parts[0]}-{parts[1]}"
+
+
+def next_id(entry_id: str) -> str:
+    """The smallest id strictly greater than `entry_id`."""
+    ms, seq = parse_id(entry_id)
+    return format_id((ms, seq + 1))
+
+
+def previous_id(entry_id: str) -> str:
+    """The largest id strictly smaller than `entry_id` ("0-0" stays "0-0")."""
+    ms, seq = parse_id(entry_id)
+    if seq > 0:
+        return format_id((ms, seq - 1))
+    if ms > 0:
+        return format_id((ms - 1, 2**64 - 1))
+    return MIN_ID
+
+
+def min_id(*ids: str) -> str:
+    return min(ids, key=parse_id)
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """One delivered stream entry. `group` is None when the payload could not be parsed."""
+
+    entry_id: str
+    group: rollouts_pb2.RolloutGroup | None
+    traceparent: str
+    delivery: Delivery
+    error: str = ""
+
+
+def _text(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RolloutQueue:
+    """Redis-stream rollout queue with a consumer group (see the module docstring)."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        stream: str = DEFAULT_STREAM,
+        group: str = "trainer",
+        maxlen: int = 10_000,
+    ) -> None:
+        if maxlen <= 0:
+            raise ValueError(f"maxlen: must be > 0 (got {maxlen})")
+        self.redis = redis.Redis.from_url(redis_url)
+        self.stream = stream
+        self.group = group
+        self.maxlen = maxlen
+        self._own_pending_cursor: str | None = MIN_ID
+        self._claim_cursor = MIN_ID
+        self.ensure_group()
+
+    # ---- shared -------------------------------------------------------------------------------
+    def ensure_group(self) -> None:
+        """Create the consumer group from the stream's start (idempotent), so no entry is missed."""
+        try:
+            self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def floor_key(self, group: str | None = None) -> str:
+        return f"{self.stream}:replay_floor:{group or self.group}"
+
+    def close(self) -> None:
+        self.redis.close()
+
+    # ---- producer -----------------------------------------------------------------------------
+    def publish(self, group: rollouts_pb2.RolloutGroup, traceparent: str = "") -> str:
+        """XADD one group; trims acknowledged history beyond `maxlen`. Returns the entry id."""
+        if not group.group_id:
+            raise ValueError("group.group_id: must be set (it is the dedupe key)")
+        entry_id = self.redis.xadd(
+            self.stream,
+            {
+                b"group": group.SerializeToString(),
+                b"traceparent": traceparent.encode(),
+                b"group_id": group.group_id.encode(),
+                b"min_version": str(group.min_weight_version).encode(),
+                b"max_version": str(group.max_weight_version).encode(),
+            },
+        )
+        if self.redis.xlen(self.stream) > self.maxlen:
+            self.trim()
+        return _text(entry_id)
+
+    def backlog(self) -> int:
+        """Entries not yet acknowledged by this group: undelivered + pending."""
+        info = self._group_info(self.group)
+        if info is None:
+            return int(self.redis.xlen(self.stream))
+        lag = info.get("lag")
+        if lag is None:  # Redis cannot tell (after a rewind); count the undelivered ids.
+            lag = self._count_after(_text(info["last-delivered-id"]))
+        return int(lag) + int(info["pending"])
+
+    # ---- trimming -----------------------------------------------------------------------------
+    def safe_trim_id(self) -> str:
+        """Every entry with an id below this is acknowledged by every group and below every floor."""
+        safe: str | None = None
+        for info in self.redis.xinfo_groups(self.stream):
+            name = _text(info["name"])
+            candidates = [next_id(_text(info["last-delivered-id"]))]
+            if int(info["pending"]) > 0:
+                summary = self.redis.xpending(self.stream, name)
+                candidates.append(_text(summary["min"]))
+            floor = self.redis.get(self.floor_key(name))
+            candidates.append(_text(floor) if floor else MIN_ID)
+            group_safe = min_id(*candidates)
+            safe = group_safe if safe is None else min_id(safe, group_safe)
+        return safe or MIN_ID  # no group yet: everything is unconsumed
+
+    def trim(self) -> int:
+        """Drop acknowledged history below the safe point; returns the number of entries removed."""
+        safe = self.safe_trim_id()
+        if safe == MIN_ID:
+            return 0
+        removed = int(self.redis.xtrim(self.stream, minid=safe, approximate=False))
+        if removed:
+            log.debug("trimmed %d acknowledged entries below %s", removed, safe)
+        return removed
+
+    def set_replay_floor(self, entry_id: str) -> None:
+        """Keep every entry >= `entry_id` (call after a durable checkpoint covering all below it)."""
+        self.redis.set(self.floor_key(), entry_id)
+
+    def replay_floor(self) -> str:
+        value = self.redis.get(self.floor_key())
+        return _text(value) if value else MIN_ID
+
+    # ---- consumer -----------------------------------------------------------------------------
+    def consumed_floor(self) -> str:
+        """The smallest id this group has not fully acknowledged (oldest pending or undelivered)."""
+        info = self._group_info(self.group)
+        if info is None:
+            return MIN_ID
+        candidates = [next_id(_text(info["last-delivered-id"]))]
+        if int(info["pending"]) > 0:
+            candidates.append(_text(self.redis.xpending(self.stream, self.group)["min"]))
+        return min_id(*candidates)
+
+    def rewind(self, floor: str) -> None:
+        """Deliver every entry >= `floor` again (restart after a crash: replay since the checkpoint)."""
+        self.redis.xgroup_setid(self.stream, self.group, previous_id(floor))
+        self._own_pending_cursor = MIN_ID
+        self._claim_cursor = MIN_ID
+
+    def read(
+        self, consumer: str, count: int, block_ms: int = 1000, claim_idle_ms: int = 30_000
+    ) -> list[QueueEntry]:
+        """Up to `count` entries: this consumer's own pending ones first (after a restart), then
+        entries of consumers idle for `claim_idle_ms` (XAUTOCLAIM), then new ones (XREADGROUP >)."""
+        out: list[QueueEntry] = []
+        if self._own_pending_cursor is not None:
+            reply = self.redis.xreadgroup(
+                self.group, consumer, {self.stream: self._own_pending_cursor}, count=count
+            )
+            rows = reply[0][1] if reply else []
+            if rows:
+                self._own_pending_cursor = _text(rows[-1][0])
+                out.extend(self._decode(rows, "pending"))
+            else:
+                self._own_pending_cursor = None
+        if len(out) < count and claim_idle_ms >= 0:
+            out.extend(self.claim(consumer, count - len(out), claim_idle_ms))
+        if len(out) < count:
+            reply = self.redis.xreadgroup(
+                self.group,
+                consumer,
+                {self.stream: ">"},
+                count=count - len(out),
+                block=None if out or block_ms <= 0 else block_ms,
+            )
+            rows = reply[0][1] if reply else []
+            out.extend(self._decode(rows, "new"))
+        return out
+
+    def claim(self, consumer: str, count: int, min_idle_ms: int) -> list[QueueEntry]:
+        """XAUTOCLAIM up to `count` entries pending on any consumer for >= `min_idle_ms`."""
+        reply = self.redis.xautoclaim(
+            self.stream,
+            self.group,
+            consumer,
+            min_idle_time=min_idle_ms,
+            start_id=self._claim_cursor,
+            count=count,
+        )
+        cursor, rows = _text(reply[0]), reply[1]
+        deleted = reply[2] if len(reply) > 2 else []
+        self._claim_cursor = cursor if cursor else MIN_ID
+        if deleted:  # trimmed while pending: nothing left to train; ack so the PEL does not leak
+            log.warning("%d pending entries were deleted from the stream: %s", len(deleted), deleted)
+            self.ack([_text(d) for d in deleted])
+        return self._decode(rows, "claimed")
+
+    def ack(self, entry_ids: list[str]) -> int:
+        """XACK; returns how many were pending."""
+        if not entry_ids:
+            return 0
+        return int(self.redis.xack(self.stream, self.group, *entry_ids))
+
+    def pending(self) -> int:
+        info = self._group_info(self.group)
+        return 0 if info is None else int(info["pending"])
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _group_info(self, group: str) -> dict | None:
+        try:
+            groups = self.redis.xinfo_groups(self.stream)
+        except redis.ResponseError:
+            return None
+        for info in groups:
+            if _text(info["name"]) == group:
+                return info
+        return None
+
+    def _count_after(self, last_id: str, batch: int = 1000) -> int:
+        total, start = 0, f"({last_id}"
+        while True:
+            rows = self.redis.xrange(self.stream, min=start, max="+", count=batch)
+            total += len(rows)
+            if len(rows) < batch:
+                return total
+            start = f"({_text(rows[-1][0])}"
+
+    def _decode(self, rows: list, delivery: Delivery) -> list[QueueEntry]:
+        out = []
+        for raw_id, fields in rows:
+            entry_id = _text(raw_id)
+            if not fields:  # pending but trimmed/deleted
+                out.append(QueueEntry(entry_id, None, "", delivery, error="entry deleted from stream"))
+                continue
+            group = rollouts_pb2.RolloutGroup()
+            try:
+                group.ParseFromString(fields[b"group"])
+            except Exception as exc:  # a malformed payload must not stop the consumer
+                out.append(QueueEntry(entry_id, None, "", delivery, error=f"bad payload: {exc}"))
+                continue
+            out.append(QueueEntry(entry_id, group, _text(fields.get(b"traceparent")), delivery))
+        return out
