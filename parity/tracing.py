@@ -1,29 +1,61 @@
 """OpenTelemetry tracing with zero cost when off.
 
-`init(service_name)` configures a tracer provider from the standard `OTEL_*` variables. Tracing is
-on only when `OTEL_TRACES_EXPORTER` is `otlp` or `console` (or when a test installs an exporter via
-`init(..., exporter=...)`); otherwise every `span()` is the API's no-op span and costs a function
-call. Each rollout entry carries a W3C `traceparent`; consumers *link* to it (messaging semantic
-conventions: a consumer span links to the producer span instead of becoming its child).
+Invariants:
+- Off by default. `init(service_name)` turns tracing on only when `OTEL_TRACES_EXPORTER` is `otlp`
+  or `console` (or when a test passes `exporter=`). Off, `span()` returns one shared no-op context
+  manager, `current_traceparent()` returns "", the gRPC interceptor lists are empty, and the SDK
+  and the gRPC instrumentation are never imported.
+- On, the OTLP exporter reads the standard variables (`OTEL_EXPORTER_OTLP_ENDPOINT`,
+  `OTEL_EXPORTER_OTLP_PROTOCOL`, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, ...).
+- A rollout entry in Redis carries the W3C `traceparent` of its `publish` span. The trainer's
+  `consume` and `train step` spans *link* to it (messaging semantic conventions: a consumer span
+  batches many messages, so it links to their producers instead of becoming a child of one).
+- gRPC calls are traced by opentelemetry-instrumentation-grpc's aio interceptors, which carry the
+  context in call metadata, so a `broadcast transfer` span on the broadcast service is the parent
+  of the rollout worker's `UpdateWeights` server span and of its `verify`/`swap` spans.
 
 Usage:
     tracing.init("parity-rollout")
-    with tracing.span("generate", {"parity.weight_version": 3}) as sp: ...
-    tp = tracing.current_traceparent()                 # store beside the Redis entry
-    with tracing.span("consume", links_from=[tp], kind="consumer"): ...
+    with tracing.span("publish", {ATTR_GROUP_ID: gid}, kind="producer"):
+        queue.publish(group, traceparent=tracing.current_traceparent())
+    with tracing.span("consume", links_from=[entry_tp, ...], kind="consumer"): ...
+    server = grpc.aio.server(interceptors=tracing.server_interceptors())
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from opentelemetry import propagate, trace
 
-_enabled = False
 SpanKindName = Literal["internal", "server", "client", "producer", "consumer"]
+
+# Attribute names shared by the three services (documented in docs/observability.md).
+ATTR_WEIGHT_VERSION = "parity.weight_version"
+ATTR_MIN_VERSION = "parity.min_weight_version"
+ATTR_MAX_VERSION = "parity.max_weight_version"
+ATTR_GROUP_ID = "parity.group_id"
+ATTR_NUM_TOKENS = "parity.num_tokens"
+ATTR_LAG_STEPS = "parity.lag_steps"
+ATTR_STEP = "parity.step"
+ATTR_WORKER_ID = "parity.worker_id"
+ATTR_BYTES = "parity.bytes"
+# Messaging semantic conventions (Redis Streams is the messaging system).
+MESSAGING_SYSTEM = "messaging.system"
+MESSAGING_DESTINATION = "messaging.destination.name"
+MESSAGING_OPERATION_TYPE = "messaging.operation.type"
+MESSAGING_OPERATION_NAME = "messaging.operation.name"
+MESSAGING_MESSAGE_ID = "messaging.message.id"
+MESSAGING_BATCH_COUNT = "messaging.batch.message_count"
+
+_HEALTH_SERVICE = "grpc.health.v1.Health"
+_NOOP = contextlib.nullcontext(trace.INVALID_SPAN)
+
+_enabled = False
+_provider: Any = None  # opentelemetry.sdk.trace.TracerProvider when enabled
 
 
 def enabled() -> bool:
@@ -31,8 +63,12 @@ def enabled() -> bool:
 
 
 def init(service_name: str, exporter: Any = None) -> bool:
-    """Install a tracer provider for this process; returns whether tracing is on."""
-    global _enabled
+    """Install a tracer provider for this process; returns whether tracing is on.
+
+    `exporter` (a SpanExporter, e.g. InMemorySpanExporter) forces tracing on with synchronous
+    export; tests use it. Calling `init` again replaces the provider used by `span()`.
+    """
+    global _enabled, _provider
     choice = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
     if exporter is None and choice not in {"otlp", "console"}:
         return False
@@ -40,6 +76,7 @@ def init(service_name: str, exporter: Any = None) -> bool:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
+    # Resource.create merges OTEL_RESOURCE_ATTRIBUTES; OTEL_SERVICE_NAME wins over our default.
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
     provider = TracerProvider(resource=resource)
     if exporter is not None:
@@ -49,47 +86,88 @@ def init(service_name: str, exporter: Any = None) -> bool:
 
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     else:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
+        protocol = os.environ.get(
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        )
+        if protocol.startswith("http"):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    trace.set_tracer_provider(provider)
+    if _provider is None:
+        # The global provider can be set once per process; instrumentations that look it up find it.
+        trace.set_tracer_provider(provider)
+    elif _provider is not provider:
+        _provider.shutdown()
+    _provider = provider
     _enabled = True
     return True
 
 
-def _links(traceparents: Sequence[str]) -> list[trace.Link]:
-    links = []
+def shutdown() -> None:
+    """Flush pending spans and turn tracing off (services call this on exit)."""
+    global _enabled
+    if _provider is not None:
+        _provider.force_flush()
+    _enabled = False
+
+
+def _tracer() -> trace.Tracer:
+    return _provider.get_tracer("parity")
+
+
+def context_from(traceparent: str) -> Any:
+    """An OpenTelemetry Context whose current span is the one `traceparent` names."""
+    return propagate.extract({"traceparent": traceparent})
+
+
+def span_context_from(traceparent: str) -> trace.SpanContext:
+    """The remote SpanContext in a W3C traceparent; invalid when `traceparent` is empty or malformed."""
+    if not traceparent:
+        return trace.INVALID_SPAN_CONTEXT
+    return trace.get_current_span(context_from(traceparent)).get_span_context()
+
+
+def links(traceparents: Sequence[str], attributes: Mapping[str, Any] | None = None) -> list[trace.Link]:
+    """One link per valid traceparent (duplicates kept once); malformed ones are skipped."""
+    result: list[trace.Link] = []
+    seen: set[tuple[int, int]] = set()
     for tp in traceparents:
-        if not tp:
-            continue
-        ctx = trace.get_current_span(propagate.extract({"traceparent": tp})).get_span_context()
-        if ctx.is_valid:
-            links.append(trace.Link(ctx))
-    return links
+        ctx = span_context_from(tp)
+        key = (ctx.trace_id, ctx.span_id)
+        if ctx.is_valid and key not in seen:
+            seen.add(key)
+            result.append(trace.Link(ctx, attributes=dict(attributes or {})))
+    return result
 
 
-@contextmanager
 def span(
     name: str,
     attributes: Mapping[str, Any] | None = None,
     links_from: Sequence[str] = (),
     kind: SpanKindName = "internal",
     parent_traceparent: str = "",
-) -> Iterator[trace.Span]:
-    """A span named `name`; `links_from` are traceparents to link to (consumer side)."""
+) -> contextlib.AbstractContextManager[trace.Span]:
+    """A span named `name`, current inside the `with` block.
+
+    `links_from` are traceparents this span links to (consumer side of a message queue);
+    `parent_traceparent` makes the span a child of a remote span instead of the current one.
+    """
     if not _enabled:
-        yield trace.INVALID_SPAN
-        return
-    context = propagate.extract({"traceparent": parent_traceparent}) if parent_traceparent else None
-    tracer = trace.get_tracer("parity")
-    with tracer.start_as_current_span(
+        return _NOOP
+    return _tracer().start_as_current_span(
         name,
-        context=context,
+        context=context_from(parent_traceparent) if parent_traceparent else None,
         kind=getattr(trace.SpanKind, kind.upper()),
         attributes=dict(attributes or {}),
-        links=_links(links_from),
-    ) as current:
-        yield current
+        links=links(links_from),
+    )
+
+
+def set_attributes(attributes: Mapping[str, Any]) -> None:
+    """Add attributes to the current span (known only after the work, e.g. token counts)."""
+    if _enabled:
+        trace.get_current_span().set_attributes(dict(attributes))
 
 
 def current_traceparent() -> str:
@@ -99,3 +177,48 @@ def current_traceparent() -> str:
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
     return carrier.get("traceparent", "")
+
+
+def messaging_attributes(
+    operation: Literal["send", "receive", "process"],
+    destination: str,
+    message_id: str = "",
+    batch_count: int = 0,
+) -> dict[str, Any]:
+    """Messaging semantic-convention attributes for a Redis Streams producer/consumer span."""
+    attrs: dict[str, Any] = {
+        MESSAGING_SYSTEM: "redis",
+        MESSAGING_DESTINATION: destination,
+        MESSAGING_OPERATION_TYPE: operation,
+        MESSAGING_OPERATION_NAME: {"send": "XADD", "receive": "XREADGROUP", "process": "process"}[operation],
+    }
+    if message_id:
+        attrs[MESSAGING_MESSAGE_ID] = message_id
+    if batch_count:
+        attrs[MESSAGING_BATCH_COUNT] = batch_count
+    return attrs
+
+
+def _not_health(call_details: Any) -> bool:
+    method = getattr(call_details, "method", "") or ""
+    if isinstance(method, bytes):  # aio client call details carry bytes (grpc/grpc#31092)
+        method = method.decode()
+    return not method.lstrip("/").startswith(_HEALTH_SERVICE)
+
+
+def server_interceptors() -> list[Any]:
+    """aio server interceptors that trace every RPC but health checks; [] when tracing is off."""
+    if not _enabled:
+        return []
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+    return [aio_server_interceptor(tracer_provider=_provider, filter_=_not_health)]
+
+
+def client_interceptors() -> list[Any]:
+    """aio client interceptors that trace calls and propagate context; [] when tracing is off."""
+    if not _enabled:
+        return []
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+    return list(aio_client_interceptors(tracer_provider=_provider, filter_=_not_health))

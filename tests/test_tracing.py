@@ -1,0 +1,181 @@
+"""Tracing: no cost when off, messaging links from traceparents, gRPC context propagation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from parity import tracing
+from parity.config import ServiceConfig
+from parity.server import GrpcServer, channel
+from parity.v1 import rollout_pb2, rollout_pb2_grpc
+
+
+@pytest.fixture
+def exporter():
+    spans = InMemorySpanExporter()
+    assert tracing.init("parity-test", exporter=spans)
+    yield spans
+    tracing.shutdown()
+    assert not tracing.enabled()
+
+
+def test_tracing_off_by_default_costs_no_imports_and_little_time() -> None:
+    """Off: no SDK or instrumentation import, a shared no-op span, and sub-microsecond-scale cost."""
+    script = textwrap.dedent(
+        """
+        import json, sys, time
+        from parity import tracing
+        on = tracing.init("parity-rollout")
+        result = {"on": on, "sdk": "opentelemetry.sdk" in sys.modules,
+                  "instr": "opentelemetry.instrumentation.grpc" in sys.modules,
+                  "tp": tracing.current_traceparent(), "interceptors": tracing.server_interceptors()
+                  + tracing.client_interceptors(), "valid": None}
+        with tracing.span("generate", {"parity.weight_version": 1}) as sp:
+            result["valid"] = sp.get_span_context().is_valid
+        def timed(fn, n=20000):
+            best = 1e9
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                best = min(best, (time.perf_counter() - t0) / n)
+            return best
+        def off():
+            with tracing.span("generate", {"parity.weight_version": 1}):
+                pass
+        def bare():
+            pass
+        result["off_s"] = timed(off) - timed(bare)
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        tracing.init("parity-rollout", exporter=InMemorySpanExporter())
+        result["on_s"] = timed(off, 2000) - timed(bare)
+        print(json.dumps(result))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"span cost off {result['off_s'] * 1e9:.0f} ns, on {result['on_s'] * 1e9:.0f} ns")
+    assert result["on"] is False
+    assert result["sdk"] is False, "the SDK must not be imported when tracing is off"
+    assert result["instr"] is False
+    assert result["tp"] == "" and result["interceptors"] == [] and result["valid"] is False
+    # A no-op `with` costs a few hundred ns; 5 µs leaves room for a loaded 2-core CI box.
+    assert result["off_s"] < 5e-6
+    # Recording a span (SDK, synchronous export) is far more expensive than the no-op path.
+    assert result["on_s"] > 3 * max(result["off_s"], 1e-7)
+
+
+def test_otel_env_turns_tracing_on_with_service_name() -> None:
+    """OTEL_TRACES_EXPORTER=console turns tracing on; OTEL_SERVICE_NAME overrides the default name."""
+    script = (
+        "from parity import tracing\n"
+        "assert tracing.init('parity-trainer')\n"
+        "with tracing.span('train step', {'parity.step': 1}): pass\n"
+        "tracing.shutdown()\n"
+    )
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "trainer-a"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+    span = json.loads(out.stdout)
+    assert span["name"] == "train step"
+    assert span["resource"]["attributes"]["service.name"] == "trainer-a"
+    assert span["attributes"]["parity.step"] == 1
+
+
+def test_consumer_span_links_to_each_producer(exporter: InMemorySpanExporter) -> None:
+    """A consume span links (not parents) to every valid traceparent; bad or empty ones are skipped."""
+    parents = []
+    for group in range(2):
+        with tracing.span(
+            "publish",
+            {tracing.ATTR_GROUP_ID: f"g{group}", tracing.ATTR_MAX_VERSION: 3},
+            kind="producer",
+        ):
+            parents.append(tracing.current_traceparent())
+    assert all(tp.startswith("00-") and len(tp) == 55 for tp in parents)
+    garbage = ["", "not-a-traceparent", "00-" + "0" * 32 + "-" + "0" * 16 + "-01", parents[0]]
+    attrs = tracing.messaging_attributes("receive", "parity:rollouts", batch_count=2)
+    with tracing.span("consume", attrs, links_from=[*parents, *garbage], kind="consumer"):
+        consume_tp = tracing.current_traceparent()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    consume = spans["consume"]
+    assert consume.kind == trace.SpanKind.CONSUMER
+    assert consume.parent is None, "a consumer of a batch must not become a child of one producer"
+    linked = {(link.context.trace_id, link.context.span_id) for link in consume.links}
+    produced = {
+        (s.context.trace_id, s.context.span_id) for s in exporter.get_finished_spans() if s.name == "publish"
+    }
+    assert linked == produced and len(linked) == 2
+    assert consume.attributes["messaging.system"] == "redis"
+    assert consume.attributes["messaging.batch.message_count"] == 2
+    assert consume_tp.split("-")[1] == format(consume.context.trace_id, "032x")
+
+
+def test_parent_traceparent_makes_a_remote_child(exporter: InMemorySpanExporter) -> None:
+    with tracing.span("publish version", {tracing.ATTR_WEIGHT_VERSION: 4}):
+        tp = tracing.current_traceparent()
+    with tracing.span("broadcast transfer", parent_traceparent=tp):
+        pass
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["broadcast transfer"].parent.span_id == spans["publish version"].context.span_id
+    assert spans["broadcast transfer"].context.trace_id == spans["publish version"].context.trace_id
+
+
+class _VersionedRollout(rollout_pb2_grpc.RolloutServiceServicer):
+    async def Generate(self, request, context):
+        with tracing.span("generate", {tracing.ATTR_WEIGHT_VERSION: 7}):
+            return rollout_pb2.GenerateResponse(request_id=request.request_id)
+
+
+async def _traced_round_trip() -> str:
+    server = GrpcServer(
+        ServiceConfig(), [rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name]
+    )
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(_VersionedRollout(), server.server)
+    port = await server.start()
+    await server.set_serving(True)
+    try:
+        async with channel(f"127.0.0.1:{port}") as chan:
+            stub = rollout_pb2_grpc.RolloutServiceStub(chan)
+            with tracing.span("broadcast transfer", {tracing.ATTR_WEIGHT_VERSION: 7}):
+                reply = await stub.Generate(rollout_pb2.GenerateRequest(request_id="r1", prompt_text="x"))
+        return reply.request_id
+    finally:
+        await server.stop(0)
+
+
+def test_grpc_calls_carry_context_from_client_to_server(exporter: InMemorySpanExporter) -> None:
+    """GrpcServer/channel add the standard gRPC instrumentation: client -> server -> handler spans."""
+    assert asyncio.run(_traced_round_trip()) == "r1"
+    spans = exporter.get_finished_spans()
+    by_name: dict[str, list] = {}
+    for s in spans:
+        by_name.setdefault(s.name, []).append(s)
+    rpc = "/parity.v1.RolloutService/Generate"
+    assert not any("Health" in name for name in by_name), "health checks must not be traced"
+    (outer,) = by_name["broadcast transfer"]
+    client = next(s for s in by_name[rpc] if s.kind == trace.SpanKind.CLIENT and s.parent is not None)
+    server = next(
+        s
+        for s in by_name[rpc]
+        if s.kind == trace.SpanKind.SERVER and s.context.trace_id == outer.context.trace_id
+    )
+    (handler,) = [s for s in by_name["generate"] if s.context.trace_id == outer.context.trace_id]
+    assert client.parent.span_id == outer.context.span_id
+    assert server.parent.span_id == client.context.span_id
+    assert handler.parent.span_id == server.context.span_id
+    assert handler.attributes[tracing.ATTR_WEIGHT_VERSION] == 7
+    assert server.resource.attributes["service.name"] == "parity-test"
