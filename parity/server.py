@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from parity import tracing
 from parity.config import ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class GrpcServer:
     ) -> None:
         config.check_security()
         self.config = config
-        chain = list(interceptors)
+        # Tracing first, so rejected calls are traced too; [] (no cost) when tracing is off.
+        chain = [*tracing.server_interceptors(), *interceptors]
         if config.auth_token:
             chain.append(TokenAuthInterceptor(config.auth_token, protected_methods))
         self.server = grpc.aio.server(
@@ -147,6 +149,7 @@ def channel(address: str, token: str = "") -> grpc.aio.Channel:
     del token  # tokens travel as per-call metadata, see `bearer`
     return grpc.aio.insecure_channel(
         address,
+        interceptors=tracing.client_interceptors() or None,
         options=[
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
