@@ -1,0 +1,405 @@
+"""`parity run`: the whole pipeline on one machine, as separate processes talking gRPC on loopback.
+
+Order of events (each waits for the previous one):
+  1. parse and validate the flags (exit 2 naming the flag); resolve the model and the task;
+  2. start redis-server (unless --redis_url), the broadcast service, then N rollout services (each
+     with its in-process actor), and wait until all report SERVING;
+  3. record every rollout service's parity settings (GetStatus) in config.json; run the preflight
+     mismatch gate (services.check.run_check) unless --skip_preflight;
+  4. evaluate greedily on held-out prompts at version 0. The trainer is not started yet, so no weight
+     update can land mid-evaluation (eval.json records the versions that answered);
+  5. start the trainer; follow its metrics.jsonl, printing progress, until it exits 0 after --steps;
+  6. wait until every rollout service serves the final version, evaluate again, then write eval.json,
+     the plots, summary.md and run_summary.json, and stop everything.
+A child that dies early aborts the run naming the child, its exit code and its log tail (exit 1).
+Ctrl-C or SIGTERM stops every process group and exits 130. Nothing is left running in any case.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from services.run_config import RunConfig, RunConfigError, parse_run_config
+from services.supervisor import (
+    ChildDied,
+    MetricsFollower,
+    Supervisor,
+    describe_exit,
+    format_duration,
+    progress_line,
+)
+
+TRAINER = "trainer"
+BROADCAST = "broadcast"
+
+
+class RunError(RuntimeError):
+    """The run cannot continue; the message says why."""
+
+
+def log(message: str) -> None:
+    print(f"[parity run {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def rollout_args(cfg: RunConfig, index: int, broadcast_address: str, redis_url: str, token: str) -> list[str]:
+    return [
+        "--model", cfg.model, "--engine", cfg.engine, "--dtype", cfg.dtype,
+        "--logprobs_mode", cfg.logprobs_mode, "--head_dtype", cfg.head_dtype,
+        "--prefix_caching", str(cfg.prefix_caching).lower(), "--reset_prefix_cache_on_update", "true",
+        "--generation_config", "vllm", "--max_model_len", str(cfg.max_model_len),
+        "--max_n", str(max(16, cfg.group_size)), "--seed", str(cfg.seed + index),
+        "--broadcast_address", broadcast_address, "--worker_id", f"rollout{index}", "--auth_token", token,
+        "--actor", "true", "--redis_url", redis_url, "--task", cfg.task,
+        "--group_size", str(cfg.group_size), "--temperature", str(cfg.temperature),
+        "--max_tokens", str(cfg.max_tokens), "--max_lag", str(cfg.max_lag),
+        "--groups_per_step", str(cfg.worker_groups_per_step()), "--actor_mode", cfg.mode,
+        "--concurrency", str(cfg.actor_concurrency),
+    ]  # fmt: skip
+
+
+def trainer_args(
+    cfg: RunConfig, run_dir: Path, broadcast_address: str, redis_url: str, token: str
+) -> list[str]:
+    return [
+        "--model", cfg.model, "--redis_url", redis_url, "--broadcast_address", broadcast_address,
+        "--run_dir", str(run_dir), "--steps", str(cfg.steps), "--groups_per_step", str(cfg.groups_per_step),
+        "--publish_every", str(cfg.publish_every), "--objective", cfg.objective, "--lr", str(cfg.lr),
+        "--max_lag", str(cfg.max_lag), "--seed", str(cfg.seed), "--auth_token", token,
+    ]  # fmt: skip
+
+
+def validate_inputs(cfg: RunConfig) -> object:
+    """Resolve the model and the task before any process starts; return the task."""
+    from parity import models
+
+    try:
+        models.resolve(cfg.model)
+    except models.ModelError as exc:
+        raise RunConfigError(f"--{exc}") from None
+    from rollout.tasks import get_task
+
+    try:
+        return get_task(cfg.task, seed=cfg.seed)
+    except ValueError as exc:
+        raise RunConfigError(f"--task: {exc}") from None
+
+
+# --- gRPC helpers ---------------------------------------------------------------------------------
+def rollout_status(address: str) -> dict:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from parity.v1 import rollout_pb2, rollout_pb2_grpc
+
+    with grpc.insecure_channel(address) as chan:
+        reply = rollout_pb2_grpc.RolloutServiceStub(chan).GetStatus(
+            rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10.0
+        )
+    return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def broadcast_latest_version(address: str) -> int:
+    import grpc
+
+    from parity.v1 import broadcast_pb2, broadcast_pb2_grpc
+
+    with grpc.insecure_channel(address) as chan:
+        reply = broadcast_pb2_grpc.WeightBroadcastServiceStub(chan).GetStatus(
+            broadcast_pb2.WeightBroadcastServiceGetStatusRequest(), timeout=10.0
+        )
+    return int(reply.latest_version)
+
+
+def wait_rollouts_at(sup: Supervisor, names: list[str], version: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while int(rollout_status(sup.children[name].address).get("weight_version", 0)) < version:
+            sup.check()
+            if time.monotonic() > deadline:
+                raise RunError(f"{name} did not reach weight version {version} in {timeout_s:.0f}s")
+            time.sleep(0.5)
+
+
+# --- stages ---------------------------------------------------------------------------------------
+def preflight(cfg: RunConfig, rollout_address: str, run_dir: Path) -> dict:
+    """The mismatch gate. Returns what config.json records about it."""
+    if cfg.skip_preflight:
+        log("preflight check SKIPPED (--skip_preflight)")
+        return {"ran": False, "reason": "--skip_preflight"}
+    try:
+        from services.check import run_check
+    except ImportError:
+        # PREFLIGHT CALL SITE: services.check has not landed; the gate cannot run yet.
+        log("preflight check NOT RUN: services.check is not available in this checkout")
+        return {"ran": False, "reason": "services.check unavailable"}
+    report = run_check(model=cfg.model, rollout_address=rollout_address, task=cfg.task, seed=cfg.seed)
+    (run_dir / "preflight.txt").write_text(report.table + "\n")
+    print(report.table, flush=True)
+    if not report.passed:
+        if not cfg.i_know_the_mismatch_is_high:
+            raise RunError(
+                "preflight check FAILED: rollout and trainer logprobs disagree (table above, "
+                f"{run_dir / 'preflight.txt'}). Fix the engine settings, or pass "
+                "--i_know_the_mismatch_is_high to train anyway."
+            )
+        log("WARNING: preflight check FAILED and --i_know_the_mismatch_is_high is set: training anyway")
+    return {"ran": True, "passed": report.passed, "report": report.as_dict()}
+
+
+def run_eval(cfg: RunConfig, task: object, address: str, label: str, step: int) -> dict:
+    from services.evaluation import evaluate
+
+    result = evaluate(
+        address,
+        task,
+        cfg.eval_size,
+        cfg.eval_tokens,
+        use_chat_template=getattr(task, "use_chat_template", True),
+        label=label,
+    )
+    log(
+        f"held-out accuracy {label}: {100 * result.accuracy:.1f}% ({result.num_prompts} prompts, greedy, "
+        f"weight versions {result.weight_versions}, {result.seconds:.0f}s)"
+    )
+    return {**result.as_dict(), "step": step}
+
+
+def follow_training(cfg: RunConfig, sup: Supervisor, metrics: MetricsFollower, rollouts: list[str]) -> dict:
+    """Print progress until the trainer exits 0; return timing marks."""
+    trainer = sup.children[TRAINER]
+    sup.expect_exit.add(TRAINER)
+    started = time.monotonic()
+    first_step_at = last_step_at = None
+    last_line_at = started
+    gen_tokens_prev, gen_at_prev = None, started
+    while True:
+        for row in metrics.poll():
+            now = time.monotonic()
+            first_step_at = first_step_at or now
+            last_step_at = now
+            gen = _generated_tokens(sup, rollouts)
+            gen_rate = ""
+            if gen is not None and gen_tokens_prev is not None and now > gen_at_prev:
+                gen_rate = f" gen tok/s {(gen - gen_tokens_prev) / (now - gen_at_prev):.0f}"
+            gen_tokens_prev, gen_at_prev = gen, now
+            line = progress_line(row, len(metrics.rows), cfg.steps, started, first_step_at, now)
+            log(line + gen_rate)
+            last_line_at = now
+        if trainer.proc.poll() is not None:
+            metrics.poll()
+            if trainer.proc.returncode != 0:
+                raise ChildDied(TRAINER, trainer.proc.returncode, trainer.log_tail(20))
+            if len(metrics.rows) < cfg.steps:
+                raise RunError(
+                    f"trainer exited 0 after {len(metrics.rows)} of {cfg.steps} steps "
+                    f"(see {trainer.log_path})"
+                )
+            break
+        sup.check()
+        now = time.monotonic()
+        since_step = now - (last_step_at or started)
+        if since_step > cfg.step_timeout_s:
+            raise RunError(f"no optimizer step for {since_step:.0f}s (--step_timeout_s); see logs")
+        if now - last_line_at >= cfg.progress_interval_s:
+            waiting = "first step" if last_step_at is None else f"step {len(metrics.rows) + 1}"
+            log(f"waiting for {waiting} ({format_duration(since_step)} so far)")
+            last_line_at = now
+        time.sleep(0.5)
+    return {
+        "trainer_ready_to_first_step_s": (first_step_at or started) - started,
+        "trainer_ready_to_last_step_s": (last_step_at or started) - started,
+        "trainer_ready_to_exit_s": time.monotonic() - started,
+    }
+
+
+def _generated_tokens(sup: Supervisor, rollouts: list[str]) -> int | None:
+    try:
+        return sum(
+            int(rollout_status(sup.children[n].address).get("generated_tokens_total", 0)) for n in rollouts
+        )
+    except Exception:  # progress is best effort; a failing child is reported by sup.check()
+        return None
+
+
+def run_pipeline(cfg: RunConfig, run_dir: Path, argv: list[str]) -> int:
+    run_started = time.monotonic()
+    task = validate_inputs(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if (run_dir / "metrics.jsonl").exists():
+        raise RunError(f"--out: {run_dir} already holds a run (metrics.jsonl); choose another directory")
+    marker = uuid.uuid4().hex
+    token = secrets.token_hex(16)
+    config: dict = {
+        "argv": argv,
+        "run": cfg.model_dump(),
+        "run_dir": str(run_dir.resolve()),
+        "marker": marker,
+    }
+    log(f"run directory {run_dir}  (mode {cfg.mode}, model {cfg.model}, task {cfg.task}, {cfg.steps} steps)")
+    timings: dict[str, float] = {}
+    with Supervisor(run_dir / "logs", marker) as sup:
+        redis_url = cfg.redis_url
+        if not redis_url:
+            redis_url = sup.start_redis()
+            log(f"redis-server started at {redis_url}")
+        config["redis_url"] = redis_url
+        sup.start(BROADCAST, ["--auth_token", token], name=BROADCAST)
+        sup.wait_ready([BROADCAST], cfg.startup_timeout_s)
+        broadcast_address = sup.children[BROADCAST].address
+        log(f"broadcast service SERVING at {broadcast_address}")
+        rollouts = [f"rollout{i}" for i in range(cfg.rollout_workers)]
+        for index, name in enumerate(rollouts):
+            sup.start("rollout", rollout_args(cfg, index, broadcast_address, redis_url, token), name=name)
+        log(
+            f"starting {len(rollouts)} rollout service(s) ({cfg.engine}, {cfg.model}); engine start takes a while"
+        )
+        sup.wait_ready(rollouts, cfg.startup_timeout_s)
+        timings["startup_s"] = time.monotonic() - run_started
+        config["broadcast"] = {"address": broadcast_address}
+        config["rollout_services"] = {
+            n: {"address": sup.children[n].address, **rollout_status(sup.children[n].address)}
+            for n in rollouts
+        }
+        log(f"rollout services SERVING: {', '.join(sup.children[n].address for n in rollouts)}")
+        config["trainer"] = {"args": _redact(trainer_args(cfg, run_dir, broadcast_address, redis_url, token))}
+        config["rollout_args"] = {
+            n: _redact(rollout_args(cfg, i, broadcast_address, redis_url, token))
+            for i, n in enumerate(rollouts)
+        }
+        _write_json(run_dir / "config.json", config)
+        config["preflight"] = preflight(cfg, sup.children[rollouts[0]].address, run_dir)
+        _write_json(run_dir / "config.json", config)
+
+        evals = []
+        if cfg.eval_size:
+            evals.append(run_eval(cfg, task, sup.children[rollouts[0]].address, "before", step=0))
+
+        sup.start(TRAINER, trainer_args(cfg, run_dir, broadcast_address, redis_url, token), name=TRAINER)
+        log("trainer starting")
+        sup.wait_ready([TRAINER], cfg.startup_timeout_s)
+        log(f"trainer SERVING at {sup.children[TRAINER].address}; training {cfg.steps} steps ({cfg.mode})")
+        metrics = MetricsFollower(run_dir / "metrics.jsonl")
+        timings.update(follow_training(cfg, sup, metrics, rollouts))
+        log(
+            f"trainer finished {len(metrics.rows)} steps ({describe_exit(sup.children[TRAINER].proc.returncode)})"
+        )
+
+        final_version = broadcast_latest_version(broadcast_address)
+        wait_rollouts_at(sup, rollouts, final_version, timeout_s=300.0)
+        config["final_rollout_status"] = {n: rollout_status(sup.children[n].address) for n in rollouts}
+        config["final_weight_version"] = final_version
+        if cfg.eval_size:
+            evals.append(
+                run_eval(cfg, task, sup.children[rollouts[0]].address, "after", step=len(metrics.rows))
+            )
+    timings["wall_s"] = time.monotonic() - run_started
+    _write_json(run_dir / "config.json", config)
+    write_results(cfg, run_dir, metrics.rows, evals, timings)
+    return 0
+
+
+def _redact(args: list[str]) -> list[str]:
+    return ["<redacted>" if i and args[i - 1] == "--auth_token" else a for i, a in enumerate(args)]
+
+
+def _write_json(path: Path, payload: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.replace(path)
+
+
+# --- results --------------------------------------------------------------------------------------
+SUMMARY_KEYS = [
+    "reward_mean",
+    "clip_rate",
+    "kl_new_old",
+    "entropy",
+    "mismatch_k3",
+    "mismatch_max_abs",
+    "ess",
+    "lag_mean",
+    "tokens_per_s",
+]
+
+
+def write_results(cfg: RunConfig, run_dir: Path, rows: list[dict], evals: list[dict], timings: dict) -> None:
+    from services.run_plots import plot_run
+
+    by_label = {e["label"]: e for e in evals}
+    before, after = by_label.get("before"), by_label.get("after")
+    delta = after["accuracy"] - before["accuracy"] if before and after else None
+    _write_json(
+        run_dir / "eval.json", {"before": before, "after": after, "accuracy_delta": delta, "evals": evals}
+    )
+    plots = plot_run(run_dir, rows, evals)
+    final = rows[-1] if rows else {}
+    summary = {
+        "mode": cfg.mode, "model": cfg.model, "task": cfg.task, "steps": len(rows), "seed": cfg.seed,
+        "accuracy_before": before and before["accuracy"], "accuracy_after": after and after["accuracy"],
+        "accuracy_delta": delta, "final_metrics": {k: final.get(k) for k in SUMMARY_KEYS}, **timings,
+    }  # fmt: skip
+    _write_json(run_dir / "run_summary.json", summary)
+    lines = [
+        f"# parity run: {cfg.model} on {cfg.task}, {cfg.mode}, {len(rows)} steps, seed {cfg.seed}",
+        "",
+        f"- wall time: {format_duration(timings['wall_s'])} (startup {format_duration(timings['startup_s'])}, "
+        f"training {format_duration(timings['trainer_ready_to_exit_s'])})",
+    ]
+    if delta is not None:
+        lines.append(
+            f"- held-out accuracy (greedy, {before['num_prompts']} prompts): "
+            f"{100 * before['accuracy']:.1f}% -> {100 * after['accuracy']:.1f}% ({100 * delta:+.1f} points)"
+        )
+    lines += ["", "## Final step", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {_cell(final.get(k))} |" for k in SUMMARY_KEYS]
+    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    lines += [
+        "",
+        "Config: [config.json](config.json) · metrics: [metrics.jsonl](metrics.jsonl) · eval: [eval.json](eval.json)",
+    ]
+    (run_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    log(f"done in {format_duration(timings['wall_s'])}; summary: {run_dir / 'summary.md'}")
+    if delta is not None:
+        log(
+            f"held-out accuracy {100 * before['accuracy']:.1f}% -> {100 * after['accuracy']:.1f}% ({100 * delta:+.1f} points)"
+        )
+
+
+def _cell(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+# --- entry point ----------------------------------------------------------------------------------
+def _sigterm_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = parse_run_config(argv)
+    except RunConfigError as exc:
+        print(f"parity run: error: {exc}", file=sys.stderr)
+        return 2
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    run_dir = cfg.run_dir()
+    started = time.monotonic()
+    try:
+        return run_pipeline(cfg, run_dir, list(argv))
+    except RunConfigError as exc:
+        print(f"parity run: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        log(f"interrupted after {format_duration(time.monotonic() - started)}; every process was stopped")
+        return 130
+    except (ChildDied, RunError, TimeoutError) as exc:
+        print(f"parity run: error: {exc}", file=sys.stderr, flush=True)
+        print(f"parity run: logs are in {run_dir / 'logs'}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,109 @@
+"""PNG plots of one run: training curves from metrics.jsonl and held-out accuracy from eval.json.
+
+Invariants:
+- Uses matplotlib's Agg backend (no display needed), imported lazily so `parity run --help` is fast.
+- One PNG per quantity, named `<name>.png` in the run directory; a missing metric gives a plot that
+  says so rather than no file, so summary.md links never break.
+- x is the trainer's step; `step` in metrics.jsonl is taken as is.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+# name -> (title, [(metric key, label)], y label, log scale when all values are positive)
+CURVES: dict[str, tuple[str, list[tuple[str, str]], str, bool]] = {
+    "reward": ("Training reward", [("reward_mean", "mean reward")], "reward", False),
+    "clip_rate": ("Clip rate", [("clip_rate", "clip rate")], "fraction of tokens clipped", False),
+    "kl_new_old": ("KL(new || old)", [("kl_new_old", "kl_new_old")], "nats / token", False),
+    "entropy": ("Policy entropy", [("entropy", "entropy")], "nats / token", False),
+    "mismatch": (
+        "Rollout vs trainer logprob mismatch (lag-0 tokens)",
+        [
+            ("mismatch_k1", "k1"),
+            ("mismatch_k2", "k2"),
+            ("mismatch_k3", "k3"),
+            ("mismatch_max_abs", "max |Δ|"),
+        ],
+        "nats",
+        True,
+    ),
+    "ess": ("Effective sample size (normalised)", [("ess", "ESS")], "ESS", False),
+    "lag": ("Rollout staleness", [("lag_mean", "mean lag"), ("lag_max", "max lag")], "versions", False),
+}
+PLOT_NAMES = ["reward", "accuracy", *[n for n in CURVES if n != "reward"]]
+
+
+def _finite(value: object) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _curve(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for index, row in enumerate(rows):
+        y = _finite(row.get(key))
+        if y is not None:
+            xs.append(float(row.get("step", index)))
+            ys.append(y)
+    return xs, ys
+
+
+def plot_run(run_dir: Path, rows: list[dict], evals: list[dict]) -> list[Path]:
+    """Write every plot into run_dir; return the paths in PLOT_NAMES order.
+
+    `evals` are eval.json entries with at least `step` and `accuracy`.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name in PLOT_NAMES:
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+        if name == "accuracy":
+            points = sorted((float(e["step"]), float(e["accuracy"])) for e in evals if "accuracy" in e)
+            if points:
+                ax.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", label="greedy")
+                for x, y in points:
+                    ax.annotate(f"{100 * y:.1f}%", (x, 100 * y), textcoords="offset points", xytext=(0, 6))
+            ax.set_title("Held-out accuracy (greedy)")
+            ax.set_ylabel("accuracy (%)")
+            ax.set_ylim(0, 100)
+            drew = bool(points)
+        else:
+            title, keys, ylabel, log_when_positive = CURVES[name]
+            drew = False
+            all_positive = True
+            for key, label in keys:
+                xs, ys = _curve(rows, key)
+                if xs:
+                    ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=label)
+                    drew = True
+                    all_positive = all_positive and min(ys) > 0
+            if name == "reward":
+                xs, means = _curve(rows, "reward_mean")
+                _, stds = _curve(rows, "reward_std")
+                if xs and len(stds) == len(means):
+                    lo = [m - s for m, s in zip(means, stds, strict=True)]
+                    hi = [m + s for m, s in zip(means, stds, strict=True)]
+                    ax.fill_between(xs, lo, hi, alpha=0.2, label="± std")
+            if drew and log_when_positive and all_positive:
+                ax.set_yscale("log")
+            ax.set_title(title)
+            ax.set_ylabel(ylabel)
+        if not drew:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        else:
+            ax.legend(loc="best", fontsize=8)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = run_dir / f"{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths

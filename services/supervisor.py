@@ -1,0 +1,278 @@
+"""Child-process supervision for `parity run`: start, watch, report, and always clean up.
+
+Invariants:
+- Every child (redis-server, broadcast, trainer, rollout services) runs in its own process group
+  (`start_new_session`), so stopping a child stops everything it spawned (vLLM's engine core too).
+- Every child's environment carries `PARITY_RUN_MARKER=<marker>`; grandchildren inherit it, so a
+  test can prove that nothing survived by scanning /proc for the marker.
+- `stop_all` is idempotent and bounded: SIGTERM to every group at once, wait `grace_s`, SIGKILL what
+  is left, and SIGKILL each group again even when its leader already exited (stragglers). SIGINT and
+  SIGTERM are held off while it runs, so a second Ctrl-C cannot leave orphans behind.
+- A child that exits when it was not expected to (`expect_exit`) raises `ChildDied`, naming the
+  child, its exit code (or signal) and the last lines of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from parity.procs import ServiceProcess, start_service
+
+MARKER_ENV = "PARITY_RUN_MARKER"
+
+
+class ChildDied(RuntimeError):
+    """A supervised child exited unexpectedly."""
+
+    def __init__(self, name: str, returncode: int | None, log_tail: str) -> None:
+        self.name = name
+        self.returncode = returncode
+        self.log_tail = log_tail
+        super().__init__(
+            f"{name} exited unexpectedly ({describe_exit(returncode)})\n--- last lines of {name}'s log ---\n{log_tail}"
+        )
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ignore SIGINT/SIGTERM inside the block (cleanup must finish)."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class Supervisor:
+    """Owns the children of one run. Use as a context manager: exit always stops everything."""
+
+    log_dir: Path
+    marker: str
+    children: dict[str, ServiceProcess] = field(default_factory=dict)
+    expect_exit: set[str] = field(default_factory=set)
+
+    def __enter__(self) -> Supervisor:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop_all()
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {MARKER_ENV: self.marker, "PYTHONUNBUFFERED": "1"}
+
+    # --- starting -----------------------------------------------------------------------------
+    def start_redis(self, timeout_s: float = 15.0) -> str:
+        """A private redis-server on a free loopback port, no persistence; returns its URL."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError(
+                "redis-server is not on PATH: install it (apt-get install redis-server) or pass --redis_url"
+            )
+        import redis
+
+        for _attempt in range(3):
+            port = free_port()
+            workdir = self.log_dir / "redis"
+            workdir.mkdir(exist_ok=True)
+            log_path = self.log_dir / "redis.log"
+            cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+            cmd += ["--dir", str(workdir), "--logfile", str(log_path)]
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, **self.env},
+            )
+            child = ServiceProcess(name="redis", proc=proc, port_file=workdir / "unused", log_path=log_path)
+            child.port = port
+            self.children["redis"] = child
+            client = redis.Redis(port=port, socket_timeout=1.0)
+            deadline = time.monotonic() + timeout_s
+            while proc.poll() is None and time.monotonic() < deadline:
+                with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                    client.ping()
+                    return f"redis://127.0.0.1:{port}/0"
+                time.sleep(0.05)
+            self._stop([child], grace_s=2.0)  # lost the port race or too slow: try another port
+        raise RuntimeError(f"redis-server did not start:\n{self.children['redis'].log_tail()}")
+
+    def start(self, kind: str, args: list[str], name: str) -> ServiceProcess:
+        """Start `parity serve KIND ARGS` as a child named `name` (its log: log_dir/NAME.log)."""
+        child = start_service(kind, args, log_dir=self.log_dir, env=self.env, name=name)
+        self.children[name] = child
+        return child
+
+    def wait_ready(self, names: list[str], timeout_s: float) -> None:
+        """Wait until each named child is SERVING, failing fast if any child dies meanwhile."""
+        pending = list(names)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            self.check()
+            for name in list(pending):
+                child = self.children[name]
+                if not child.port and child.port_file.exists():
+                    with contextlib.suppress(ValueError):
+                        child.port = int(child.port_file.read_text())
+                if child.port and _is_serving(child.address):
+                    pending.remove(name)
+            if pending and time.monotonic() > deadline:
+                tails = "\n".join(f"--- {n} ---\n{self.children[n].log_tail(15)}" for n in pending)
+                raise TimeoutError(f"{', '.join(pending)} not SERVING after {timeout_s:.0f}s\n{tails}")
+            if pending:
+                time.sleep(0.25)
+
+    # --- watching -----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise ChildDied for the first child that exited without being expected to."""
+        for name, child in self.children.items():
+            if name in self.expect_exit:
+                continue
+            if child.proc.poll() is not None:
+                raise ChildDied(name, child.proc.returncode, child.log_tail(20))
+
+    def pids(self) -> dict[str, int]:
+        return {name: child.proc.pid for name, child in self.children.items()}
+
+    # --- stopping -----------------------------------------------------------------------------
+    def stop_all(self, grace_s: float = 15.0) -> None:
+        """Stop every child: rollouts and trainer first, then broadcast, redis last."""
+        order = sorted(self.children.values(), key=lambda c: {"redis": 2, "broadcast": 1}.get(c.name, 0))
+        with signals_held():
+            first = [c for c in order if c.name not in ("redis", "broadcast")]
+            self._stop(first, grace_s)
+            self._stop([c for c in order if c not in first], grace_s)
+
+    @staticmethod
+    def _stop(children: list[ServiceProcess], grace_s: float) -> None:
+        for child in children:
+            if child.proc.poll() is None:
+                child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+        for child in children:
+            child.signal(signal.SIGKILL)  # whatever is left in the group, leader or stragglers
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(5.0)
+
+
+def _is_serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as chan:
+            reply = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Pids of live processes whose environment carries PARITY_RUN_MARKER=marker (zombies excluded)."""
+    needle = f"{MARKER_ENV}={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+class MetricsFollower:
+    """Reads new complete lines of the trainer's metrics.jsonl as they are appended."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self.rows: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self._offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return []
+        self._offset += end + 1
+        new_rows = []
+        for line in chunk[: end + 1].splitlines():
+            if line.strip():
+                with contextlib.suppress(json.JSONDecodeError):
+                    new_rows.append(json.loads(line))
+        self.rows.extend(new_rows)
+        return new_rows
+
+
+def _fmt(value: object, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def progress_line(
+    row: dict, done: int, total_steps: int, started_at: float, first_step_at: float | None, now: float
+) -> str:
+    """`step 3/20 v3 reward 0.41 mismatch k3 2.1e-06 (max 3e-04) lag 0.60 tok/s 212 elapsed 1m10s ETA 4m02s`.
+
+    `done` is the number of steps finished; the ETA extrapolates the mean time per step since the
+    first one (the first step also pays for startup, so it is left out).
+    """
+    eta = "-"
+    if first_step_at is not None and done > 1:
+        per_step = (now - first_step_at) / (done - 1)
+        eta = format_duration(per_step * (total_steps - done))
+    return (
+        f"step {done}/{total_steps} v{row.get('weight_version', '-')} "
+        f"reward {_fmt(row.get('reward_mean'), '.3f')} "
+        f"mismatch k3 {_fmt(row.get('mismatch_k3'), '.1e')} (max {_fmt(row.get('mismatch_max_abs'), '.1e')}) "
+        f"lag {_fmt(row.get('lag_mean'), '.2f')} "
+        f"tok/s {_fmt(row.get('tokens_per_s'), '.0f')} "
+        f"elapsed {format_duration(now - started_at)} ETA {eta}"
+    )
