@@ -18,6 +18,7 @@ Ctrl-C or SIGTERM stops every process group and exits 130. Nothing is left runni
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import signal
 import sys
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from services.run_config import RunConfig, RunConfigError, parse_run_config
 from services.supervisor import (
+    MARKER_ENV,
     ChildDied,
     MetricsFollower,
     Supervisor,
@@ -233,7 +235,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, argv: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / "metrics.jsonl").exists():
         raise RunError(f"--out: {run_dir} already holds a run (metrics.jsonl); choose another directory")
-    marker = uuid.uuid4().hex
+    marker = os.environ.get(MARKER_ENV) or uuid.uuid4().hex  # a caller (a test) may choose it
     token = secrets.token_hex(16)
     config: dict = {
         "argv": argv,

@@ -111,6 +111,8 @@ class Supervisor:
             log_path = self.log_dir / "redis.log"
             cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
             cmd += ["--dir", str(workdir), "--logfile", str(log_path)]
+            # redis rewrites its process title over its environment; keep the marker visible in it.
+            cmd += ["--proc-title-template", f"{{title}} {{listen-addr}} {MARKER_ENV}={self.marker}"]
             proc = subprocess.Popen(
                 cmd,
                 stdout=subprocess.DEVNULL,
@@ -202,14 +204,18 @@ def _is_serving(address: str) -> bool:
 
 
 def marked_pids(marker: str) -> list[int]:
-    """Pids of live processes whose environment carries PARITY_RUN_MARKER=marker (zombies excluded)."""
+    """Pids of live processes whose environment or command line carries PARITY_RUN_MARKER=marker.
+
+    Zombies are excluded (they hold no resources and vanish when reaped).
+    """
     needle = f"{MARKER_ENV}={marker}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            if needle not in environ and needle not in (entry / "cmdline").read_bytes():
                 continue
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
