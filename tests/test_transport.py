@@ -165,10 +165,13 @@ def test_checksum_detects_single_word_change_and_swaps() -> None:
     swapped = base.clone()
     swapped[[3, 900]] = swapped[[900, 3]]
     assert checksum.tensor_checksum(swapped) != reference
-    # chunked evaluation equals the definition sum (2i+1) w_i mod 2**64
+    # the implementation equals the definition sum (2c+1)(2j+1) w_i mod 2**64, i = c*C + j
     big = torch.randint(-(2**62), 2**62, (checksum.CHUNK_WORDS * 2 + 3,), dtype=torch.int64)
     words = big.tolist()
-    expected = sum((2 * i + 1) * (w % 2**64) for i, w in enumerate(words)) % 2**64
+    chunk = checksum.CHUNK_WORDS
+    expected = (
+        sum((2 * (i // chunk) + 1) * (2 * (i % chunk) + 1) * (w % 2**64) for i, w in enumerate(words)) % 2**64
+    )
     assert checksum.tensor_checksum(big) == expected
     # unaligned views (storage offset not a multiple of 8 bytes) are handled
     halves = torch.randn(101).to(torch.bfloat16)
