@@ -1,0 +1,314 @@
+"""docker-compose.yml, the collector and Prometheus configs, the Dockerfile, and the health probe.
+
+There is no Docker engine here, so the compose file is checked the way `docker compose config`
+would: YAML (with merge keys) -> variable interpolation -> validation by a Compose-spec parser
+(the `compose-spec` package, a strict Rust implementation of the Compose specification). The
+service graph, GPU reservations, healthchecks and wiring are then asserted explicitly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+ENV = {"PARITY_AUTH_TOKEN": "test-token", "PARITY_REDIS_PASSWORD": "test-redis-password"}
+PARITY_SERVICES = {
+    "broadcast": "BROADCAST",
+    "trainer": "TRAINER",
+    "rollout": "ROLLOUT",
+    "rollout-2": "ROLLOUT",
+}
+CONFIG_CLASSES = {
+    "ROLLOUT": "rollout.config:RolloutConfig",
+    "TRAINER": "trainer.config:TrainerConfig",
+    "BROADCAST": "services.broadcast.config:BroadcastConfig",
+}
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose-style `${VAR}`, `${VAR:-default}`, `${VAR:?error}` and `$$` substitution."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1) or match.group(4)
+        op, arg = match.group(2), match.group(3)
+        current = env.get(name)
+        missing = current is None or (op is not None and op.startswith(":") and current == "")
+        if op in (":-", "-"):
+            return arg if missing else current
+        if op in (":?", "?"):
+            if missing:
+                raise KeyError(f"{name}: {arg}")
+            return current
+        return current or ""
+
+    return _VAR.sub(sub, value)
+
+
+def load_compose(env: dict[str, str] = ENV) -> dict[str, Any]:
+    return interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), env)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return load_compose()
+
+
+def test_compose_file_validates_against_the_compose_spec(compose) -> None:
+    compose_spec = pytest.importorskip("compose_spec", reason="compose-spec (a dev dependency) is missing")
+    parsed = compose_spec.PyCompose.from_json(json.dumps(compose))
+    parsed.validate()  # every volume/network a service uses is declared
+    assert set(parsed.service_names()) == set(compose["services"])
+    # The validator is strict: a misspelt key or a bad depends_on condition is rejected.
+    broken = json.loads(json.dumps(compose))
+    broken["services"]["trainer"]["depends_on"]["redis"]["condition"] = "service_hot"
+    with pytest.raises(ValueError, match="service_hot"):
+        compose_spec.PyCompose.from_json(json.dumps(broken))
+    broken = json.loads(json.dumps(compose))
+    broken["services"]["rollout"]["gpu_reservation"] = True
+    with pytest.raises(ValueError, match="gpu_reservation"):
+        compose_spec.PyCompose.from_json(json.dumps(broken))
+
+
+def test_compose_config_with_docker_cli_when_available() -> None:
+    docker = shutil.which("docker") or shutil.which("docker-compose")
+    if docker is None:
+        pytest.skip("no docker CLI on this machine")
+    cmd = [docker, "compose"] if docker.endswith("docker") else [docker]
+    if subprocess.run([*cmd, "version"], capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("the docker CLI here has no compose plugin; the spec validation above covers it")
+    done = subprocess.run(
+        [*cmd, "-f", str(COMPOSE_FILE), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **ENV},
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_required_secrets_come_from_the_environment() -> None:
+    for name in ENV:
+        with pytest.raises(KeyError, match=name):
+            load_compose({k: v for k, v in ENV.items() if k != name})
+
+
+def test_service_graph_and_startup_order(compose) -> None:
+    services = compose["services"]
+    assert set(services) == {
+        "redis", "broadcast", "trainer", "rollout", "rollout-2", "otel-collector", "jaeger", "prometheus",
+    }  # fmt: skip
+    healthy = lambda name: {"condition": "service_healthy"}  # noqa: E731
+    assert services["trainer"]["depends_on"] == {"redis": healthy("redis"), "broadcast": healthy("broadcast")}
+    for rollout in ("rollout", "rollout-2"):
+        assert services[rollout]["depends_on"] == {"broadcast": healthy("x"), "redis": healthy("x")}
+    # Every service_healthy dependency has a healthcheck, and the graph has no cycle.
+    for name, service in services.items():
+        for dep, cond in service.get("depends_on", {}).items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            if cond["condition"] == "service_healthy":
+                assert "healthcheck" in services[dep], f"{dep} has no healthcheck but {name} waits on it"
+    order: list[str] = []
+
+    def visit(name: str, stack: tuple[str, ...] = ()) -> None:
+        assert name not in stack, f"dependency cycle {(*stack, name)}"
+        for dep in services[name].get("depends_on", {}):
+            visit(dep, (*stack, name))
+        if name not in order:
+            order.append(name)
+
+    for name in services:
+        visit(name)
+    assert order.index("redis") < order.index("trainer") and order.index("broadcast") < order.index("rollout")
+    assert services["rollout-2"]["profiles"] == ["gpu2"], "extra GPUs are opt-in"
+
+
+def test_gpu_reservations_pin_trainer_to_gpu0_and_rollouts_to_gpus_1_plus(compose) -> None:
+    def devices(name: str) -> list[dict[str, Any]]:
+        return compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+
+    pinned = {}
+    for name in ("trainer", "rollout", "rollout-2", "broadcast"):
+        (device,) = devices(name)
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        pinned[name] = device["device_ids"]
+    assert pinned["trainer"] == ["0"]
+    assert pinned["rollout"] == ["1"] and pinned["rollout-2"] == ["2"]
+    assert not set(pinned["trainer"]) & (set(pinned["rollout"]) | set(pinned["rollout-2"]))
+    for name in ("redis", "otel-collector", "jaeger", "prometheus"):
+        assert "deploy" not in compose["services"][name]
+    overridden = load_compose({**ENV, "PARITY_ROLLOUT_GPU": "3"})
+    assert overridden["services"]["rollout"]["deploy"]["resources"]["reservations"]["devices"][0][
+        "device_ids"
+    ] == ["3"]
+
+
+def test_parity_services_health_ipc_volumes_and_nccl(compose) -> None:
+    for name, prefix in PARITY_SERVICES.items():
+        service = compose["services"][name]
+        env = service["environment"]
+        test = service["healthcheck"]["test"]
+        assert test[:4] == ["CMD", "python", "-m", "parity.healthcheck"]
+        assert test[4] == f"127.0.0.1:{env[f'PARITY_{prefix}_PORT']}"
+        assert service["ipc"] == "host"
+        assert service["ulimits"]["memlock"] == -1
+        assert "parity-data:/data" in service["volumes"]
+        assert env["PARITY_HOME"].startswith("/data/")
+        assert env["NCCL_SOCKET_IFNAME"] and env["GLOO_SOCKET_IFNAME"]
+        assert env[f"PARITY_{prefix}_HOST"] == "0.0.0.0"
+        assert env[f"PARITY_{prefix}_AUTH_TOKEN"] == ENV["PARITY_AUTH_TOKEN"]
+        assert env["OTEL_SERVICE_NAME"] == f"parity-{prefix.lower()}"
+    assert compose["services"]["trainer"]["environment"]["PARITY_TRAINER_RUN_DIR"].startswith("/data/")
+    assert (
+        compose["services"]["rollout"]["environment"]["PARITY_ROLLOUT_WORKER_ID"]
+        != (compose["services"]["rollout-2"]["environment"]["PARITY_ROLLOUT_WORKER_ID"])
+    )
+
+
+def test_redis_has_aof_and_a_password(compose) -> None:
+    redis = compose["services"]["redis"]
+    command = " ".join(redis["command"])
+    assert "--appendonly yes" in command and '--requirepass "$REDIS_PASSWORD"' in command
+    assert redis["environment"]["REDIS_PASSWORD"] == ENV["PARITY_REDIS_PASSWORD"]
+    for name, prefix in (("trainer", "TRAINER"), ("rollout", "ROLLOUT")):
+        url = compose["services"][name]["environment"][f"PARITY_{prefix}_REDIS_URL"]
+        assert url == f"redis://:{ENV['PARITY_REDIS_PASSWORD']}@redis:6379/0"
+
+
+def test_environment_names_real_config_fields(compose, monkeypatch) -> None:
+    """Each PARITY_<SVC>_* variable is a field of that service's config, and the config loads."""
+    from parity.config import load_config
+
+    checked = 0
+    for name, prefix in PARITY_SERVICES.items():
+        module_name, class_name = CONFIG_CLASSES[prefix].split(":")
+        try:
+            config_cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue  # that service has not landed in this checkout
+        env = {k: str(v) for k, v in compose["services"][name]["environment"].items()}
+        fields = {f"PARITY_{prefix}_{field.upper()}" for field in config_cls.model_fields}
+        unknown = sorted(k for k in env if k.startswith(f"PARITY_{prefix}_") and k not in fields)
+        assert not unknown, f"{name}: not fields of {class_name}: {unknown}"
+        for key in [k for k in os.environ if k.startswith("PARITY_")]:
+            monkeypatch.delenv(key)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        config = load_config(config_cls)
+        config.check_security()  # 0.0.0.0 with the token: allowed
+        assert config.host == "0.0.0.0" and config.port == 50051 and config.metrics_port == 9100
+        checked += 1
+    assert checked >= 1
+
+
+def test_collector_wires_otlp_receiver_to_jaeger(compose) -> None:
+    collector = yaml.safe_load((ROOT / "infra" / "otel-collector.yaml").read_text())
+    service = compose["services"]["otel-collector"]
+    assert "./infra/otel-collector.yaml:/etc/otelcol/config.yaml:ro" in service["volumes"]
+    assert "--config=/etc/otelcol/config.yaml" in service["command"]
+    pipeline = collector["service"]["pipelines"]["traces"]
+    assert pipeline["receivers"] == ["otlp"]
+    grpc_endpoint = collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
+    assert grpc_endpoint == "0.0.0.0:4317"
+    for processor in pipeline["processors"]:
+        assert processor in collector["processors"]
+    (jaeger_exporter,) = [e for e in pipeline["exporters"] if e.startswith("otlp")]
+    endpoint = collector["exporters"][jaeger_exporter]["endpoint"]
+    env_name = re.fullmatch(r"\$\{env:([A-Z_]+)\}", endpoint).group(1)
+    host, port = service["environment"][env_name].split(":")
+    assert host in compose["services"] and host == "jaeger" and port == "4317"
+    assert compose["services"]["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    for name in PARITY_SERVICES:
+        env = compose["services"][name]["environment"]
+        assert env["OTEL_TRACES_EXPORTER"] == "otlp"
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+
+
+def test_prometheus_scrapes_every_service_metrics_port(compose) -> None:
+    config = yaml.safe_load((ROOT / "infra" / "prometheus.yml").read_text())
+    targets: dict[str, set[str]] = {}
+    for job in config["scrape_configs"]:
+        found = targets.setdefault(job["job_name"], set())
+        for static in job.get("static_configs", []):
+            found.update(static["targets"])
+        for sd in job.get("dns_sd_configs", []):
+            found.update(f"{name}:{sd['port']}" for name in sd["names"])
+    expected = {
+        f"{name}:{compose['services'][name]['environment'][f'PARITY_{prefix}_METRICS_PORT']}"
+        for name, prefix in PARITY_SERVICES.items()
+    }
+    assert set().union(*targets.values()) == expected
+    assert set(targets) == {"parity-rollout", "parity-trainer", "parity-broadcast"}
+
+
+def test_dockerfile_uses_cuda_base_and_gpu_setup() -> None:
+    dockerfile = (ROOT / "infra" / "Dockerfile").read_text()
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+$", dockerfile, re.M)
+    assert "FROM ${CUDA_IMAGE}" in dockerfile
+    assert "PARITY_DEVICE=gpu" in dockerfile and "scripts/setup.sh" in dockerfile
+    assert 'CMD ["python", "-m", "parity.healthcheck", "127.0.0.1:50051"]' in dockerfile
+    assert 'ENTRYPOINT ["parity"]' in dockerfile
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^gpu = \[.*"vllm', pyproject, re.M), "the gpu extra installs the vllm wheel"
+    for line in dockerfile.splitlines():
+        if line.startswith("COPY ") and not line.startswith("COPY --"):
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
+
+
+def test_healthcheck_probe_exit_codes() -> None:
+    """`python -m parity.healthcheck` exits 0 only for SERVING (real GrpcServer on loopback)."""
+    from parity.config import ServiceConfig
+    from parity.server import GrpcServer
+
+    def probe(address: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "parity.healthcheck", address, "--timeout_s", "2"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
+    async def scenario() -> list[subprocess.CompletedProcess]:
+        server = GrpcServer(ServiceConfig(), [])
+        port = await server.start()
+        address = f"127.0.0.1:{port}"
+        results = [await asyncio.to_thread(probe, address)]
+        await server.set_serving(True)
+        results.append(await asyncio.to_thread(probe, address))
+        await server.stop(0)
+        results.append(await asyncio.to_thread(probe, address))
+        return results
+
+    not_serving, serving, stopped = asyncio.run(scenario())
+    assert (not_serving.returncode, serving.returncode, stopped.returncode) == (1, 0, 1)
+    assert "NOT_SERVING" in not_serving.stdout and "SERVING" in serving.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "parity.healthcheck", "127.0.0.1:1", "--timeout_s", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bad.returncode == 2
