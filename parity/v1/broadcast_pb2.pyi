@@ -118,7 +118,7 @@ class VersionInfo(_message.Message):
     def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., state: _Optional[_Union[VersionState, str]] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., published_at_unix: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "weight_version", "state", "last_error", "last_heartbeat_unix", "updates_applied", "updates_failed")
+    __slots__ = ("worker_id", "address", "weight_version", "state", "last_error", "last_heartbeat_unix", "updates_applied", "updates_failed", "last_update_seconds", "last_paused_seconds", "last_attempted_version")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,9 @@ class WorkerInfo(_message.Message):
     LAST_HEARTBEAT_UNIX_FIELD_NUMBER: _ClassVar[int]
     UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     UPDATES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    LAST_UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_PAUSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ATTEMPTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     weight_version: int
@@ -135,7 +138,10 @@ class WorkerInfo(_message.Message):
     last_heartbeat_unix: float
     updates_applied: int
     updates_failed: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_error: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., updates_applied: _Optional[int] = ..., updates_failed: _Optional[int] = ...) -> None: ...
+    last_update_seconds: float
+    last_paused_seconds: float
+    last_attempted_version: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_error: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., updates_applied: _Optional[int] = ..., updates_failed: _Optional[int] = ..., last_update_seconds: _Optional[float] = ..., last_paused_seconds: _Optional[float] = ..., last_attempted_version: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "address", "weight_version")
