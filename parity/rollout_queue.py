@@ -200,7 +200,9 @@ class RolloutQueue:
     def rewind(self, floor: str) -> None:
         """Deliver every entry >= `floor` again (restart after a crash: replay since the checkpoint)."""
         self.redis.xgroup_setid(self.stream, self.group, previous_id(floor))
-        self._own_pending_cursor = MIN_ID
+        # Pending entries are all >= floor (the floor never passes the oldest pending entry), so
+        # `XREADGROUP >` delivers them again; reading the PEL as well would deliver them twice.
+        self._own_pending_cursor = None
         self._claim_cursor = MIN_ID
 
     def read(

@@ -1,0 +1,158 @@
+"""Assembling one training step's batch from the rollout queue: dedupe, staleness, validation.
+
+Invariants:
+- A rollout id is trained at most once in the lineage of the weights: `applied_ids` (restored with
+  the checkpoint) plus the ids already in the batch being built. An entry any of whose rollout ids
+  is known is a duplicate: it is skipped, counted, and acknowledged with the step.
+- An entry whose oldest token is more than `max_lag` versions behind the trainer is dropped whole,
+  counted (`dropped_stale`) and acknowledged with the step. So are malformed entries.
+- Nothing is acknowledged here: the caller acks `batch.all_entry_ids()` after the optimizer step.
+- The same entry delivered twice while the batch is built (XAUTOCLAIM can return this consumer's
+  own idle entries) is used once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from parity import tracing
+from parity.rollout_queue import QueueEntry, RolloutQueue
+from parity.v1 import rollouts_pb2
+from trainer.offpolicy import entry_lag
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    groups: list[rollouts_pb2.RolloutGroup] = field(default_factory=list)
+    entry_ids: list[str] = field(default_factory=list)
+    skipped_entry_ids: list[str] = field(default_factory=list)
+    dropped_stale: int = 0
+    duplicates: int = 0
+    malformed: int = 0
+    wait_s: float = 0.0
+
+    def all_entry_ids(self) -> list[str]:
+        return self.entry_ids + self.skipped_entry_ids
+
+    def rollout_ids(self) -> list[str]:
+        return [s.rollout_id for g in self.groups for s in g.samples]
+
+
+def validate_group(group: rollouts_pb2.RolloutGroup) -> str:
+    """'' when the group can be trained on, else what is wrong with it."""
+    if not group.group_id:
+        return "group_id is empty"
+    if not group.samples:
+        return "no samples"
+    if not group.prompt_token_ids:
+        return "prompt_token_ids is empty"
+    for sample in group.samples:
+        if not sample.rollout_id:
+            return "a sample has no rollout_id"
+        n = len(sample.token_ids)
+        if len(sample.logprobs) != n:
+            return f"{sample.rollout_id}: {len(sample.logprobs)} logprobs for {n} tokens"
+        if sample.token_weight_versions and len(sample.token_weight_versions) != n:
+            return f"{sample.rollout_id}: {len(sample.token_weight_versions)} versions for {n} tokens"
+    return ""
+
+
+def token_versions(group: rollouts_pb2.RolloutGroup, sample: rollouts_pb2.RolloutSample) -> list[int]:
+    """One version per token; an entry without per-token versions counts as its oldest version."""
+    if sample.token_weight_versions:
+        return list(sample.token_weight_versions)
+    return [int(group.min_weight_version)] * len(sample.token_ids)
+
+
+class RolloutConsumer:
+    """Builds batches of `groups_per_step` admitted groups."""
+
+    def __init__(
+        self,
+        queue: RolloutQueue,
+        consumer_name: str,
+        applied_ids: set[str],
+        claim_idle_ms: int = 30_000,
+        block_ms: int = 500,
+    ) -> None:
+        self.queue = queue
+        self.consumer_name = consumer_name
+        self.applied_ids = applied_ids
+        self.claim_idle_ms = claim_idle_ms
+        self.block_ms = block_ms
+
+    def collect(
+        self,
+        groups_per_step: int,
+        trainer_version: int,
+        max_lag: int,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> Batch | None:
+        """Block until the batch is full; None if `should_stop()` turns true first."""
+        import time
+
+        batch = Batch()
+        seen_entries: set[str] = set()
+        batch_ids: set[str] = set()
+        start = time.perf_counter()
+        while len(batch.groups) < groups_per_step:
+            if should_stop():
+                return None
+            entries = self.queue.read(
+                self.consumer_name,
+                count=groups_per_step - len(batch.groups),
+                block_ms=self.block_ms,
+                claim_idle_ms=self.claim_idle_ms,
+            )
+            for entry in entries:
+                if entry.entry_id in seen_entries:
+                    continue
+                seen_entries.add(entry.entry_id)
+                self._admit(entry, batch, batch_ids, trainer_version, max_lag)
+        batch.wait_s = time.perf_counter() - start
+        return batch
+
+    def _admit(
+        self, entry: QueueEntry, batch: Batch, batch_ids: set[str], trainer_version: int, max_lag: int
+    ) -> None:
+        group = entry.group
+        problem = entry.error or ("" if group is None else validate_group(group))
+        if group is None or problem:
+            log.warning("skipping malformed entry %s: %s", entry.entry_id, problem)
+            batch.malformed += 1
+            batch.skipped_entry_ids.append(entry.entry_id)
+            return
+        lag = entry_lag(trainer_version, group.min_weight_version)
+        with tracing.span(
+            "consume",
+            {
+                "parity.entry_id": entry.entry_id,
+                "parity.group_id": group.group_id,
+                "parity.weight_version": trainer_version,
+                "parity.min_weight_version": int(group.min_weight_version),
+                "parity.lag": lag,
+                "parity.delivery": entry.delivery,
+                "parity.tokens": sum(len(s.token_ids) for s in group.samples),
+            },
+            links_from=[entry.traceparent],
+            kind="consumer",
+        ) as span:
+            ids = [s.rollout_id for s in group.samples]
+            if any(i in self.applied_ids or i in batch_ids for i in ids):
+                batch.duplicates += 1
+                batch.skipped_entry_ids.append(entry.entry_id)
+                span.set_attribute("parity.outcome", "duplicate")
+                return
+            if lag > max_lag:
+                batch.dropped_stale += 1
+                batch.skipped_entry_ids.append(entry.entry_id)
+                span.set_attribute("parity.outcome", "dropped_stale")
+                return
+            batch_ids.update(ids)
+            batch.groups.append(group)
+            batch.entry_ids.append(entry.entry_id)
+            span.set_attribute("parity.outcome", "admitted")

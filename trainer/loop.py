@@ -1,0 +1,513 @@
+"""The training loop: consume -> score -> objective -> step -> ack -> metrics -> publish -> checkpoint.
+
+One iteration, and why in this order:
+
+    batch   = consumer.collect(groups_per_step)          # XREADGROUP/XAUTOCLAIM; dedupe; max_lag
+    loss    = Σ_microbatches objective(policy(batch))    # fp32 head, each rollout's transform
+    optimizer.step()                                     # the update is applied ...
+    queue.ack(batch entries)                             # ... and only then acknowledged
+    telemetry.record(metrics, trained rollout ids)
+    every publish_every steps: publish(version + 1)      # version += 1 only if it succeeded
+    every checkpoint_every steps / on request / at the end: checkpoint, then set replay floor
+
+Crash safety: a checkpoint holds the weights, optimizer, version, the rollout ids in those weights
+and the stream *replay floor* (every entry below it is reflected in them). On restart the group is
+rewound to the floor: entries acknowledged after the checkpoint are delivered again, and those
+already in the checkpoint are recognised by rollout id and skipped. Versions continue above the
+highest version ever published (checkpoint, local record, broadcast's latest); if that is above the
+checkpoint's version, the restored weights are re-published at once so that rollout workers stop
+sampling from weights the trainer no longer has.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from parity import tracing
+from parity.rollout_queue import RolloutQueue
+from parity.sampling import SamplingTransform
+from trainer import mismatch, objectives, offpolicy
+from trainer.checkpoint import CheckpointStore, TrainerState, atomic_write_text
+from trainer.config import TrainerConfig
+from trainer.consumer import Batch, RolloutConsumer, token_versions
+from trainer.policy import SequenceInput, load_model, token_logprobs
+from trainer.publisher import Publisher
+from trainer.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+PUBLISHED_VERSION_FILE = "published_version"
+
+
+@dataclass
+class ScoredSequence:
+    """One rollout prepared for the step."""
+
+    inputs: SequenceInput
+    rollout_logprobs: list[float]
+    versions: list[int]
+    advantage: float
+    trainable: bool
+
+
+class Trainer:
+    """Owns the model, optimizer, queue consumer, publisher and checkpoints of one run."""
+
+    def __init__(self, config: TrainerConfig) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.state = TrainerState()
+        self.last_metrics: dict[str, Any] = {}
+        self.stop_event = threading.Event()
+        self.checkpoint_requested = threading.Event()
+        self.lock = threading.Lock()
+        self.ready = False
+        self.finished = False
+        self._unpublished_steps = 0
+        self._snapshots: dict[int, dict[str, Any]] = {}
+
+    # ---- setup -----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        import torch
+
+        from parity import models
+
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        self.model_dir = models.resolve(cfg.model)
+        self.model = load_model(self.model_dir, cfg.dtype)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+        )
+        self.ref_model = self._frozen_copy() if cfg.kl_coef > 0 else None
+        self.old_model = self._frozen_copy() if cfg.old_logprobs == "recompute" else None
+        self.store = CheckpointStore(self.run_dir, keep=cfg.keep_checkpoints)
+        self.telemetry = Telemetry(self.run_dir)
+        restored = self.store.load(self.model, self.optimizer)
+        self.state = restored or TrainerState()
+        self.telemetry.resume(self.state.step)
+        self.applied_ids = set(self.state.applied_rollout_ids)
+        self.queue = RolloutQueue(cfg.redis_url, cfg.stream, cfg.consumer_group, cfg.stream_maxlen)
+        self.queue.rewind(self.state.replay_floor)
+        self.queue.set_replay_floor(self.state.replay_floor)
+        self.consumer = RolloutConsumer(
+            self.queue, cfg.consumer_name, self.applied_ids, cfg.claim_idle_ms, cfg.read_block_ms
+        )
+        self.publisher = Publisher(
+            cfg.broadcast_address,
+            cfg.model,
+            auth_token=cfg.auth_token,
+            bucket_bytes=cfg.bucket_bytes,
+            wait_committed_s=cfg.wait_committed_s,
+        )
+        published = max(
+            self.state.published_version, self._read_published_file(), self.publisher.latest_version()
+        )
+        self.state.published_version = published
+        log.info(
+            "trainer ready: step %d, version %d (highest published %d), floor %s, %d rollouts applied%s",
+            self.state.step,
+            self.state.weight_version,
+            published,
+            self.state.replay_floor,
+            len(self.applied_ids),
+            " (restored)" if restored else "",
+        )
+        if published > self.state.weight_version:
+            log.warning("resuming behind the published version %d: re-publishing restored weights", published)
+            self._publish()
+        self._snapshot_current()
+        self.ready = True
+
+    def _frozen_copy(self):
+        copy = load_model(self.model_dir, self.config.dtype)
+        copy.eval()
+        for param in copy.parameters():
+            param.requires_grad_(False)
+        return copy
+
+    def _read_published_file(self) -> int:
+        path = self.run_dir / PUBLISHED_VERSION_FILE
+        try:
+            return int(path.read_text().strip())
+        except (OSError, ValueError):
+            return 0
+
+    # ---- control (called from gRPC threads) ------------------------------------------------------
+    def request_stop(self) -> None:
+        self.stop_event.set()
+
+    def request_checkpoint(self) -> None:
+        self.checkpoint_requested.set()
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "step": self.state.step,
+                "weight_version": self.state.weight_version,
+                "last_metrics": dict(self.last_metrics),
+                "rollouts_trained_total": self.state.rollouts_trained_total,
+                "dropped_stale_total": self.state.dropped_stale_total,
+                "duplicates_skipped_total": self.state.duplicates_skipped_total,
+            }
+
+    # ---- main loop -------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Train until `steps` are done or a stop is requested; then publish + checkpoint."""
+        cfg = self.config
+        while self.state.step < cfg.steps and not self.stop_event.is_set():
+            batch = self.consumer.collect(
+                cfg.groups_per_step, self.state.weight_version, cfg.max_lag, self.stop_event.is_set
+            )
+            if batch is None:
+                break
+            self.train_step(batch)
+            if self.state.step % cfg.publish_every == 0:
+                self._publish()
+            due = cfg.checkpoint_every > 0 and self.state.step % cfg.checkpoint_every == 0
+            if due or self.checkpoint_requested.is_set():
+                self.checkpoint()
+        if self._unpublished_steps:
+            self._publish()
+        self.checkpoint()
+        self.finished = True
+
+    def train_step(self, batch: Batch) -> dict[str, Any]:
+        """One optimizer step on `batch`; acks its entries; records metrics."""
+        import torch
+
+        cfg = self.config
+        start = time.perf_counter()
+        version = self.state.weight_version
+        sequences, rewards, zero_groups = self._prepare(batch)
+        with tracing.span(
+            "train_step",
+            {
+                "parity.weight_version": version,
+                "parity.step": self.state.step + 1,
+                "parity.groups": len(batch.groups),
+                "parity.tokens": sum(len(s.rollout_logprobs) for s in sequences),
+            },
+        ) as span:
+            self.optimizer.zero_grad(set_to_none=True)
+            totals = self._micro_batches(sequences)
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.model.parameters() if p.requires_grad], cfg.grad_clip
+                )
+            )
+            if totals["trainable_tokens"] > 0 and torch.isfinite(torch.tensor(grad_norm)):
+                self.optimizer.step()
+                self._unpublished_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            self.queue.ack(batch.all_entry_ids())
+            step_time_s = time.perf_counter() - start
+            metrics = self._metrics(batch, sequences, rewards, zero_groups, totals, grad_norm, step_time_s)
+            span.set_attribute("parity.lag_mean", metrics["lag_mean"])
+            span.set_attribute("parity.mismatch_k3", metrics["mismatch_k3"])
+        trained_ids = batch.rollout_ids()
+        with self.lock:
+            self.state.step += 1
+            metrics["step"] = self.state.step
+            self.applied_ids.update(trained_ids)
+            self.state.rollouts_trained_total += len(trained_ids)
+            self.state.dropped_stale_total += batch.dropped_stale
+            self.state.duplicates_skipped_total += batch.duplicates
+            self.state.zero_variance_groups_total += zero_groups
+            self.state.malformed_total += batch.malformed
+            self.last_metrics = metrics
+        self.telemetry.record(
+            metrics,
+            trained_ids,
+            {
+                "rollouts_trained": len(trained_ids),
+                "dropped_stale": batch.dropped_stale,
+                "duplicates_skipped": batch.duplicates,
+            },
+        )
+        log.info(
+            "step %d v%d: reward %.3f, loss %.4f, k3(lag0) %.2e, lag %.2f, %d tok in %.2fs (%.0f tok/s)",
+            metrics["step"],
+            version,
+            metrics["reward_mean"],
+            metrics["loss"],
+            metrics["mismatch_k3"],
+            metrics["lag_mean"],
+            metrics["num_tokens"],
+            step_time_s,
+            metrics["tokens_per_s"],
+        )
+        return metrics
+
+    # ---- the step's pieces -----------------------------------------------------------------------
+    def _prepare(self, batch: Batch) -> tuple[list[ScoredSequence], list[float], int]:
+        import torch
+
+        cfg = self.config
+        sequences: list[ScoredSequence] = []
+        rewards: list[float] = []
+        zero_groups = 0
+        for group in batch.groups:
+            group_rewards = torch.tensor([[s.reward for s in group.samples]], dtype=torch.float64)
+            adv = objectives.group_advantages(group_rewards, normalise_std=cfg.objective != "ppo")
+            zero = bool(adv.zero_variance_G[0])
+            zero_groups += int(zero)
+            transform = SamplingTransform.from_proto(group.sampling)
+            prompt = tuple(int(t) for t in group.prompt_token_ids)
+            for sample, advantage in zip(group.samples, adv.values_GN[0].tolist(), strict=True):
+                rewards.append(float(sample.reward))
+                if not sample.token_ids:
+                    continue
+                sequences.append(
+                    ScoredSequence(
+                        inputs=SequenceInput(prompt, tuple(int(t) for t in sample.token_ids), transform),
+                        rollout_logprobs=list(sample.logprobs),
+                        versions=token_versions(group, sample),
+                        advantage=float(advantage),
+                        trainable=not zero or cfg.kl_coef > 0,
+                    )
+                )
+        return sequences, rewards, zero_groups
+
+    def _micro_batches(self, sequences: list[ScoredSequence]) -> dict[str, Any]:
+        """Forward/backward every trainable micro-batch, forward-only the rest; gather metric inputs."""
+        import torch
+
+        cfg = self.config
+        trainable = [s for s in sequences if s.trainable]
+        frozen = [s for s in sequences if not s.trainable]
+        total_tokens = sum(len(s.rollout_logprobs) for s in trainable)
+        totals: dict[str, Any] = {
+            "trainable_tokens": total_tokens,
+            "trainable_seqs": len(trainable),
+            "loss": 0.0,
+            "trainer_lp": [],
+            "rollout_lp": [],
+            "lags": [],
+            "entropy": [],
+            "clip": [],
+            "kl_new_old": [],
+            "is_w": [],
+            "is_corr": [],
+            "kl_ref": [],
+            "nonfinite": 0,
+        }
+        size = cfg.micro_batch_size
+        for chunk_start in range(0, len(trainable), size):
+            chunk = trainable[chunk_start : chunk_start + size]
+            loss = self._micro_batch_loss(chunk, totals, total_tokens, len(trainable))
+            if loss.requires_grad:
+                loss.backward()
+            totals["loss"] += float(loss.detach())
+        with torch.no_grad():
+            for chunk_start in range(0, len(frozen), size):
+                chunk = frozen[chunk_start : chunk_start + size]
+                new_T, entropy_T = token_logprobs(self.model, [s.inputs for s in chunk])
+                self._collect_metric_inputs(chunk, new_T, entropy_T, totals)
+        return totals
+
+    def _collect_metric_inputs(self, chunk, new_T, entropy_T, totals) -> None:
+        import torch
+
+        rollout_T = torch.tensor([lp for s in chunk for lp in s.rollout_logprobs], dtype=torch.float32)
+        totals["trainer_lp"].append(new_T.detach().float().cpu())
+        totals["rollout_lp"].append(rollout_T)
+        totals["entropy"].append(entropy_T.detach().cpu())
+        version = self.state.weight_version
+        totals["lags"].extend(lag for s in chunk for lag in offpolicy.token_lags(version, s.versions))
+
+    def _micro_batch_loss(
+        self, chunk: list[ScoredSequence], totals: dict, total_tokens: int, total_seqs: int
+    ):
+        import torch
+
+        cfg = self.config
+        new_T, entropy_T = token_logprobs(self.model, [s.inputs for s in chunk])
+        self._collect_metric_inputs(chunk, new_T, entropy_T, totals)
+        lengths = [len(s.rollout_logprobs) for s in chunk]
+        seq_index_T = torch.repeat_interleave(torch.arange(len(chunk)), torch.tensor(lengths))
+        seq_lengths_S = torch.tensor(lengths)
+        behaviour_T = totals["rollout_lp"][-1]
+        finite_T = torch.isfinite(new_T.detach())
+        totals["nonfinite"] += int((~finite_T).sum())
+        # A token the trainer's mask excludes (-inf) cannot be trained on; it gets zero loss.
+        new_safe_T = torch.where(finite_T, new_T, behaviour_T)
+        if self.old_model is not None:
+            old_T = self._recompute_old(chunk, behaviour_T)
+        elif cfg.is_correction != "none":
+            old_T = new_safe_T.detach()  # decoupled PPO: the proximal policy is the current one
+        else:
+            old_T = behaviour_T
+        weights_T, corrected_T = offpolicy.is_weights(
+            old_T, behaviour_T, seq_index_T, len(chunk), cfg.is_correction, cfg.is_level, cfg.is_cap
+        )
+        totals["is_w"].append(weights_T)
+        totals["is_corr"].append(corrected_T)
+        totals["kl_new_old"].append(objectives.kl_k3(new_safe_T.detach(), old_T).masked_fill(~finite_T, 0.0))
+        adv_S = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
+        eps_low, eps_high = cfg.clip_range()
+        if cfg.objective == "gspo":
+            loss_S, clip_S = objectives.gspo_sequence_loss(
+                new_safe_T, old_T, adv_S, seq_index_T, len(chunk), eps_low, eps_high
+            )
+            w_S = objectives.segment_mean(weights_T, seq_index_T, len(chunk))
+            loss = objectives.aggregate_sequences(
+                loss_S * w_S, seq_lengths_S, cfg.loss_agg, total_tokens, total_seqs
+            )
+            totals["clip"].append(clip_S)
+        else:
+            loss_T, clip_T = objectives.ppo_clip_token_loss(
+                new_safe_T, old_T, adv_S[seq_index_T], eps_low, eps_high
+            )
+            loss_T = torch.where(finite_T, loss_T * weights_T, torch.zeros_like(loss_T))
+            loss = objectives.aggregate(
+                loss_T, seq_index_T, seq_lengths_S, cfg.loss_agg, total_tokens, total_seqs
+            )
+            totals["clip"].append(clip_T)
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_T, _ = token_logprobs(self.ref_model, [s.inputs for s in chunk], with_entropy=False)
+            kl_T = torch.where(finite_T, objectives.kl_k3(new_safe_T, ref_T), torch.zeros_like(new_safe_T))
+            totals["kl_ref"].append(kl_T.detach())
+            loss = loss + cfg.kl_coef * objectives.aggregate(
+                kl_T, seq_index_T, seq_lengths_S, cfg.loss_agg, total_tokens, total_seqs
+            )
+        return loss
+
+    # ---- old-policy recompute (optional) ---------------------------------------------------------
+    def _snapshot_current(self) -> None:
+        if self.old_model is None:
+            return
+        self._snapshots[self.state.weight_version] = {
+            name: p.detach().clone() for name, p in self.model.named_parameters()
+        }
+        for old in sorted(self._snapshots)[: max(0, len(self._snapshots) - (self.config.max_lag + 1))]:
+            del self._snapshots[old]
+
+    def _recompute_old(self, chunk: list[ScoredSequence], behaviour_T):
+        """Trainer logprobs at each token's own version (behaviour logprobs where none is kept)."""
+        import torch
+
+        versions_T = torch.tensor([v for s in chunk for v in s.versions])
+        old_T = behaviour_T.clone()
+        params = dict(self.old_model.named_parameters())
+        with torch.no_grad():
+            for version in sorted(set(versions_T.tolist())):
+                snapshot = self._snapshots.get(version)
+                if snapshot is None:
+                    continue
+                for name, tensor in snapshot.items():
+                    params[name].copy_(tensor)
+                lp_T, _ = token_logprobs(self.old_model, [s.inputs for s in chunk], with_entropy=False)
+                use_T = versions_T == version
+                old_T[use_T] = lp_T[use_T]
+        return old_T
+
+    # ---- metrics ---------------------------------------------------------------------------------
+    def _metrics(
+        self, batch, sequences, rewards, zero_groups, totals, grad_norm, step_time_s
+    ) -> dict[str, Any]:
+        import torch
+
+        def cat(key: str):
+            return torch.cat(totals[key]) if totals[key] else torch.zeros(0)
+
+        trainer_T, rollout_T = cat("trainer_lp"), cat("rollout_lp")
+        lags_T = torch.tensor(totals["lags"], dtype=torch.long)
+        lag0_T = lags_T == 0
+        on_lag0 = mismatch.mismatch_metrics(trainer_T[lag0_T], rollout_T[lag0_T])
+        on_all = mismatch.mismatch_metrics(trainer_T, rollout_T)
+        rewards_t = torch.tensor(rewards, dtype=torch.float64)
+        num_tokens = int(trainer_T.numel())
+        is_w, is_corr, clip = cat("is_w"), cat("is_corr"), cat("clip")
+        entropy, kl_new_old, kl_ref = cat("entropy"), cat("kl_new_old"), cat("kl_ref")
+        metrics: dict[str, Any] = {
+            "step": self.state.step + 1,
+            "weight_version": self.state.weight_version,
+            "reward_mean": float(rewards_t.mean()) if rewards else 0.0,
+            "reward_std": float(rewards_t.std(unbiased=False)) if rewards else 0.0,
+            "clip_rate": float(clip.float().mean()) if clip.numel() else 0.0,
+            "kl_new_old": float(kl_new_old.mean()) if kl_new_old.numel() else 0.0,
+            "entropy": float(entropy.mean()) if entropy.numel() else 0.0,
+        }
+        for suffix, values in (("", on_lag0), ("_all", on_all)):
+            for key in ("k1", "k2", "k3", "max_abs", "ratio_p05", "ratio_p50", "ratio_p95"):
+                metrics[f"mismatch_{key}{suffix}"] = values[key]
+        metrics.update(
+            {
+                "ess": on_all["ess"],
+                "ess_lag0": on_lag0["ess"],
+                "lag_mean": float(lags_T.float().mean()) if lags_T.numel() else 0.0,
+                "lag_max": int(lags_T.max()) if lags_T.numel() else 0,
+                "lag_hist": offpolicy.lag_histogram(totals["lags"]),
+                "lag0_token_frac": float(lag0_T.float().mean()) if lags_T.numel() else 0.0,
+                "dropped_stale": batch.dropped_stale,
+                "dropped_stale_total": self.state.dropped_stale_total + batch.dropped_stale,
+                "duplicates_skipped": batch.duplicates,
+                "malformed": batch.malformed,
+                "zero_variance_groups": zero_groups,
+                "num_groups": len(batch.groups),
+                "num_sequences": len(sequences),
+                "num_tokens": num_tokens,
+                "trainable_tokens": totals["trainable_tokens"],
+                "trainer_nonfinite_tokens": totals["nonfinite"],
+                "loss": totals["loss"],
+                "grad_norm": grad_norm,
+                "lr": self.config.lr,
+                "is_weight_mean": float(is_w.mean()) if is_w.numel() else 1.0,
+                "is_corrected_frac": float(is_corr.mean()) if is_corr.numel() else 0.0,
+                "kl_ref": float(kl_ref.mean()) if kl_ref.numel() else 0.0,
+                "queue_wait_s": batch.wait_s,
+                "step_time_s": step_time_s,
+                "tokens_per_s": num_tokens / step_time_s if step_time_s > 0 else 0.0,
+            }
+        )
+        return metrics
+
+    # ---- publish / checkpoint --------------------------------------------------------------------
+    def _publish(self) -> None:
+        version = self.state.published_version + 1
+        result = self.publisher.publish(self.model, version)
+        atomic_write_text(self.run_dir / PUBLISHED_VERSION_FILE, str(version))
+        with self.lock:
+            self.state.published_version = version
+            self.state.weight_version = version
+            self.last_metrics["publish_s"] = result.seconds
+        self._unpublished_steps = 0
+        self.telemetry.set_gauge("weight_version", version)
+        self.telemetry.set_gauge("publish_s", result.seconds)
+        self._snapshot_current()
+
+    def checkpoint(self) -> Path:
+        """Save everything; then raise the stream's replay floor to what the checkpoint covers."""
+        self.checkpoint_requested.clear()
+        floor = self.queue.consumed_floor()
+        with self.lock:
+            self.state.replay_floor = floor
+            self.state.applied_rollout_ids = sorted(self.applied_ids)
+        path = self.store.save(self.model, self.optimizer, self.state)
+        self.queue.set_replay_floor(floor)
+        log.info(
+            "checkpoint %s (step %d, version %d, floor %s)",
+            path.name,
+            self.state.step,
+            self.state.weight_version,
+            floor,
+        )
+        return path
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.queue.close()

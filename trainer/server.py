@@ -1,0 +1,129 @@
+"""`parity serve trainer`: the trainer loop behind parity.v1.TrainerService.
+
+Lifecycle: parse flags (bad value -> exit 2 naming the field) -> bind gRPC (NOT_SERVING) -> load
+model, restore checkpoint, rewind the stream (in a worker thread) -> SERVING -> train `steps` steps
+-> final publish + checkpoint -> NOT_SERVING -> exit 0. SIGTERM/SIGINT and `Stop` finish the current
+step, publish, checkpoint and exit 0. A crash in the loop exits 1.
+
+RPCs: GetStatus (always answers); RequestCheckpoint and Stop change what is persisted, so they are
+protected by the shared token (UNAUTHENTICATED without it), answer UNAVAILABLE while the trainer is
+still loading, and FAILED_PRECONDITION once it has finished (RequestCheckpoint also while stopping).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from parity import tracing
+from parity.config import ConfigError, load_config
+from parity.metrics import serve_metrics
+from parity.server import GrpcServer, install_shutdown_handlers
+from parity.v1 import trainer_pb2, trainer_pb2_grpc
+from trainer.config import TrainerConfig
+
+log = logging.getLogger("parity.trainer")
+
+SERVICE_NAME = "parity.v1.TrainerService"
+PROTECTED_METHODS = (f"/{SERVICE_NAME}/RequestCheckpoint", f"/{SERVICE_NAME}/Stop")
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    def __init__(self, trainer, config: TrainerConfig) -> None:
+        self.trainer = trainer
+        self.config = config
+
+    async def GetStatus(self, request, context):
+        status = self.trainer.status()
+        metrics = {
+            k: float(v)
+            for k, v in status["last_metrics"].items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        return trainer_pb2.TrainerServiceGetStatusResponse(
+            weight_version=status["weight_version"],
+            step=status["step"],
+            last_metrics=metrics,
+            rollouts_trained_total=status["rollouts_trained_total"],
+            dropped_stale_total=status["dropped_stale_total"],
+            duplicates_skipped_total=status["duplicates_skipped_total"],
+            objective=self.config.objective,
+            run_dir=self.config.run_dir,
+            stopping=self.trainer.stop_event.is_set(),
+        )
+
+    async def _check_running(self, context, allow_stopping: bool) -> None:
+        if not self.trainer.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "trainer: still loading the model/checkpoint")
+        if self.trainer.finished:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "trainer: training has finished")
+        if not allow_stopping and self.trainer.stop_event.is_set():
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "trainer: stopping; a final checkpoint follows"
+            )
+
+    async def RequestCheckpoint(self, request, context):
+        await self._check_running(context, allow_stopping=False)
+        self.trainer.request_checkpoint()
+        return trainer_pb2.RequestCheckpointResponse(step=self.trainer.state.step + 1)
+
+    async def Stop(self, request, context):
+        await self._check_running(context, allow_stopping=True)
+        self.trainer.request_stop()
+        return trainer_pb2.StopResponse(step=self.trainer.state.step)
+
+
+async def serve(config: TrainerConfig) -> int:
+    from trainer.loop import Trainer
+
+    tracing.init("parity-trainer")
+    trainer = Trainer(config)
+    server = GrpcServer(config, [SERVICE_NAME], protected_methods=PROTECTED_METHODS)
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(trainer, config), server.server)
+    await server.start()
+    metrics_port = serve_metrics(config.metrics_port, config.host)
+    if metrics_port > 0:
+        log.info("metrics on %s:%d/metrics", config.host, metrics_port)
+
+    async def on_shutdown() -> None:
+        log.info("shutdown requested: finishing the current step")
+        trainer.request_stop()
+
+    install_shutdown_handlers(on_shutdown)
+    loop = asyncio.get_running_loop()
+    rc = 0
+    try:
+        await loop.run_in_executor(None, trainer.setup)
+        await server.set_serving(True)
+        await loop.run_in_executor(None, trainer.run)
+        log.info("done: step %d, version %d", trainer.state.step, trainer.state.weight_version)
+    except Exception:
+        log.exception("trainer failed")
+        rc = 1
+    finally:
+        await server.stop(2.0)
+        try:
+            trainer.close()
+        except Exception:  # already failing or never set up
+            log.debug("close failed", exc_info=True)
+    return rc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = load_config(TrainerConfig, list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
