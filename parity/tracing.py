@@ -222,3 +222,13 @@ def client_interceptors() -> list[Any]:
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
     return list(aio_client_interceptors(tracer_provider=_provider, filter_=_not_health))
+
+
+def instrument_channel(chan: Any) -> Any:
+    """Wrap a synchronous `grpc.Channel` so its calls are traced; the channel itself when off."""
+    if not _enabled:
+        return chan
+    from opentelemetry.instrumentation.grpc import client_interceptor
+    from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
+
+    return intercept_channel(chan, client_interceptor(tracer_provider=_provider, filter_=_not_health))

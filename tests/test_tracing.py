@@ -179,3 +179,41 @@ def test_grpc_calls_carry_context_from_client_to_server(exporter: InMemorySpanEx
     assert handler.parent.span_id == server.context.span_id
     assert handler.attributes[tracing.ATTR_WEIGHT_VERSION] == 7
     assert server.resource.attributes["service.name"] == "parity-test"
+
+
+def test_sync_channels_are_instrumented_when_on(exporter: InMemorySpanExporter) -> None:
+    """`instrument_channel` traces a synchronous client (the trainer's publisher uses one)."""
+    import grpc
+
+    async def serve_and_call() -> str:
+        server = GrpcServer(
+            ServiceConfig(), [rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name]
+        )
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(_VersionedRollout(), server.server)
+        port = await server.start()
+
+        def call() -> str:
+            with tracing.instrument_channel(grpc.insecure_channel(f"127.0.0.1:{port}")) as chan:
+                stub = rollout_pb2_grpc.RolloutServiceStub(chan)
+                with tracing.span("publish_version", {tracing.ATTR_WEIGHT_VERSION: 2}):
+                    return stub.Generate(rollout_pb2.GenerateRequest(request_id="s1")).request_id
+
+        try:
+            return await asyncio.to_thread(call)
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(serve_and_call()) == "s1"
+    spans = exporter.get_finished_spans()
+    (outer,) = [s for s in spans if s.name == "publish_version"]
+    rpc = [s for s in spans if s.name == "/parity.v1.RolloutService/Generate"]
+    client = next(s for s in rpc if s.kind == trace.SpanKind.CLIENT)
+    server = next(s for s in rpc if s.kind == trace.SpanKind.SERVER)
+    assert client.parent.span_id == outer.context.span_id
+    assert server.parent.span_id == client.context.span_id
+
+
+def test_instrument_channel_is_identity_when_off() -> None:
+    tracing.shutdown()
+    sentinel = object()
+    assert tracing.instrument_channel(sentinel) is sentinel
