@@ -1,0 +1,212 @@
+"""The actor loop: pull prompts from a task, generate GRPO groups, score them, publish to Redis.
+
+Runs inside the rollout service process (`parity serve rollout --actor true`, or `parity actor`,
+which is the same thing) and calls the engine directly, so rollouts and RPC clients share one
+engine batch.
+
+Invariants:
+  - One Redis entry per group (`RolloutQueue.publish`): protobuf bytes with group/rollout ids
+    (`rollout_id = f"{group_id}/{index}"`), per-token versions, min/max versions, the sampling
+    params used (for the trainer's replay), rewards, logprobs mode, and the `traceparent` of the
+    `publish` span.
+  - async mode: never start a new group while `backlog() >= max_lag * groups_per_step`; the time
+    spent waiting is counted (`parity_rollout_backpressure_wait_seconds_total`).
+  - sync mode: generate `groups_per_step` groups at the serving version, publish them, then wait
+    until the serving version increases (generate -> train -> update).
+  - Nothing is generated while the service is not caught up with the broadcast service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+
+from parity import tracing
+from parity.v1 import common_pb2, rollouts_pb2
+from rollout import metrics
+from rollout.engine import GenerationSpec
+from rollout.server import FINISH_REASONS
+from rollout.tasks import Prompt, get_task
+
+log = logging.getLogger("parity.rollout.actor")
+POLL_S = 0.2
+
+
+class Actor:
+    def __init__(self, config, servicer) -> None:
+        self.config = config
+        self.servicer = servicer
+        self.engine = servicer.engine
+        self.task = get_task(config.task, seed=config.seed)
+        self.worker_id = config.worker_id or f"rollout-{uuid.uuid4().hex[:6]}"
+        self._prompts = self.task.train_prompts()
+        self._run_id = uuid.uuid4().hex[:8]
+        self._counter = itertools.count()
+        self.groups_published = 0
+        self.backpressure_wait_s = 0.0
+        self.queue = None
+
+    def sampling(self) -> common_pb2.SamplingParams:
+        c = self.config
+        return common_pb2.SamplingParams(
+            temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_tokens, n=c.group_size
+        )
+
+    async def _ready(self) -> None:
+        while not self.servicer.caught_up or self.servicer.shutting_down:
+            await asyncio.sleep(POLL_S)
+
+    async def _backlog(self) -> int:
+        depth = await asyncio.to_thread(self.queue.backlog)
+        metrics.QUEUE_DEPTH.set(depth)
+        return depth
+
+    async def _wait_for_trainer(self) -> None:
+        limit = self.config.max_lag * self.config.groups_per_step
+        start = None
+        while await self._backlog() >= limit:
+            start = start or time.monotonic()
+            await asyncio.sleep(POLL_S)
+        if start is not None:
+            waited = time.monotonic() - start
+            self.backpressure_wait_s += waited
+            metrics.BACKPRESSURE_SECONDS.inc(waited)
+
+    def _next_prompt(self) -> Prompt:
+        return next(self._prompts)
+
+    async def one_group(self, prompt: Prompt) -> rollouts_pb2.RolloutGroup:
+        sampling = self.sampling()
+        group_id = f"{self.worker_id}-{self._run_id}-{next(self._counter)}"
+        ids = self.engine.encode(prompt.text, use_chat_template=True)
+        spec = GenerationSpec(
+            request_id=group_id,
+            prompt_token_ids=ids,
+            n=self.config.group_size,
+            max_tokens=self.config.max_tokens,
+            temperature=self.config.temperature,
+            top_k=self.config.top_k,
+            top_p=self.config.top_p,
+        )
+        results = sorted([r async for r in self.servicer.run_group(spec)], key=lambda r: r.index)
+        with tracing.span("score", {"parity.group_id": group_id, "task": self.task.name}):
+            rewards = [float(self.task.reward(prompt, r.text)) for r in results]
+        versions = [v for r in results for v in r.token_weight_versions] or [self.engine.weight_version]
+        return rollouts_pb2.RolloutGroup(
+            group_id=group_id,
+            task=self.task.name,
+            prompt_id=prompt.prompt_id,
+            prompt_token_ids=ids,
+            prompt_text=prompt.text,
+            sampling=sampling,
+            samples=[
+                rollouts_pb2.RolloutSample(
+                    rollout_id=f"{group_id}/{r.index}",
+                    token_ids=r.token_ids,
+                    logprobs=r.logprobs,
+                    token_weight_versions=r.token_weight_versions,
+                    text=r.text,
+                    reward=reward,
+                    finish_reason=FINISH_REASONS[r.finish_reason],
+                )
+                for r, reward in zip(results, rewards, strict=True)
+            ],
+            min_weight_version=min(versions),
+            max_weight_version=max(versions),
+            worker_id=self.worker_id,
+            created_at_unix=time.time(),
+            logprobs_mode=common_pb2.LOGPROBS_MODE_PROCESSED
+            if self.config.logprobs_mode == "processed"
+            else common_pb2.LOGPROBS_MODE_RAW,
+        )
+
+    async def publish(self, group: rollouts_pb2.RolloutGroup) -> str:
+        attrs = {
+            "parity.group_id": group.group_id,
+            "parity.weight_version": group.max_weight_version,
+            "completion_tokens": sum(len(s.token_ids) for s in group.samples),
+        }
+        with tracing.span("publish", attrs, kind="producer"):
+            traceparent = tracing.current_traceparent()
+            entry_id = await asyncio.to_thread(self.queue.publish, group, traceparent)
+        self.groups_published += 1
+        return entry_id
+
+    def _done(self) -> bool:
+        return bool(self.config.max_groups) and self.groups_published >= self.config.max_groups
+
+    async def _async_worker(self) -> None:
+        while not self._done() and not self.servicer.shutting_down:
+            await self._ready()
+            await self._wait_for_trainer()
+            group = await self.one_group(self._next_prompt())
+            if self._done():
+                return
+            await self.publish(group)
+
+    async def _sync_loop(self) -> None:
+        limit = asyncio.Semaphore(self.config.concurrency)
+
+        async def bounded(prompt: Prompt) -> rollouts_pb2.RolloutGroup:
+            async with limit:
+                return await self.one_group(prompt)
+
+        while not self._done() and not self.servicer.shutting_down:
+            await self._ready()
+            version = self.engine.weight_version
+            prompts = [self._next_prompt() for _ in range(self.config.groups_per_step)]
+            groups = await asyncio.gather(*(bounded(p) for p in prompts))
+            for group in groups:
+                await self.publish(group)
+            log.info(
+                "sync step at v%d: published %d groups; waiting for v%d", version, len(groups), version + 1
+            )
+            start = time.monotonic()
+            while (
+                self.engine.weight_version <= version and not self.servicer.shutting_down and not self._done()
+            ):
+                await asyncio.sleep(POLL_S)
+            waited = time.monotonic() - start
+            self.backpressure_wait_s += waited
+            metrics.BACKPRESSURE_SECONDS.inc(waited)
+
+    async def run(self) -> None:
+        from parity.rollout_queue import RolloutQueue
+
+        self.queue = RolloutQueue(self.config.redis_url, stream=self.config.stream)
+        log.info(
+            "actor: task=%s mode=%s group_size=%d max_lag=%d groups_per_step=%d concurrency=%d",
+            self.task.name,
+            self.config.actor_mode,
+            self.config.group_size,
+            self.config.max_lag,
+            self.config.groups_per_step,
+            self.config.concurrency,
+        )
+        try:
+            if self.config.actor_mode == "sync":
+                await self._sync_loop()
+            else:
+                await asyncio.gather(*(self._async_worker() for _ in range(self.config.concurrency)))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("actor loop failed")
+            raise
+        finally:
+            log.info(
+                "actor stopped after %d groups (backpressure wait %.1fs)",
+                self.groups_published,
+                self.backpressure_wait_s,
+            )
+
+
+def main(argv: Sequence[str]) -> int:
+    """`parity actor FLAGS`: the rollout service with its actor loop on (same flags)."""
+    from rollout.server import main as serve_main
+
+    return serve_main(["--actor", "true", *argv])

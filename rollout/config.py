@@ -1,0 +1,132 @@
+"""Typed configuration of the rollout service and its actor loop (`PARITY_ROLLOUT_*`).
+
+Defaults are the correctness defaults: processed logprobs, an fp32 head, prefix caching off, async
+scheduling off, `generation_config="vllm"`, the prefix cache reset at every weight update. Every one
+of them can be changed, and every one is reported by `GetStatus` and logged at startup, so that a
+run that departs from them says so.
+
+Rollout dtype defaults to float32: on CPU there is no bf16 speed-up worth the mismatch (the CPU
+kernels for bf16 matmul are not faster than fp32 on the machines we run on, and fp32 rollouts give
+a k3-KL of ~1e-10 against the trainer instead of ~5e-4). On GPU choose bfloat16 with the fp32 head.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from parity.config import ServiceConfig
+
+EngineName = Literal["vllm", "reference"]
+DtypeName = Literal["float32", "bfloat16"]
+LogprobsModeName = Literal["processed", "raw"]
+HeadDtypeName = Literal["float32", "model"]
+GenerationConfigName = Literal["vllm", "auto"]
+UpdateModeName = Literal["keep", "recompute"]
+ActorModeName = Literal["async", "sync"]
+
+
+class RolloutConfig(ServiceConfig):
+    """Rollout service flags: `parity serve rollout --field value`."""
+
+    model_config = SettingsConfigDict(
+        **{**ServiceConfig.model_config, "env_prefix": "PARITY_ROLLOUT_", "cli_implicit_flags": False}
+    )
+
+    # Engine and parity-relevant settings.
+    model: str = Field("tiny", description="Model name (tiny, smollm2-135m) or an HF model directory.")
+    engine: EngineName = Field("vllm", description="vllm (AsyncLLM, fast) or reference (HF, exact, slow).")
+    dtype: DtypeName = Field(
+        "float32",
+        description="Rollout weights/activations dtype. float32 by default: on CPU bf16 is not faster "
+        "and costs ~5e-4 k3-KL of train-inference mismatch.",
+    )
+    logprobs_mode: LogprobsModeName = Field(
+        "processed", description="processed: after temperature/top-k/top-p (what was sampled); raw: logits."
+    )
+    head_dtype: HeadDtypeName = Field(
+        "float32", description="lm_head/logits dtype: float32 (hf_overrides head_dtype) or the model dtype."
+    )
+    prefix_caching: bool = Field(False, description="vLLM automatic prefix caching.")
+    reset_prefix_cache_on_update: bool = Field(
+        True, description="Reset the prefix cache at every weight update (guard against stale KV)."
+    )
+    async_scheduling: bool = Field(False, description="vLLM async scheduling (forced off on CPU by vLLM).")
+    generation_config: GenerationConfigName = Field(
+        "vllm", description="vllm: ignore the model's generation_config.json defaults; auto: use them."
+    )
+    update_mode: UpdateModeName = Field(
+        "keep", description="keep: running sequences continue under new weights; recompute: KV recomputed."
+    )
+    max_model_len: int = Field(512, gt=0, description="Context length (prompt + completion) in tokens.")
+    max_n: int = Field(16, gt=0, description="Largest allowed group size n per request.")
+    max_tokens_limit: int = Field(
+        0, ge=0, description="Largest allowed max_tokens; 0 means max_model_len - 1."
+    )
+    seed: int = Field(0, ge=0, description="Engine seed (vLLM) / default generator seed (reference).")
+    kv_cache_gib: float = Field(
+        1.0, gt=0, description="KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    enforce_eager: bool = Field(True, description="Skip graph capture/compilation (fast startup on CPU).")
+    max_num_seqs: int = Field(64, gt=0, description="Most sequences the engine batches at once.")
+
+    # Weight updates and membership.
+    broadcast_address: str = Field("", description="HOST:PORT of the weight-broadcast service; empty = none.")
+    worker_id: str = Field("", description="Id registered with the broadcast service; default host:port.")
+    heartbeat_interval_s: float = Field(
+        2.0, gt=0, description="Seconds between heartbeats (if the broadcast service does not say)."
+    )
+    enable_fault_injection: bool = Field(
+        False, description="Allow UpdateWeightsRequest.fault_corrupt_tensor (tests only)."
+    )
+    shutdown_grace_s: float = Field(5.0, ge=0, description="Seconds in-flight RPCs get at shutdown.")
+
+    # Actor loop (runs inside the service process when --actor true).
+    actor: bool = Field(False, description="Run the actor loop (generate, score, publish) in this process.")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for the rollout stream.")
+    stream: str = Field("parity:rollouts", description="Redis stream name for rollout groups.")
+    task: str = Field("arithmetic", description="Task the actor pulls prompts from.")
+    group_size: int = Field(4, gt=0, description="Completions per prompt (GRPO group size n).")
+    temperature: float = Field(1.0, ge=0, description="Actor sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Actor nucleus mass.")
+    top_k: int = Field(0, ge=0, description="Actor top-k (0 disables).")
+    max_tokens: int = Field(32, gt=0, description="Actor max completion tokens.")
+    max_lag: int = Field(
+        2, ge=0, description="Async actor: pause while backlog >= max_lag * groups_per_step."
+    )
+    groups_per_step: int = Field(8, gt=0, description="Groups the trainer consumes per optimizer step.")
+    actor_mode: ActorModeName = Field(
+        "async", description="async: generate continuously with backpressure; sync: one step per version."
+    )
+    concurrency: int = Field(4, gt=0, description="Groups the actor generates concurrently.")
+    max_groups: int = Field(0, ge=0, description="Stop the actor after this many groups (0 = no limit).")
+
+    @model_validator(mode="after")
+    def _limits(self) -> RolloutConfig:
+        if self.max_tokens_limit >= self.max_model_len:
+            raise ValueError(f"max_tokens_limit: must be < max_model_len={self.max_model_len}")
+        if self.engine == "reference" and self.prefix_caching:
+            raise ValueError("prefix_caching: the reference engine has no prefix cache")
+        return self
+
+    @property
+    def effective_max_tokens(self) -> int:
+        return self.max_tokens_limit or self.max_model_len - 1
+
+    def parity_settings(self) -> dict[str, object]:
+        """The settings that decide train-inference parity, for the startup log."""
+        return {
+            "engine": self.engine,
+            "model": self.model,
+            "model_dtype": self.dtype,
+            "head_dtype": "float32" if self.head_dtype == "float32" else self.dtype,
+            "logprobs_mode": self.logprobs_mode,
+            "prefix_caching": self.prefix_caching,
+            "reset_prefix_cache_on_update": self.reset_prefix_cache_on_update,
+            "async_scheduling": self.async_scheduling,
+            "generation_config": self.generation_config,
+            "update_mode": self.update_mode,
+            "max_model_len": self.max_model_len,
+        }

@@ -1,0 +1,113 @@
+"""The rollout engine interface, shared by the vLLM engine and the exact HF reference engine.
+
+Invariants every engine keeps:
+  - A completion's `logprobs[i]` is the log-probability of `token_ids[i]` under the distribution the
+    engine sampled it from (processed mode) or under the plain softmax of the logits (raw mode).
+  - `token_weight_versions[i]` is the weight version whose forward pass produced token i. Versions
+    change only while generation is paused, so a completion's versions are non-decreasing.
+  - `update_weights` swaps weights only after every tensor's checksum matched the plan; on any
+    failure the old weights keep serving and the version does not change.
+  - After an applied update no request is scored against prefix-cache KV computed by older weights
+    (the prefix cache is reset, unless `reset_prefix_cache_on_update` is off for fault tests).
+
+The update protocol, as the service drives it:
+
+    staged = receive(plan)            # join the broadcast group, recv buckets into staging tensors
+    verify(staged, plan.tensors)      # checksums; a mismatch -> FAILED, nothing swapped
+    pause(mode)                       # keep: running sequences frozen; recompute: their KV dropped
+    load(staged); reset_prefix_cache(); set_version(plan.version)
+    resume()                          # tokens sampled from here on carry plan.version
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+FinishReasonName = Literal["stop", "length", "abort"]
+UpdateOutcomeName = Literal["applied", "failed", "already_current"]
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """A validated generation request: one prompt, n completions (a GRPO group)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    n: int
+    max_tokens: int
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class CompletionResult:
+    """One finished completion of a group."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    token_weight_versions: list[int]
+    text: str
+    finish_reason: FinishReasonName
+
+
+@dataclass
+class UpdateResult:
+    outcome: UpdateOutcomeName
+    weight_version: int
+    error: str = ""
+    checksums: list[int] = field(default_factory=list)
+    transfer_s: float = 0.0
+    verify_s: float = 0.0
+    swap_s: float = 0.0
+    paused_s: float = 0.0
+
+
+class RolloutEngine(Protocol):
+    """What the gRPC service and the actor need from an engine."""
+
+    name: str
+    weight_version: int
+    max_model_len: int
+    vocab_size: int
+
+    async def start(self) -> None:
+        """Load the model (version 0) and get ready to generate."""
+
+    def encode(self, text: str, use_chat_template: bool) -> list[int]:
+        """Prompt text -> token ids (optionally through the tokenizer's chat template)."""
+
+    def generate(self, spec: GenerationSpec) -> AsyncIterator[CompletionResult]:
+        """Yield each completion of the group as soon as it finishes (in finishing order)."""
+
+    async def pause(self, mode: Literal["keep", "recompute"]) -> None:
+        """Stop scheduling new tokens; running sequences are kept (or their KV dropped)."""
+
+    async def resume(self) -> None: ...
+
+    async def update_weights(
+        self, plan, mode: Literal["keep", "recompute"], fault_corrupt_tensor: str = ""
+    ) -> UpdateResult:
+        """Receive, verify and swap in `plan` (a parity.v1.TransferPlan); see the module docstring."""
+
+    def num_running(self) -> int: ...
+
+    async def shutdown(self) -> None: ...
+
+
+def plan_to_bytes(plan) -> bytes:
+    """TransferPlan -> bytes: plain data that vLLM's collective_rpc can carry to its workers."""
+    return plan.SerializeToString()
+
+
+def plan_from_bytes(data: bytes):
+    from parity.v1 import common_pb2
+
+    plan = common_pb2.TransferPlan()
+    plan.ParseFromString(data)
+    return plan

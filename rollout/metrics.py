@@ -1,0 +1,48 @@
+"""Prometheus metrics of the rollout service and its actor (exposed by parity.metrics.serve_metrics).
+
+Counters only go up; `parity_rollout_tokens_per_second` is the generated-token rate over the last
+`RATE_WINDOW_S` seconds, refreshed by `TokenRate.tick()` once a second.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from prometheus_client import Counter, Gauge
+
+RATE_WINDOW_S = 10.0
+
+TOKENS_TOTAL = Counter("parity_rollout_tokens", "Generated completion tokens.")
+TOKENS_PER_SECOND = Gauge(
+    "parity_rollout_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW_S:.0f} s."
+)
+QUEUE_DEPTH = Gauge("parity_rollout_queue_depth", "Rollout groups in Redis not yet consumed by the trainer.")
+PAUSE_SECONDS = Counter("parity_rollout_pause_seconds", "Seconds generation was paused for weight updates.")
+WEIGHT_VERSION = Gauge("parity_rollout_weight_version", "Weight version this service serves.")
+BACKPRESSURE_SECONDS = Counter(
+    "parity_rollout_backpressure_wait_seconds", "Seconds the actor waited for the trainer (max_lag)."
+)
+UPDATES = Counter("parity_rollout_weight_updates", "Weight updates by outcome.", ["outcome"])
+
+
+class TokenRate:
+    """Sliding-window tokens/s from the running token total."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, num_tokens: int) -> None:
+        self.total += num_tokens
+        TOKENS_TOTAL.inc(num_tokens)
+
+    def tick(self) -> float:
+        now = time.monotonic()
+        self._samples.append((now, self.total))
+        while self._samples and now - self._samples[0][0] > RATE_WINDOW_S:
+            self._samples.popleft()
+        first_t, first_total = self._samples[0]
+        rate = (self.total - first_total) / (now - first_t) if now > first_t else 0.0
+        TOKENS_PER_SECOND.set(rate)
+        return rate

@@ -1,0 +1,225 @@
+"""The reference rollout engine: HF transformers with exactly the trainer's numerics. Slow, exact.
+
+It is the baseline A/B runs compare vLLM against. Every token is sampled from
+`parity.sampling.processed_logprobs(logits, transform)` (temperature -> top-k -> top-p,
+renormalised, float32), the same function the trainer replays, so processed logprobs here are by
+construction the trainer's. Logits come from the lm_head in float32 when `head_dtype=float32`.
+
+Invariants:
+  - One forward step at a time holds the model lock; a weight update takes the same lock, so a
+    step sees either the old or the new weights, never a mix, and records the version it saw.
+  - keep mode: a running group continues with its cached KV under the new weights (as vLLM does).
+    recompute mode: a running group re-runs prefill over prompt + generated tokens after the swap.
+  - The n completions of a group are one batch [n, L]; requests are not batched with each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Literal
+
+from parity.sampling import SamplingTransform, processed_logprobs
+from rollout.config import RolloutConfig
+from rollout.engine import CompletionResult, GenerationSpec, UpdateResult
+from rollout.vllm_engine import encode_prompt
+from rollout.weight_receiver import receive_and_verify
+
+log = logging.getLogger(__name__)
+
+
+class ReferenceEngine:
+    """`RolloutEngine` on HF transformers + parity.sampling."""
+
+    name = "reference"
+
+    def __init__(self, config: RolloutConfig, model_dir: Path) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.weight_version = 0
+        self.max_model_len = config.max_model_len
+        self.vocab_size = 0
+        self.model = None
+        self.tokenizer = None
+        self._model_lock = threading.Lock()
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+        self._recompute_epoch = 0
+        self._running = 0
+        self._update_lock = asyncio.Lock()
+        self._eos_ids: set[int] = set()
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        dtype = torch.float32 if self.config.dtype == "float32" else torch.bfloat16
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval()
+        self.vocab_size = int(self.model.config.vocab_size)
+        eos = self.model.config.eos_token_id
+        self._eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            self._eos_ids.add(int(self.tokenizer.eos_token_id))
+        torch.manual_seed(self.config.seed)
+
+    def encode(self, text: str, use_chat_template: bool) -> list[int]:
+        return encode_prompt(self.tokenizer, text, use_chat_template)
+
+    def _logits(self, input_ids, cache):
+        """Last-position logits [n, V] in the head dtype, and the updated KV cache."""
+        import torch
+
+        with torch.no_grad():
+            out = self.model.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            hidden_nd = out.last_hidden_state[:, -1, :]
+            weight = self.model.lm_head.weight
+            if self.config.head_dtype == "float32":
+                logits = torch.nn.functional.linear(hidden_nd.float(), weight.float())
+            else:
+                logits = self.model.lm_head(hidden_nd)
+        return logits, out.past_key_values
+
+    def _generate_sync(self, spec: GenerationSpec, emit) -> None:
+        import torch
+
+        transform = SamplingTransform(spec.temperature, spec.top_k, spec.top_p)
+        generator = torch.Generator()
+        generator.manual_seed(spec.seed if spec.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        n = spec.n
+        prompt = torch.tensor([spec.prompt_token_ids] * n, dtype=torch.long)
+        generated: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        versions: list[list[int]] = [[] for _ in range(n)]
+        finished: list[str | None] = [None] * n
+        sampled: list[torch.Tensor] = []
+        cache = None
+        epoch = -1
+        next_input = prompt
+        for _ in range(spec.max_tokens):
+            self._unpaused.wait()
+            with self._model_lock:
+                if epoch != self._recompute_epoch and cache is not None:
+                    cache = None  # recompute mode: re-run prefill under the new weights
+                    next_input = torch.cat([prompt, torch.stack(sampled, dim=1)], dim=1)
+                epoch = self._recompute_epoch
+                version = self.weight_version
+                logits_nv, cache = self._logits(next_input, cache)
+            if self.config.logprobs_mode == "processed":
+                logprobs_nv = processed_logprobs(logits_nv, transform)
+            else:
+                logprobs_nv = logits_nv.float().log_softmax(dim=-1)
+            sampling_nv = processed_logprobs(logits_nv, transform)
+            if transform.greedy:
+                tokens_n = sampling_nv.argmax(dim=-1)
+            else:
+                tokens_n = torch.multinomial(sampling_nv.exp(), 1, generator=generator).squeeze(-1)
+            chosen_n = logprobs_nv.gather(-1, tokens_n.unsqueeze(-1)).squeeze(-1)
+            for i in range(n):
+                if finished[i] is not None:
+                    continue
+                tok = int(tokens_n[i])
+                generated[i].append(tok)
+                logprobs[i].append(float(chosen_n[i]))
+                versions[i].append(version)
+                text = self.tokenizer.decode(generated[i], skip_special_tokens=True)
+                if tok in self._eos_ids or any(s and s in text for s in spec.stop):
+                    finished[i] = "stop"
+                elif len(generated[i]) >= spec.max_tokens:
+                    finished[i] = "length"
+                if finished[i] is not None:
+                    emit(CompletionResult(i, generated[i], logprobs[i], versions[i], text, finished[i]))
+            if all(f is not None for f in finished):
+                return
+            # Finished rows keep sampling so the batch stays rectangular; those tokens are discarded.
+            sampled.append(tokens_n)
+            next_input = tokens_n.unsqueeze(-1)
+
+    async def generate(self, spec: GenerationSpec) -> AsyncIterator[CompletionResult]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(result: CompletionResult) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, result)
+
+        def run() -> None:
+            try:
+                self._generate_sync(spec, emit)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        self._running += 1
+        try:
+            worker = loop.run_in_executor(None, run)
+            while True:
+                item = await queue.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+            await worker
+        finally:
+            self._running -= 1
+
+    async def pause(self, mode: Literal["keep", "recompute"]) -> None:
+        self._unpaused.clear()
+        await asyncio.to_thread(self._model_lock.acquire)  # wait for the running step
+        try:
+            if mode == "recompute":
+                self._recompute_epoch += 1
+        finally:
+            self._model_lock.release()
+
+    async def resume(self) -> None:
+        self._unpaused.set()
+
+    async def update_weights(
+        self, plan, mode: Literal["keep", "recompute"], fault_corrupt_tensor: str = ""
+    ) -> UpdateResult:
+        async with self._update_lock:
+            staged = await asyncio.to_thread(receive_and_verify, plan, "cpu", fault_corrupt_tensor)
+            result = UpdateResult(
+                outcome="failed",
+                weight_version=self.weight_version,
+                error=staged.error,
+                checksums=staged.checksums,
+                transfer_s=staged.transfer_s,
+                verify_s=staged.verify_s,
+            )
+            if staged.error:
+                return result
+            params = self.model.state_dict()
+            for name, tensor in staged.named():
+                if name not in params or tuple(params[name].shape) != tuple(tensor.shape):
+                    result.error = f"tensor {name!r} does not match the model's parameters"
+                    return result
+            paused_at = time.perf_counter()
+            await self.pause(mode)
+            try:
+                start = time.perf_counter()
+                with self._model_lock:
+                    self.model.load_state_dict(dict(staged.named()), strict=False)
+                    self.weight_version = int(plan.version)
+                result.swap_s = time.perf_counter() - start
+                result.outcome = "applied"
+                result.weight_version = self.weight_version
+            finally:
+                await self.resume()
+                result.paused_s = time.perf_counter() - paused_at
+            return result
+
+    def num_running(self) -> int:
+        return self._running
+
+    async def shutdown(self) -> None:
+        self._unpaused.set()

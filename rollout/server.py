@@ -1,0 +1,403 @@
+"""`parity serve rollout`: the RolloutService gRPC server around one engine (vLLM or reference).
+
+Invariants:
+  - Generate calls go straight to the engine, concurrently; the engine batches them. Only weight
+    updates are serialised (one at a time, inside the engine).
+  - Health is NOT_SERVING, and Generate answers UNAVAILABLE, until the engine is loaded and, when a
+    broadcast service is configured, until the served version has caught up with the latest
+    version the broadcast service reported at registration. From SIGTERM on, every RPC answers
+    UNAVAILABLE while in-flight ones get `shutdown_grace_s` to finish.
+  - PauseGeneration, ResumeGeneration and UpdateWeights are token-protected (GrpcServer).
+  - Every parity-relevant engine setting is logged at startup and returned by GetStatus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+from parity import tracing
+from parity.config import ConfigError, load_config
+from parity.metrics import serve_metrics
+from parity.server import GrpcServer, install_shutdown_handlers
+from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from parity.versions import compress_versions
+from rollout import metrics
+from rollout.config import RolloutConfig
+from rollout.engine import CompletionResult, GenerationSpec, RolloutEngine
+from rollout.validation import (
+    Limits,
+    RequestError,
+    check_prompt_fields,
+    check_unknown_fields,
+    check_update_request,
+    checkpoint_shapes,
+    generation_spec,
+)
+
+log = logging.getLogger("parity.rollout")
+
+SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+PROTECTED_METHODS = tuple(
+    f"/{SERVICE_NAME}/{name}" for name in ("UpdateWeights", "PauseGeneration", "ResumeGeneration")
+)
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+_OUTCOME = {
+    "applied": rollout_pb2.UPDATE_OUTCOME_APPLIED,
+    "failed": rollout_pb2.UPDATE_OUTCOME_FAILED,
+    "already_current": rollout_pb2.UPDATE_OUTCOME_ALREADY_CURRENT,
+}
+_MODES = {common_pb2.UPDATE_MODE_KEEP: "keep", common_pb2.UPDATE_MODE_RECOMPUTE: "recompute"}
+
+
+def build_engine(config: RolloutConfig, model_dir: Path) -> RolloutEngine:
+    if config.engine == "reference":
+        from rollout.reference_engine import ReferenceEngine
+
+        return ReferenceEngine(config, model_dir)
+    from rollout.vllm_engine import VllmEngine
+
+    return VllmEngine(config, model_dir)
+
+
+def completion_proto(result: CompletionResult) -> rollout_pb2.Completion:
+    return rollout_pb2.Completion(
+        token_ids=result.token_ids,
+        logprobs=result.logprobs,
+        token_weight_versions=result.token_weight_versions,
+        text=result.text,
+        finish_reason=FINISH_REASONS[result.finish_reason],
+        weight_version_spans=[
+            common_pb2.WeightVersionSpan(version=v, start=s, end=e)
+            for v, s, e in compress_versions(result.token_weight_versions)
+        ],
+        index=result.index,
+    )
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    """The gRPC face of one engine; also the state the actor and the membership loop share."""
+
+    def __init__(self, config: RolloutConfig, engine: RolloutEngine, model_dir: Path) -> None:
+        self.config = config
+        self.engine = engine
+        self.model_dir = model_dir
+        self.shapes = checkpoint_shapes(model_dir)
+        self.rate = metrics.TokenRate()
+        self.shutting_down = False
+        self.required_version = 0  # latest version the broadcast service reported at registration
+        self.registered = not config.broadcast_address
+        self.paused = False
+        self.paused_seconds_total = 0.0
+        self.updates_applied = 0
+        self.updates_failed = 0
+        self.server: GrpcServer | None = None
+        self._serving = False
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            max_model_len=self.engine.max_model_len,
+            max_n=self.config.max_n,
+            max_tokens=self.config.effective_max_tokens,
+            vocab_size=self.engine.vocab_size,
+        )
+
+    @property
+    def caught_up(self) -> bool:
+        return self.registered and self.engine.weight_version >= self.required_version
+
+    async def refresh_serving(self) -> None:
+        """SERVING once caught up (and never again after shutdown began)."""
+        serving = self.caught_up and not self.shutting_down
+        if serving != self._serving and self.server is not None:
+            self._serving = serving
+            await self.server.set_serving(serving)
+            log.info(
+                "health: %s (weight_version %d)",
+                "SERVING" if serving else "NOT_SERVING",
+                self.engine.weight_version,
+            )
+
+    def check_available(self) -> None:
+        if self.shutting_down:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "service", "shutting down")
+        if not self.caught_up:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                "weight_version",
+                f"serving version {self.engine.weight_version}, catching up to {self.required_version}"
+                if self.registered
+                else "not yet registered with the broadcast service",
+            )
+
+    def settings(self) -> rollout_pb2.EngineSettings:
+        c = self.config
+        return rollout_pb2.EngineSettings(
+            engine=c.engine,
+            model=c.model,
+            logprobs_mode=common_pb2.LOGPROBS_MODE_PROCESSED
+            if c.logprobs_mode == "processed"
+            else common_pb2.LOGPROBS_MODE_RAW,
+            head_dtype="float32" if c.head_dtype == "float32" else c.dtype,
+            model_dtype=c.dtype,
+            prefix_caching=c.prefix_caching,
+            reset_prefix_cache_on_update=c.reset_prefix_cache_on_update,
+            async_scheduling=c.async_scheduling,
+            generation_config=c.generation_config,
+            update_mode=common_pb2.UPDATE_MODE_KEEP
+            if c.update_mode == "keep"
+            else common_pb2.UPDATE_MODE_RECOMPUTE,
+            max_model_len=self.engine.max_model_len,
+            max_n=c.max_n,
+            max_tokens_limit=c.effective_max_tokens,
+        )
+
+    # -- generation ----------------------------------------------------------------------------
+    def spec_for(self, request: rollout_pb2.GenerateRequest) -> GenerationSpec:
+        self.check_available()
+        check_unknown_fields(request)
+        check_prompt_fields(request)
+        ids = (
+            self.engine.encode(request.prompt_text, request.use_chat_template)
+            if request.prompt_text
+            else None
+        )
+        return generation_spec(request, ids, self.limits)
+
+    async def run_group(self, spec: GenerationSpec):
+        """Yield completions as they finish, recording tokens and a `generate` span."""
+        attrs = {
+            "parity.weight_version": self.engine.weight_version,
+            "parity.group_id": spec.request_id,
+            "prompt_tokens": len(spec.prompt_token_ids),
+            "n": spec.n,
+        }
+        with tracing.span("generate", attrs) as span:
+            generated = 0
+            async for result in self.engine.generate(spec):
+                generated += len(result.token_ids)
+                self.rate.add(len(result.token_ids))
+                yield result
+            span.set_attribute("completion_tokens", generated)
+
+    async def Generate(self, request, context):
+        try:
+            spec = self.spec_for(request)
+            results = [r async for r in self.run_group(spec)]
+        except RequestError as exc:
+            await context.abort(exc.code, exc.details)
+        except ValueError as exc:  # the engine's own validation (vLLM's SamplingParams)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+        results.sort(key=lambda r: r.index)
+        return rollout_pb2.GenerateResponse(
+            prompt_token_ids=spec.prompt_token_ids,
+            completions=[completion_proto(r) for r in results],
+            request_id=spec.request_id,
+            logprobs_mode=self.settings().logprobs_mode,
+        )
+
+    async def GenerateStream(self, request, context):
+        try:
+            check_unknown_fields(request)
+            spec = self.spec_for(request.request)
+            async for result in self.run_group(spec):
+                yield rollout_pb2.GenerateStreamResponse(
+                    prompt_token_ids=spec.prompt_token_ids,
+                    completion=completion_proto(result),
+                    request_id=spec.request_id,
+                )
+        except RequestError as exc:
+            await context.abort(exc.code, exc.details)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+
+    async def GetStatus(self, request, context):
+        return rollout_pb2.RolloutServiceGetStatusResponse(
+            settings=self.settings(),
+            weight_version=self.engine.weight_version,
+            paused=self.paused,
+            num_running_requests=self.engine.num_running(),
+            generated_tokens_total=self.rate.total,
+            paused_seconds_total=self.paused_seconds_total,
+            updates_applied_total=self.updates_applied,
+            updates_failed_total=self.updates_failed,
+        )
+
+    # -- weights and pausing ------------------------------------------------------------------
+    async def UpdateWeights(self, request, context):
+        try:
+            if self.shutting_down:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "service", "shutting down")
+            check_update_request(request, self.shapes, self.config.enable_fault_injection)
+            version = int(request.plan.version)
+            if version < self.engine.weight_version:
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "plan.version",
+                    f"{version} is older than the served version {self.engine.weight_version}",
+                )
+        except RequestError as exc:
+            await context.abort(exc.code, exc.details)
+        if version == self.engine.weight_version:
+            return rollout_pb2.UpdateWeightsResponse(
+                outcome=rollout_pb2.UPDATE_OUTCOME_ALREADY_CURRENT, weight_version=version
+            )
+        mode = _MODES.get(request.update_mode, self.config.update_mode)
+        with tracing.span("swap", {"parity.weight_version": version, "update_mode": mode}) as span:
+            result = await self.engine.update_weights(request.plan, mode, request.fault_corrupt_tensor)
+            span.set_attribute("outcome", result.outcome)
+        self.paused_seconds_total += result.paused_s
+        metrics.PAUSE_SECONDS.inc(result.paused_s)
+        metrics.UPDATES.labels(result.outcome).inc()
+        if result.outcome == "applied":
+            self.updates_applied += 1
+            metrics.WEIGHT_VERSION.set(result.weight_version)
+            log.info(
+                "weights v%d applied (%s): transfer %.2fs verify %.2fs swap %.2fs paused %.2fs",
+                version,
+                mode,
+                result.transfer_s,
+                result.verify_s,
+                result.swap_s,
+                result.paused_s,
+            )
+        else:
+            self.updates_failed += 1
+            log.warning(
+                "weights v%d FAILED, still serving v%d: %s", version, result.weight_version, result.error
+            )
+        await self.refresh_serving()
+        return rollout_pb2.UpdateWeightsResponse(
+            outcome=_OUTCOME[result.outcome],
+            weight_version=result.weight_version,
+            error=result.error,
+            checksums=result.checksums,
+            transfer_seconds=result.transfer_s,
+            verify_seconds=result.verify_s,
+            swap_seconds=result.swap_s,
+            paused_seconds=result.paused_s,
+        )
+
+    async def PauseGeneration(self, request, context):
+        try:
+            check_unknown_fields(request)
+            if self.shutting_down:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "service", "shutting down")
+        except RequestError as exc:
+            await context.abort(exc.code, exc.details)
+        if not self.paused:
+            await self.engine.pause(_MODES.get(request.mode, self.config.update_mode))
+            self.paused = True
+            self._paused_at = time.monotonic()
+        return rollout_pb2.PauseGenerationResponse()
+
+    async def ResumeGeneration(self, request, context):
+        if self.paused:
+            await self.engine.resume()
+            self.paused = False
+            elapsed = time.monotonic() - self._paused_at
+            self.paused_seconds_total += elapsed
+            metrics.PAUSE_SECONDS.inc(elapsed)
+        return rollout_pb2.ResumeGenerationResponse()
+
+
+async def serve(config: RolloutConfig, model_dir: Path) -> int:
+    tracing.init("parity-rollout")
+    log.info("parity settings: %s", json.dumps(config.parity_settings(), sort_keys=True))
+    if config.dtype == "bfloat16" and config.head_dtype != "float32":
+        log.warning("bf16 head: expect ~2x the train-inference mismatch of an fp32 head")
+    if config.logprobs_mode == "raw":
+        log.warning("raw logprobs: they do NOT match the sampled distribution (temperature/top-k/top-p)")
+    engine = build_engine(config, model_dir)
+    servicer = RolloutServicer(config, engine, model_dir)
+    server = GrpcServer(config, [SERVICE_NAME], protected_methods=PROTECTED_METHODS)
+    servicer.server = server
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server.server)
+    metrics_port = serve_metrics(config.metrics_port, config.host)
+    if metrics_port > 0:
+        log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
+    port = await server.start()  # NOT_SERVING until the engine is loaded and caught up
+    background: list[asyncio.Task] = []
+    stopped = asyncio.Event()
+
+    async def shutdown() -> None:
+        servicer.shutting_down = True
+        await servicer.refresh_serving()
+        await server.set_serving(False)
+        for task in background:
+            task.cancel()
+        await server.stop(config.shutdown_grace_s)
+        stopped.set()
+
+    install_shutdown_handlers(shutdown)
+    started = time.monotonic()
+    await engine.start()
+    log.info(
+        "%s engine loaded in %.1fs; serving weight version %d",
+        config.engine,
+        time.monotonic() - started,
+        engine.weight_version,
+    )
+    metrics.WEIGHT_VERSION.set(engine.weight_version)
+    address = f"{config.host}:{port}"
+
+    async def tick() -> None:
+        while True:
+            servicer.rate.tick()
+            await asyncio.sleep(1.0)
+
+    background.append(asyncio.create_task(tick()))
+    if config.broadcast_address:
+        from rollout.membership import BroadcastLink
+
+        link = BroadcastLink(config, servicer, address)
+        background.append(asyncio.create_task(link.run()))
+    await servicer.refresh_serving()
+    if config.actor:
+        from rollout.actor import Actor
+
+        actor = Actor(config, servicer)
+        background.append(asyncio.create_task(actor.run()))
+    await stopped.wait()
+    if config.broadcast_address:
+        await link.unregister()
+    await engine.shutdown()
+    log.info("rollout service stopped")
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        config = load_config(RolloutConfig, list(argv))
+        config.check_security()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    from parity import models
+
+    try:
+        model_dir = models.resolve(config.model)
+    except models.ModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(config, model_dir))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,186 @@
+"""Request validation for the rollout service: every bad input becomes a gRPC status naming the field.
+
+`RequestError(code, field, message)` is raised by the checks and turned into `context.abort(code,
+"field: message")` by the servicer, so a bad request never reaches the engine and never takes the
+service down. Wire conventions (proto3 zero values): `n = 0` means 1, `top_p = 0` means 1 (off),
+`top_k = 0` means off, `seed = 0` means unseeded, `temperature = 0` means greedy (and then n must
+be 1, as in vLLM).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import unknown_fields
+from google.protobuf.message import Message
+
+from rollout.engine import GenerationSpec
+
+
+class RequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.code = code
+        self.field = field
+        self.details = f"{field}: {message}"
+
+
+def invalid(field: str, message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, field, message)
+
+
+def check_unknown_fields(message: Message, path: str = "") -> None:
+    """Reject fields this server does not know (a newer client, or a typo in a hand-built message)."""
+    unknown = unknown_fields.UnknownFieldSet(message)
+    if len(unknown):
+        numbers = sorted({f.field_number for f in unknown})
+        where = path or message.DESCRIPTOR.name
+        raise invalid(where, f"unknown field number(s) {numbers} in {message.DESCRIPTOR.full_name}")
+    for descriptor, value in message.ListFields():
+        if descriptor.message_type is None:
+            continue
+        name = f"{path}.{descriptor.name}" if path else descriptor.name
+        if descriptor.is_repeated:
+            for item in value:
+                check_unknown_fields(item, name)
+        else:
+            check_unknown_fields(value, name)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    max_n: int
+    max_tokens: int
+    vocab_size: int
+
+
+def generation_spec(request, prompt_token_ids: list[int] | None, limits: Limits) -> GenerationSpec:
+    """Validate a GenerateRequest whose prompt was already tokenised into `prompt_token_ids`."""
+    check_unknown_fields(request)
+    prompt = list(prompt_token_ids if prompt_token_ids is not None else request.prompt_token_ids)
+    if not prompt:
+        raise invalid("prompt_text", "empty prompt (set prompt_text or prompt_token_ids)")
+    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise invalid(
+            "prompt_token_ids", f"token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})"
+        )
+    if len(prompt) >= limits.max_model_len:
+        raise invalid(
+            "prompt_text" if request.prompt_text else "prompt_token_ids",
+            f"prompt has {len(prompt)} tokens; the model's context (max_model_len) is {limits.max_model_len}",
+        )
+    s = request.sampling
+    temperature = float(s.temperature)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise invalid("sampling.temperature", f"must be >= 0 (got {s.temperature})")
+    top_p = float(s.top_p)
+    if not math.isfinite(top_p) or top_p < 0 or top_p > 1:
+        raise invalid("sampling.top_p", f"must be in (0, 1]; 0 means 1 (got {s.top_p})")
+    if s.top_k < 0:
+        raise invalid("sampling.top_k", f"must be >= 0; 0 disables it (got {s.top_k})")
+    if s.max_tokens <= 0:
+        raise invalid("sampling.max_tokens", f"must be > 0 (got {s.max_tokens})")
+    if s.max_tokens > limits.max_tokens:
+        raise invalid("sampling.max_tokens", f"must be <= {limits.max_tokens} (got {s.max_tokens})")
+    if len(prompt) + s.max_tokens > limits.max_model_len:
+        raise invalid(
+            "sampling.max_tokens",
+            f"prompt ({len(prompt)} tokens) + max_tokens ({s.max_tokens}) exceeds max_model_len "
+            f"{limits.max_model_len}",
+        )
+    if s.n < 0:
+        raise invalid("sampling.n", f"must be > 0; 0 means 1 (got {s.n})")
+    n = s.n or 1
+    if n > limits.max_n:
+        raise invalid("sampling.n", f"must be <= max_n={limits.max_n} (got {n})")
+    if temperature < 1e-5 and n > 1:
+        raise invalid("sampling.n", f"greedy sampling (temperature 0) needs n = 1 (got {n})")
+    if any(not stop for stop in s.stop):
+        raise invalid("sampling.stop", "stop strings must be non-empty")
+    return GenerationSpec(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt_token_ids=prompt,
+        n=n,
+        max_tokens=int(s.max_tokens),
+        temperature=temperature,
+        top_k=int(s.top_k),
+        top_p=top_p if top_p > 0 else 1.0,
+        seed=int(s.seed) if s.seed else None,
+        stop=tuple(s.stop),
+    )
+
+
+def check_prompt_fields(request) -> None:
+    """Exactly one of prompt_text / prompt_token_ids."""
+    if request.prompt_text and request.prompt_token_ids:
+        raise invalid("prompt_text", "set prompt_text or prompt_token_ids, not both")
+    if not request.prompt_text and not request.prompt_token_ids:
+        raise invalid("prompt_text", "empty prompt (set prompt_text or prompt_token_ids)")
+    if request.use_chat_template and not request.prompt_text:
+        raise invalid("use_chat_template", "needs prompt_text")
+
+
+def check_update_request(
+    request, checkpoint_shapes: dict[str, tuple[int, ...]], fault_injection: bool
+) -> None:
+    """Validate an UpdateWeightsRequest before joining any group."""
+    check_unknown_fields(request)
+    if not request.HasField("plan"):
+        raise invalid("plan", "required")
+    plan = request.plan
+    if plan.version <= 0:
+        raise invalid(
+            "plan.version", f"must be > 0; version 0 is the initial checkpoint (got {plan.version})"
+        )
+    if not plan.tensors:
+        raise invalid("plan.tensors", "empty")
+    if plan.bucket_bytes <= 0:
+        raise invalid("plan.bucket_bytes", f"must be > 0 (got {plan.bucket_bytes})")
+    rdv = plan.rendezvous
+    if rdv.backend not in ("gloo", "nccl"):
+        raise invalid("plan.rendezvous.backend", f"must be gloo or nccl (got {rdv.backend!r})")
+    if rdv.world_size < 2 or not 1 <= rdv.rank < rdv.world_size:
+        raise invalid("plan.rendezvous.rank", f"receiver rank must be in [1, {rdv.world_size})")
+    if not rdv.host or not rdv.port or not rdv.group_name or rdv.timeout_s <= 0:
+        raise invalid("plan.rendezvous", "host, port, group_name and timeout_s > 0 are required")
+    for meta in plan.tensors:
+        expected = checkpoint_shapes.get(meta.name)
+        if expected is None:
+            raise invalid("plan.tensors", f"unknown tensor {meta.name!r} for this model")
+        if tuple(meta.shape) != expected:
+            raise invalid(
+                "plan.tensors",
+                f"tensor {meta.name!r} has shape {list(meta.shape)}, model has {list(expected)}",
+            )
+        if meta.dtype not in ("float32", "bfloat16", "float16"):
+            raise invalid("plan.tensors", f"tensor {meta.name!r} has unsupported dtype {meta.dtype!r}")
+    if request.fault_corrupt_tensor and not fault_injection:
+        raise RequestError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "fault_corrupt_tensor",
+            "fault injection is disabled (start the service with --enable_fault_injection true)",
+        )
+
+
+def checkpoint_shapes(model_dir) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes in the model's safetensors (plus lm_head.weight when tied)."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("tie_word_embeddings") and "model.embed_tokens.weight" in shapes:
+        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+    return shapes

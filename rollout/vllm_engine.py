@@ -1,0 +1,239 @@
+"""The default rollout engine: vLLM V1 `AsyncLLM` with Parity's correctness defaults.
+
+Defaults (all in RolloutConfig, all reported by GetStatus): processed logprobs, an fp32 lm_head
+(`hf_overrides={"head_dtype": "float32"}`), prefix caching off, async scheduling off,
+`generation_config="vllm"` (the model's own sampling defaults cannot sneak in).
+
+Invariants:
+  - Requests go straight to `AsyncLLM.generate`; the engine batches concurrent requests. The only
+    lock is around weight updates (one update at a time).
+  - Weight versions: vLLM labels versions with strings ("default" = Parity version 0) and reports
+    spans per completion; we set the label to str(version) while paused, so every token sampled
+    after `resume` carries the new version and every token before it the old one.
+  - After an applied update the prefix cache is empty of old-weight KV. In keep mode, blocks held
+    by running sequences block vLLM's reset; with prefix caching on we then preempt those sequences
+    (`reset_running_requests=True`) so that nothing old-weight can be hit later; with prefix
+    caching off no block is ever reused, so there is nothing to reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Literal
+
+from parity.versions import expand_spans, parse_version_label
+from rollout.config import RolloutConfig
+from rollout.engine import CompletionResult, GenerationSpec, UpdateResult, plan_to_bytes
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "rollout.worker_extension.ParityWorkerExtension"
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class VllmEngine:
+    """`RolloutEngine` on vLLM V1 AsyncLLM."""
+
+    name = "vllm"
+
+    def __init__(self, config: RolloutConfig, model_dir: Path) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.weight_version = 0
+        self.max_model_len = config.max_model_len
+        self.vocab_size = 0
+        self.llm = None
+        self.tokenizer = None
+        self._running = 0
+        self._update_lock = asyncio.Lock()
+
+    def engine_args(self):
+        from vllm import AsyncEngineArgs
+
+        cfg = self.config
+        return AsyncEngineArgs(
+            model=str(self.model_dir),
+            tokenizer=str(self.model_dir),
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            enable_prefix_caching=cfg.prefix_caching,
+            logprobs_mode="processed_logprobs" if cfg.logprobs_mode == "processed" else "raw_logprobs",
+            hf_overrides={"head_dtype": "float32"} if cfg.head_dtype == "float32" else None,
+            generation_config=cfg.generation_config,
+            async_scheduling=cfg.async_scheduling,
+            seed=cfg.seed,
+            enforce_eager=cfg.enforce_eager,
+            max_num_seqs=cfg.max_num_seqs,
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+        )
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.llm = AsyncLLM.from_engine_args(self.engine_args())
+        self.vocab_size = int(self.llm.model_config.get_vocab_size())
+        head = self.llm.model_config.hf_config
+        log.info(
+            "vLLM engine ready: vocab=%d, hf head_dtype override=%s",
+            self.vocab_size,
+            getattr(head, "head_dtype", None),
+        )
+
+    def encode(self, text: str, use_chat_template: bool) -> list[int]:
+        return encode_prompt(self.tokenizer, text, use_chat_template)
+
+    def sampling_params(self, spec: GenerationSpec):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=spec.n,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k,
+            max_tokens=spec.max_tokens,
+            logprobs=0,
+            seed=spec.seed,
+            stop=list(spec.stop) or None,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, spec: GenerationSpec) -> AsyncIterator[CompletionResult]:
+        assert self.llm is not None, "start() first"
+        params = self.sampling_params(spec)
+        token_ids: dict[int, list[int]] = {i: [] for i in range(spec.n)}
+        logprobs: dict[int, list[float]] = {i: [] for i in range(spec.n)}
+        texts: dict[int, list[str]] = {i: [] for i in range(spec.n)}
+        done: set[int] = set()
+        self._running += 1
+        try:
+            stream = self.llm.generate(
+                {"prompt_token_ids": spec.prompt_token_ids}, params, request_id=spec.request_id
+            )
+            async for output in stream:
+                for comp in output.outputs:
+                    i = comp.index
+                    new_ids = list(comp.token_ids)
+                    token_ids[i].extend(new_ids)
+                    texts[i].append(comp.text)
+                    if comp.logprobs:
+                        for tok, entry in zip(new_ids, comp.logprobs, strict=True):
+                            logprobs[i].append(float(entry[tok].logprob))
+                    if comp.finish_reason is not None and i not in done:
+                        done.add(i)
+                        yield self._result(comp, token_ids[i], logprobs[i], "".join(texts[i]))
+        finally:
+            self._running -= 1
+
+    def _result(self, comp, token_ids: list[int], logprobs: list[float], text: str) -> CompletionResult:
+        spans = comp.weight_versions
+        if spans is None:
+            # vLLM reports no spans for an empty completion; otherwise they must exist.
+            if token_ids:
+                raise RuntimeError(f"vLLM reported no weight versions for completion {comp.index}")
+            spans = []
+        versions = expand_spans(
+            [(parse_version_label(s.version), s.start, s.end) for s in spans], len(token_ids)
+        )
+        if len(logprobs) != len(token_ids):
+            raise RuntimeError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
+        return CompletionResult(
+            index=comp.index,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            token_weight_versions=versions,
+            text=text,
+            finish_reason=_FINISH.get(str(comp.finish_reason), "stop"),  # type: ignore[arg-type]
+        )
+
+    async def pause(self, mode: Literal["keep", "recompute"]) -> None:
+        # recompute: keep the requests but clear the KV cache (their KV is recomputed on resume).
+        await self.llm.pause_generation(mode="keep", clear_cache=mode == "recompute")
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def _rpc_one(self, method: str, **kwargs) -> dict:
+        replies = await self.llm.collective_rpc(method, kwargs=kwargs)
+        if len(replies) != 1:
+            raise RuntimeError(f"{method}: expected 1 worker reply, got {len(replies)} (TP>1 unsupported)")
+        return replies[0]
+
+    async def update_weights(
+        self, plan, mode: Literal["keep", "recompute"], fault_corrupt_tensor: str = ""
+    ) -> UpdateResult:
+        async with self._update_lock:
+            staged = await self._rpc_one(
+                "parity_stage_weights",
+                plan_bytes=plan_to_bytes(plan),
+                fault_corrupt_tensor=fault_corrupt_tensor,
+            )
+            result = UpdateResult(
+                outcome="failed",
+                weight_version=self.weight_version,
+                error=staged["error"],
+                checksums=staged["checksums"],
+                transfer_s=staged["transfer_s"],
+                verify_s=staged["verify_s"],
+            )
+            if staged["error"]:
+                return result
+            paused_at = time.perf_counter()
+            await self.pause(mode)
+            try:
+                applied = await self._rpc_one("parity_apply_staged", version=int(plan.version))
+                if applied["error"]:
+                    result.error = applied["error"]
+                    return result
+                result.swap_s = applied["swap_s"]
+                if self.config.reset_prefix_cache_on_update:
+                    await self._reset_prefix_cache()
+                await self.llm.update_weight_version(str(plan.version))
+                self.weight_version = int(plan.version)
+                result.outcome = "applied"
+                result.weight_version = self.weight_version
+            finally:
+                await self.resume()
+                result.paused_s = time.perf_counter() - paused_at
+            return result
+
+    async def _reset_prefix_cache(self) -> None:
+        if await self.llm.reset_prefix_cache():
+            return
+        if not self.config.prefix_caching:
+            return  # blocks held by kept sequences are never shared without prefix caching
+        log.warning("prefix cache held by running sequences; preempting them so no old KV is reused")
+        if not await self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("could not reset the prefix cache after a weight update")
+
+    async def current_label(self) -> str:
+        return await self.llm.get_weight_version()
+
+    def num_running(self) -> int:
+        return self._running
+
+    async def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+
+def encode_prompt(tokenizer, text: str, use_chat_template: bool) -> list[int]:
+    """Prompt text -> ids; with the chat template, the text is one user turn plus the assistant cue."""
+    if use_chat_template:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=True)]

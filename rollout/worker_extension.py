@@ -1,0 +1,52 @@
+"""vLLM worker extension: weight receiving inside vLLM's worker process.
+
+vLLM runs the model in a separate worker process, so the torch.distributed group that carries new
+weights must be joined there. The engine reaches these methods with `AsyncLLM.collective_rpc`, whose
+kwargs and replies are plain data (the TransferPlan travels as protobuf bytes, never tensors).
+
+Two steps, so that a bad transfer never touches the serving weights:
+  1. `parity_stage_weights(plan_bytes, fault_corrupt_tensor)`: join, receive into staging tensors,
+     verify checksums. Generation may continue meanwhile (the engine loop is blocked only for the
+     duration of the RPC itself). The staged tensors are kept only if every checksum matched.
+  2. `parity_apply_staged(version)`: called while generation is paused; loads the staged tensors
+     with vLLM's in-place `reload_weights` and drops them.
+Only a single worker (tensor parallel size 1) is supported: every worker would need its own rank.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class ParityWorkerExtension:
+    """Mixed into vLLM's Worker class via `worker_extension_cls`."""
+
+    def parity_stage_weights(self, plan_bytes: bytes, fault_corrupt_tensor: str = "") -> dict:
+        from rollout.engine import plan_from_bytes
+        from rollout.weight_receiver import receive_and_verify
+
+        plan = plan_from_bytes(plan_bytes)
+        device = "cuda" if plan.rendezvous.backend == "nccl" else "cpu"
+        staged = receive_and_verify(plan, device=device, fault_corrupt_tensor=fault_corrupt_tensor)
+        self._parity_staged = None if staged.error else (int(plan.version), staged.named())
+        return staged.report()
+
+    def parity_apply_staged(self, version: int) -> dict:
+        staged = getattr(self, "_parity_staged", None)
+        if staged is None or staged[0] != version:
+            return {"error": f"no verified staged weights for version {version}"}
+        start = time.perf_counter()
+        named = staged[1]
+        self.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
+        self._parity_staged = None
+        return {"error": "", "swap_s": time.perf_counter() - start, "num_tensors": len(named)}
+
+    def parity_drop_staged(self) -> None:
+        self._parity_staged = None
+
+    def parity_param_checksums(self, names: list[str]) -> dict[str, int]:
+        """Checksums of the serving parameters (vLLM names), for tests and diagnostics."""
+        from parity.checksum import tensor_checksum
+
+        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
+        return {name: tensor_checksum(params[name].detach()) for name in names if name in params}
