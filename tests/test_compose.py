@@ -171,13 +171,16 @@ def test_parity_services_health_ipc_volumes_and_nccl(compose) -> None:
         env = service["environment"]
         test = service["healthcheck"]["test"]
         assert test[:4] == ["CMD", "python", "-m", "parity.healthcheck"]
-        assert test[4] == f"127.0.0.1:{env[f'PARITY_{prefix}_PORT']}"
+        # Rollout services bind (and register) their own DNS name; the others bind 0.0.0.0.
+        host = name if prefix == "ROLLOUT" else "0.0.0.0"
+        assert env[f"PARITY_{prefix}_HOST"] == host
+        assert service.get("hostname", name) == name
+        assert test[4] == f"{'127.0.0.1' if host == '0.0.0.0' else host}:{env[f'PARITY_{prefix}_PORT']}"
         assert service["ipc"] == "host"
         assert service["ulimits"]["memlock"] == -1
         assert "parity-data:/data" in service["volumes"]
         assert env["PARITY_HOME"].startswith("/data/")
         assert env["NCCL_SOCKET_IFNAME"] and env["GLOO_SOCKET_IFNAME"]
-        assert env[f"PARITY_{prefix}_HOST"] == "0.0.0.0"
         assert env[f"PARITY_{prefix}_AUTH_TOKEN"] == ENV["PARITY_AUTH_TOKEN"]
         assert env["OTEL_SERVICE_NAME"] == f"parity-{prefix.lower()}"
     assert compose["services"]["trainer"]["environment"]["PARITY_TRAINER_RUN_DIR"].startswith("/data/")
@@ -214,8 +217,9 @@ def test_environment_names_real_config_fields(compose, monkeypatch) -> None:
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         config = load_config(config_cls)
-        config.check_security()  # 0.0.0.0 with the token: allowed
-        assert config.host == "0.0.0.0" and config.port == 50051 and config.metrics_port == 9100
+        config.check_security()  # not loopback, with the token: allowed
+        assert config.host == env[f"PARITY_{prefix}_HOST"] and config.port == 50051
+        assert config.metrics_port == 9100
         checked += 1
     assert checked == len(PARITY_SERVICES)
 
