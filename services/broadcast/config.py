@@ -1,0 +1,77 @@
+"""Typed configuration of the weight-broadcast service (`parity serve broadcast --help`).
+
+Every field reads from `--field value` or `PARITY_BROADCAST_<FIELD>`. Bad values fail at startup
+with the field named; a non-loopback bind without `auth_token` is refused (`check_security`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from parity.config import ServiceConfig
+
+
+class BroadcastConfig(ServiceConfig):
+    """Settings of `parity serve broadcast`."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid", validate_default=True, env_prefix="PARITY_BROADCAST_", cli_parse_args=False
+    )
+
+    backend: Literal["gloo", "nccl"] = Field(
+        "gloo", description="torch.distributed backend for tensors: gloo (CPU) or nccl (GPU)."
+    )
+    data_host: str = Field(
+        "127.0.0.1",
+        description="Address peers use to reach this service's TCPStore and gloo sockets (the data plane).",
+    )
+    store_port: int = Field(
+        0, ge=0, le=65535, description="TCPStore port for rendezvous; 0 picks a free one."
+    )
+    heartbeat_interval_s: float = Field(
+        2.0, gt=0, le=300, description="How often workers are told to heartbeat."
+    )
+    heartbeat_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="A worker silent for this long is dropped (never while updating)."
+    )
+    transfer_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="Every rendezvous and every bucket collective fails after this."
+    )
+    rpc_margin_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="Extra seconds on top of 2*transfer_timeout_s for a worker's UpdateWeights deadline.",
+    )
+    retry_failed_after_s: float = Field(
+        30.0, gt=0, le=86400, description="A worker whose update failed is retried on the latest after this."
+    )
+    bucket_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=4096,
+        le=4 * 1024**3,
+        description="Bucket size of packed transfers when the publisher leaves it 0.",
+    )
+    max_version_bytes: int = Field(
+        64 * 1024**3, gt=0, description="Largest version accepted (RESOURCE_EXHAUSTED above)."
+    )
+    max_workers: int = Field(256, gt=0, description="Most registered workers (RESOURCE_EXHAUSTED above).")
+    history_versions: int = Field(
+        256, gt=0, le=100_000, description="How many versions GetStatus and WatchVersions remember."
+    )
+
+    @model_validator(mode="after")
+    def _timeouts_consistent(self) -> BroadcastConfig:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s: must exceed heartbeat_interval_s={self.heartbeat_interval_s}"
+            )
+        return self
+
+    @property
+    def device(self) -> str:
+        """Where the service keeps the latest version: GPU memory for NCCL, host memory for gloo."""
+        return "cuda" if self.backend == "nccl" else "cpu"

@@ -1,0 +1,285 @@
+"""The version registry: the single source of truth for weight versions.
+
+Invariants:
+- Versions are monotonic. A publish is accepted only as `head + 1`, where head is the newest version
+  that has not FAILED (any version >= 1 when the registry is empty), so a failed version may be
+  re-published with the same number and nothing ever goes backwards.
+- The first accepted publish registers the schema (model name, tensor names, shapes, dtypes, order);
+  every later publish must match it exactly, or it is rejected before any byte moves.
+- States only move forward: RECEIVING -> COMMITTED -> DISTRIBUTED, or RECEIVING -> FAILED, or
+  COMMITTED -> SUPERSEDED (a newer version committed before any worker started this one).
+- Each version's bytes live in one packed `WeightBuffer`. Readers (fan-out to workers) may start
+  while the trainer's bytes are still arriving: they wait on the buffer's watermark (cut-through).
+  Buffers of versions older than the newest committed one are released.
+- All mutation happens on the service's event loop; only `WeightBuffer` is shared with threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from parity.transport import SUPPORTED_DTYPES, Layout, TransferError
+from parity.v1 import broadcast_pb2 as pb
+from parity.v1 import common_pb2
+from services.broadcast.events import EventLog, Kind
+
+if TYPE_CHECKING:
+    import torch
+
+State = pb.VersionState
+_PROGRESS = {
+    State.VERSION_STATE_RECEIVING: 1,
+    State.VERSION_STATE_COMMITTED: 2,
+    State.VERSION_STATE_DISTRIBUTED: 3,
+}
+
+
+class Rejected(Exception):
+    """A request the registry refuses; carries the gRPC code and a details string naming the field."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class WeightBuffer:
+    """One version's packed bytes plus a watermark: bytes [0, watermark) are valid."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.watermark = 0
+        self.error = ""
+        self._cond = threading.Condition()
+
+    def advance(self, end: int) -> None:
+        with self._cond:
+            self.watermark = max(self.watermark, end)
+            self._cond.notify_all()
+
+    def fail(self, error: str) -> None:
+        with self._cond:
+            self.error = error or "failed"
+            self._cond.notify_all()
+
+    def wait_for(self, end: int, timeout_s: float) -> None:
+        """Block until bytes [0, end) are valid; TransferError on failure or timeout."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.watermark >= end or bool(self.error), timeout_s)
+            if self.error:
+                raise TransferError(f"source version failed: {self.error}")
+            if not ok:
+                raise TransferError(f"source bytes [0, {end}) not received within {timeout_s:.0f}s")
+
+
+@dataclass
+class VersionRecord:
+    version: int
+    model: str
+    metas: list[common_pb2.TensorMeta]
+    layout: Layout
+    bucket_bytes: int
+    state: int = State.VERSION_STATE_RECEIVING
+    buffer: WeightBuffer | None = None
+    published_at_unix: float = field(default_factory=time.time)
+    receive_seconds: float = 0.0
+    error: str = ""
+    started_workers: set[str] = field(default_factory=set)
+
+    def info(self) -> pb.VersionInfo:
+        return pb.VersionInfo(
+            version=self.version,
+            model=self.model,
+            state=self.state,
+            total_bytes=self.layout.total_bytes,
+            num_tensors=len(self.metas),
+            receive_seconds=self.receive_seconds,
+            published_at_unix=self.published_at_unix,
+            error=self.error,
+        )
+
+
+def reached(state: int, wanted: int) -> bool:
+    """Whether a version in `state` has reached (or passed) `wanted`."""
+    if wanted in _PROGRESS:
+        progress = _PROGRESS.get(state, 0)
+        if state == State.VERSION_STATE_SUPERSEDED:
+            progress = _PROGRESS[State.VERSION_STATE_COMMITTED]
+        return progress >= _PROGRESS[wanted]
+    return state == wanted
+
+
+def is_final_for(state: int, wanted: int) -> bool:
+    """True when `state` can never reach `wanted` any more."""
+    return not reached(state, wanted) and state in (
+        State.VERSION_STATE_FAILED,
+        State.VERSION_STATE_SUPERSEDED,
+    )
+
+
+class VersionRegistry:
+    """Versions, their schema and their bytes; emits an event on every state change."""
+
+    def __init__(self, events: EventLog, history_versions: int = 256, max_version_bytes: int = 1 << 36):
+        self.events = events
+        self.history_versions = history_versions
+        self.max_version_bytes = max_version_bytes
+        self.records: OrderedDict[int, VersionRecord] = OrderedDict()
+        self.model = ""
+        self.schema: list[tuple[str, tuple[int, ...], str]] = []
+
+    # -- queries --------------------------------------------------------------------------------
+    @property
+    def head(self) -> int:
+        """Newest version not FAILED (0 when none)."""
+        alive = [v for v, r in self.records.items() if r.state != State.VERSION_STATE_FAILED]
+        return max(alive, default=0)
+
+    @property
+    def latest_committed(self) -> int:
+        done = [v for v, r in self.records.items() if r.state in (_COMMITTED_OR_LATER)]
+        return max(done, default=0)
+
+    def get(self, version: int) -> VersionRecord | None:
+        return self.records.get(version)
+
+    def fanout_target(self) -> VersionRecord | None:
+        """The newest version whose bytes are (or are becoming) available to push to workers."""
+        for version in sorted(self.records, reverse=True):
+            record = self.records[version]
+            if record.state in (*_COMMITTED_OR_LATER, State.VERSION_STATE_RECEIVING) and record.buffer:
+                return record
+        return None
+
+    # -- publish --------------------------------------------------------------------------------
+    def validate(self, request: pb.PublishVersionRequest) -> None:
+        """Raise Rejected unless `request` may be published now (nothing is changed)."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        if request.version < 1:
+            raise Rejected(invalid, f"version: must be >= 1 (got {request.version})")
+        if not request.model:
+            raise Rejected(invalid, "model: required (the name of the model the weights belong to)")
+        if not request.tensors:
+            raise Rejected(invalid, "tensors: at least one tensor is required")
+        if request.checksum_algorithm != common_pb2.CHECKSUM_ALGORITHM_WSUM64:
+            raise Rejected(invalid, "checksum_algorithm: must be CHECKSUM_ALGORITHM_WSUM64")
+        if request.bucket_bytes < 0 or 0 < request.bucket_bytes < 4096:
+            raise Rejected(invalid, f"bucket_bytes: must be 0 or >= 4096 (got {request.bucket_bytes})")
+        seen: set[str] = set()
+        for i, meta in enumerate(request.tensors):
+            where = f"tensors[{i}]"
+            if not meta.name or meta.name in seen:
+                raise Rejected(invalid, f"{where}.name: empty or duplicate {meta.name!r}")
+            seen.add(meta.name)
+            if meta.dtype not in SUPPORTED_DTYPES:
+                raise Rejected(invalid, f"{where}.dtype: unsupported {meta.dtype!r} for {meta.name}")
+            if any(d < 0 for d in meta.shape):
+                raise Rejected(invalid, f"{where}.shape: negative dimension for {meta.name}")
+        if self.schema:
+            self._check_schema(request)
+        total = Layout.of(request.tensors).total_bytes
+        if total > self.max_version_bytes:
+            raise Rejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"tensors: {total} bytes exceed max_version_bytes={self.max_version_bytes}",
+            )
+        head = self.head
+        if self.records and request.version <= head:
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"version: {request.version} goes backwards (latest is {head}); versions are monotonic",
+            )
+        if self.records and request.version != head + 1:
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"version: {request.version} skips ahead; the next version must be {head + 1}",
+            )
+
+    def _check_schema(self, request: pb.PublishVersionRequest) -> None:
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        if request.model != self.model:
+            raise Rejected(invalid, f"model: {request.model!r} is not the registered model {self.model!r}")
+        expected = {name: (shape, dtype) for name, shape, dtype in self.schema}
+        for i, meta in enumerate(request.tensors):
+            if meta.name not in expected:
+                raise Rejected(invalid, f"tensors[{i}].name: {meta.name!r} is not in model {self.model!r}")
+            shape, dtype = expected[meta.name]
+            if tuple(meta.shape) != shape:
+                raise Rejected(
+                    invalid,
+                    f"tensors[{i}].shape: {meta.name} has {list(meta.shape)}, model has {list(shape)}",
+                )
+            if meta.dtype != dtype:
+                raise Rejected(invalid, f"tensors[{i}].dtype: {meta.name} is {meta.dtype}, model has {dtype}")
+        order = [name for name, _, _ in self.schema]
+        given = [meta.name for meta in request.tensors]
+        if given != order:
+            missing = sorted(set(order) - set(given))
+            detail = f"missing {missing[:5]}" if missing else "same names in a different order"
+            raise Rejected(
+                invalid, f"tensors: must list every tensor of the model in registered order ({detail})"
+            )
+
+    def begin(self, request: pb.PublishVersionRequest, bucket_bytes: int, device: str) -> VersionRecord:
+        """Accept a validated publish: allocate its buffer and record it as RECEIVING."""
+        import torch
+
+        metas = list(request.tensors)
+        layout = Layout.of(metas)
+        if not self.schema:
+            self.model = request.model
+            self.schema = [(m.name, tuple(m.shape), m.dtype) for m in metas]
+        record = VersionRecord(
+            version=request.version,
+            model=request.model,
+            metas=metas,
+            layout=layout,
+            bucket_bytes=bucket_bytes,
+            buffer=WeightBuffer(torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)),
+        )
+        self.records.pop(request.version, None)  # a failed attempt at this number is replaced
+        self.records[request.version] = record
+        while len(self.records) > self.history_versions:
+            self.records.popitem(last=False)
+        self.events.emit(Kind.VERSION_EVENT_KIND_PUBLISHED, record.version)
+        return record
+
+    # -- transitions ----------------------------------------------------------------------------
+    def commit(self, record: VersionRecord, receive_seconds: float) -> None:
+        record.receive_seconds = receive_seconds
+        record.state = State.VERSION_STATE_COMMITTED
+        self.events.emit(Kind.VERSION_EVENT_KIND_COMMITTED, record.version)
+        for older in self.records.values():
+            if older.version >= record.version:
+                continue
+            older.buffer = None  # fan-outs already running keep their own reference
+            if older.state == State.VERSION_STATE_COMMITTED and not older.started_workers:
+                older.state = State.VERSION_STATE_SUPERSEDED
+                self.events.emit(Kind.VERSION_EVENT_KIND_SUPERSEDED, older.version)
+
+    def fail(self, record: VersionRecord, error: str) -> None:
+        record.state = State.VERSION_STATE_FAILED
+        record.error = error
+        if record.buffer is not None:
+            record.buffer.fail(error)
+        record.buffer = None
+        self.events.emit(Kind.VERSION_EVENT_KIND_FAILED, record.version, error=error)
+
+    def update_distributed(self, attempted_by_live_workers: list[int]) -> None:
+        """Mark COMMITTED versions DISTRIBUTED once every live worker has attempted them (or newer)."""
+        floor = min(attempted_by_live_workers, default=None)
+        for record in self.records.values():
+            if record.state != State.VERSION_STATE_COMMITTED:
+                continue
+            if floor is None or floor >= record.version:
+                record.state = State.VERSION_STATE_DISTRIBUTED
+                self.events.emit(Kind.VERSION_EVENT_KIND_DISTRIBUTED, record.version)
+
+
+_COMMITTED_OR_LATER = (State.VERSION_STATE_COMMITTED, State.VERSION_STATE_DISTRIBUTED)

@@ -1,0 +1,73 @@
+"""`parity serve broadcast`: run the weight-broadcast service.
+
+    parity serve broadcast --host 127.0.0.1 --port 0 --backend gloo --data_host 127.0.0.1 \\
+        --heartbeat_timeout_s 10 --transfer_timeout_s 60 --bucket_bytes 67108864 --metrics_port -1
+
+It binds to loopback by default; off loopback it refuses to start without --auth_token. The TCPStore
+for rendezvous listens on --store_port (0 picks one) and is the only data-plane port it opens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from parity.config import ConfigError, load_config
+from services.broadcast.config import BroadcastConfig
+
+log = logging.getLogger("parity.broadcast")
+
+
+async def serve(config: BroadcastConfig) -> int:
+    from parity import metrics, tracing
+    from parity.server import GrpcServer, install_shutdown_handlers
+    from parity.transport import free_port
+    from parity.v1 import broadcast_pb2_grpc
+    from services.broadcast.service import PROTECTED_METHODS, SERVICE, WeightBroadcastService
+
+    tracing.init("parity-broadcast")
+    server = GrpcServer(config, [SERVICE], protected_methods=PROTECTED_METHODS)
+    store_port = config.store_port or free_port(config.data_host)
+    service = WeightBroadcastService(config, store_port)
+    broadcast_pb2_grpc.add_WeightBroadcastServiceServicer_to_server(service, server.server)
+    await server.start()
+    metrics_port = metrics.serve_metrics(config.metrics_port, config.host)
+    reaper = asyncio.ensure_future(service.reap_forever())
+
+    async def shutdown() -> None:
+        reaper.cancel()
+        await service.close()
+        await server.stop(2.0)
+
+    stopped = install_shutdown_handlers(shutdown)
+    await server.set_serving(True)
+    log.info(
+        "broadcast serving on %s:%d (backend %s, store %s:%d, metrics %s)",
+        config.host,
+        server.port,
+        config.backend,
+        config.data_host,
+        store_port,
+        metrics_port,
+    )
+    await stopped.wait()
+    await server.server.wait_for_termination()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(BroadcastConfig, argv)
+        config.check_security()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""A stand-in rollout worker: the receiving half of the update protocol, without an engine.
+
+It implements only `RolloutService.UpdateWeights` (other RPCs answer UNIMPLEMENTED) plus the
+membership side of a rollout service (RegisterWorker at startup, heartbeats, NOT_SERVING until it
+holds a version >= the latest). The tests and bench/weight_sync.py use it where a real vLLM rollout
+service would cost a minute to start; the real one is `rollout/`.
+
+    python -m services.broadcast.standin_receiver --broadcast_address 127.0.0.1:PORT --worker_id w0 \\
+        [--state_file F] [--enable_fault_injection] [--bucket_delay_s 0.2] [--port_file F]
+
+Invariants (the same as the real worker's):
+- Updates are serialised; received bytes go to a fresh buffer, never into the served weights.
+- Only if every tensor's shape, dtype and WSUM64 match the plan are the new tensors swapped in;
+  otherwise the old weights and version stay and the answer is FAILED naming the tensors.
+- After each swap `--state_file` holds {"version", "checksums"} of the weights it serves (for tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger("parity.standin_receiver")
+
+
+class StandinReceiver:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.version = 0
+        self.weights: list = []
+        self.latest_seen = 0
+        self.lock = asyncio.Lock()
+        self.server = None  # GrpcServer, set in serve()
+
+    def _write_state(self) -> None:
+        if not self.args.state_file:
+            return
+        from parity.checksum import tensor_checksum
+
+        path = Path(self.args.state_file)
+        tmp = path.with_suffix(".tmp")
+        state = {"version": self.version, "checksums": [str(tensor_checksum(t)) for t in self.weights]}
+        tmp.write_text(json.dumps(state))
+        tmp.replace(path)
+
+    def _receive(self, plan, corrupt: str) -> tuple[list, list[int], list[str], float]:
+        """Blocking: join, receive, (optionally corrupt), checksum. Returns tensors, sums, bad names, s."""
+        from parity.checksum import dtype_name, tensor_checksum
+        from parity.transport import Layout, TransferGroup, views
+
+        start = time.monotonic()
+        group = TransferGroup.join(plan.rendezvous)
+        delay = self.args.bucket_delay_s
+        try:
+            buffer = group.recv_packed(
+                plan.tensors, plan.bucket_bytes, progress=(lambda _end: time.sleep(delay)) if delay else None
+            )
+        finally:
+            group.close()
+        layout = Layout.of(plan.tensors)
+        tensors = views(buffer, plan.tensors, layout)
+        if corrupt:
+            index = [m.name for m in plan.tensors].index(corrupt)
+            offset = layout.offsets[index]
+            buffer[offset] ^= 0xFF  # flip one byte, as a bad link or bad copy would
+        sums = [tensor_checksum(t) for t in tensors]
+        bad = [
+            m.name
+            for m, t, s in zip(plan.tensors, tensors, sums, strict=True)
+            if s != m.checksum or list(t.shape) != list(m.shape) or dtype_name(t.dtype) != m.dtype
+        ]
+        return tensors, sums, bad, time.monotonic() - start
+
+    async def UpdateWeights(self, request, context: grpc.aio.ServicerContext):
+        from parity.transport import TransferError
+        from parity.v1 import rollout_pb2
+
+        plan = request.plan
+        if not plan.tensors or not plan.HasField("rendezvous"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "plan: tensors and rendezvous are required")
+        corrupt = request.fault_corrupt_tensor
+        if corrupt and not self.args.enable_fault_injection:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "fault_corrupt_tensor: fault injection is disabled (--enable_fault_injection)",
+            )
+        if corrupt and corrupt not in {m.name for m in plan.tensors}:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"fault_corrupt_tensor: no tensor {corrupt!r}"
+            )
+        corrupt = corrupt or self.args.corrupt_tensor_at.get(plan.version, "")
+        async with self.lock:
+            if plan.version == self.version:
+                return rollout_pb2.UpdateWeightsResponse(
+                    outcome=rollout_pb2.UPDATE_OUTCOME_ALREADY_CURRENT, weight_version=self.version
+                )
+            if plan.version < self.version:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"plan.version: {plan.version} is older than the served {self.version}",
+                )
+            paused_at = time.monotonic()  # pause(keep): a real engine stops scheduling here
+            try:
+                tensors, sums, bad, transfer_s = await asyncio.to_thread(self._receive, plan, corrupt)
+            except TransferError as exc:
+                return rollout_pb2.UpdateWeightsResponse(
+                    outcome=rollout_pb2.UPDATE_OUTCOME_FAILED,
+                    weight_version=self.version,
+                    error=f"transfer: {exc}",
+                    paused_seconds=time.monotonic() - paused_at,
+                )
+            if bad:
+                return rollout_pb2.UpdateWeightsResponse(
+                    outcome=rollout_pb2.UPDATE_OUTCOME_FAILED,
+                    weight_version=self.version,
+                    error=f"checksum mismatch on {', '.join(bad[:5])}; kept version {self.version}",
+                    checksums=sums,
+                    transfer_seconds=transfer_s,
+                    paused_seconds=time.monotonic() - paused_at,
+                )
+            self.weights, self.version = tensors, plan.version  # the swap: one reference assignment
+            self._write_state()
+            paused_s = time.monotonic() - paused_at  # resume
+        if self.version >= self.latest_seen:
+            await self.server.set_serving(True)
+        log.info("now serving v%d (transfer %.2fs, paused %.2fs)", self.version, transfer_s, paused_s)
+        return rollout_pb2.UpdateWeightsResponse(
+            outcome=rollout_pb2.UPDATE_OUTCOME_APPLIED,
+            weight_version=self.version,
+            checksums=sums,
+            transfer_seconds=transfer_s,
+            paused_seconds=paused_s,
+        )
+
+    async def membership_loop(self, address: str) -> None:
+        from parity.server import bearer, channel
+        from parity.v1 import broadcast_pb2, broadcast_pb2_grpc
+
+        token = bearer(self.args.auth_token)
+        async with channel(self.args.broadcast_address) as chan:
+            stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(chan)
+            registered = False
+            interval = 1.0
+            while True:
+                try:
+                    if not registered:
+                        reply = await stub.RegisterWorker(
+                            broadcast_pb2.RegisterWorkerRequest(
+                                worker_id=self.args.worker_id, address=address, weight_version=self.version
+                            ),
+                            metadata=token,
+                            timeout=10,
+                        )
+                        registered, interval = True, reply.heartbeat_interval_s
+                        self.latest_seen = reply.latest_version
+                        await self.server.set_serving(self.version >= self.latest_seen)
+                    else:
+                        reply = await stub.Heartbeat(
+                            broadcast_pb2.HeartbeatRequest(
+                                worker_id=self.args.worker_id, weight_version=self.version
+                            ),
+                            timeout=10,
+                        )
+                        self.latest_seen = max(self.latest_seen, reply.latest_version)
+                except grpc.aio.AioRpcError as exc:
+                    log.warning("membership: %s %s", exc.code().name, exc.details())
+                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        registered = False
+                await asyncio.sleep(interval)
+
+    async def serve(self) -> int:
+        from parity.config import ServiceConfig
+        from parity.server import GrpcServer, install_shutdown_handlers
+        from parity.v1 import rollout_pb2_grpc
+
+        name = "parity.v1.RolloutService"
+        config = ServiceConfig(port=0, auth_token=self.args.auth_token, port_file=self.args.port_file)
+        self.server = GrpcServer(config, [name], protected_methods=[f"/{name}/UpdateWeights"])
+        servicer = rollout_pb2_grpc.RolloutServiceServicer()
+        servicer.UpdateWeights = self.UpdateWeights  # the one RPC a stand-in needs
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, self.server.server)
+        port = await self.server.start()
+        self._write_state()
+        member = asyncio.ensure_future(self.membership_loop(f"127.0.0.1:{port}"))
+
+        async def shutdown() -> None:
+            member.cancel()
+            await self.server.stop(1.0)
+
+        stopped = install_shutdown_handlers(shutdown)
+        await stopped.wait()
+        await self.server.server.wait_for_termination()
+        return 0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--broadcast_address", required=True, help="HOST:PORT of the broadcast service")
+    parser.add_argument("--worker_id", required=True, help="membership id")
+    parser.add_argument("--auth_token", default=os.environ.get("PARITY_AUTH_TOKEN", ""), help="shared token")
+    parser.add_argument("--port_file", default="", help="write the gRPC port here once serving")
+    parser.add_argument("--state_file", default="", help="JSON {version, checksums} after every swap")
+    parser.add_argument("--enable_fault_injection", action="store_true", help="honour fault_corrupt_tensor")
+    parser.add_argument(
+        "--corrupt_tensor_at",
+        default="",
+        help="test-only fault hook: VERSION=TENSOR[,VERSION=TENSOR] corrupts that tensor in flight "
+        "(needs --enable_fault_injection)",
+    )
+    parser.add_argument(
+        "--bucket_delay_s", type=float, default=0.0, help="test-only: sleep after each bucket"
+    )
+    args = parser.parse_args(list(argv))
+    pairs = [p.split("=", 1) for p in args.corrupt_tensor_at.split(",") if p]
+    if pairs and not args.enable_fault_injection:
+        parser.error("--corrupt_tensor_at needs --enable_fault_injection")
+    args.corrupt_tensor_at = {int(v): name for v, name in pairs}
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(StandinReceiver(args).serve())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Prometheus metrics of the weight-broadcast service (served by parity.metrics.serve_metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+UPDATE_SECONDS = Histogram(
+    "parity_broadcast_update_duration_seconds",
+    "One worker update, from the UpdateWeights call to its ack (transfer, verify, swap included).",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
+)
+BYTES = Counter(
+    "parity_broadcast_bytes",
+    "Weight bytes moved over torch.distributed: received from the trainer or sent to workers.",
+    ["direction"],
+)
+FAILURES = Counter(
+    "parity_broadcast_update_failures",
+    "Failed transfers by reason: trainer_transfer, trainer_checksum, checksum, transfer, timeout, "
+    "unreachable, rpc.",
+    ["reason"],
+)
+LATEST_VERSION = Gauge("parity_broadcast_latest_version", "Latest version received and verified.")
+WORKERS = Gauge("parity_broadcast_workers", "Registered (live) rollout workers.")

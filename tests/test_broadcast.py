@@ -1,0 +1,369 @@
+"""The weight-broadcast service end to end: real processes, real gRPC, real gloo.
+
+One broadcast service and two stand-in receivers (services/broadcast/standin_receiver.py: the
+receiving half of the update protocol without an engine) are shared by the tests in this module, in
+order; this test process is the trainer stand-in. Versions therefore continue across tests.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from parity import checksum
+from parity.procs import ServiceProcess, start_service
+from parity.server import bearer
+from parity.transport import TransferGroup, free_port
+from parity.v1 import broadcast_pb2 as pb
+from parity.v1 import broadcast_pb2_grpc, common_pb2
+
+TOKEN = "test-token"
+MODEL = "toy"
+BUCKET_BYTES = 256 * 1024
+CORRUPT_AT = (2, "layers.0.w")  # receiver r0 flips a byte of this tensor when it receives version 2
+
+
+def toy_weights(version: int) -> list[tuple[str, object]]:
+    """About 1.2 MB over four tensors, two dtypes; different values per version."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + version)
+    return [
+        ("embed.weight", torch.randn(1000, 256, generator=gen)),
+        ("layers.0.w", torch.randn(256, 256, generator=gen).to(torch.bfloat16)),
+        ("norm.weight", torch.randn(256, generator=gen)),
+        ("head.bias", torch.randn(1000, generator=gen)),
+    ]
+
+
+def publish_request(version: int, named=None, model: str = MODEL) -> pb.PublishVersionRequest:
+    named = toy_weights(version) if named is None else named
+    return pb.PublishVersionRequest(
+        version=version,
+        model=model,
+        tensors=checksum.describe(named),
+        checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64,
+        bucket_bytes=BUCKET_BYTES,
+    )
+
+
+def publish(stub: broadcast_pb2_grpc.WeightBroadcastServiceStub, version: int) -> pb.WaitVersionResponse:
+    """The trainer's side: announce, send once, wait until the service has verified it."""
+    named = toy_weights(version)
+    plan = stub.PublishVersion(publish_request(version, named), metadata=bearer(TOKEN), timeout=10).plan
+    assert plan.rendezvous.rank == 0 and plan.rendezvous.world_size == 2
+    group = TransferGroup.join(plan.rendezvous)
+    try:
+        sent = group.send([t for _, t in named], plan.bucket_bytes)
+    finally:
+        group.close()
+    assert sent >= sum(t.numel() * t.element_size() for _, t in named)
+    committed = stub.WaitVersion(
+        pb.WaitVersionRequest(version=version, state=pb.VERSION_STATE_COMMITTED, timeout_s=30), timeout=40
+    )
+    assert committed.reached, committed
+    return committed
+
+
+def wait_distributed(stub, version: int, timeout_s: float = 60) -> pb.VersionInfo:
+    reply = stub.WaitVersion(
+        pb.WaitVersionRequest(version=version, state=pb.VERSION_STATE_DISTRIBUTED, timeout_s=timeout_s),
+        timeout=timeout_s + 10,
+    )
+    assert reply.reached, reply
+    return reply.version
+
+
+def trainer_checksums(version: int) -> list[str]:
+    return [str(m.checksum) for m in checksum.describe(toy_weights(version))]
+
+
+def workers(stub) -> dict[str, pb.WorkerInfo]:
+    return {
+        w.worker_id: w for w in stub.GetStatus(pb.WeightBroadcastServiceGetStatusRequest(), timeout=5).workers
+    }
+
+
+def start_standin(log_dir: Path, broadcast: str, worker_id: str, *extra: str) -> ServiceProcess:
+    """A stand-in receiver subprocess (its port file appears once it serves the latest version)."""
+    port_file = log_dir / f"{worker_id}.port"
+    port_file.unlink(missing_ok=True)
+    log_path = log_dir / f"{worker_id}.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.broadcast.standin_receiver",
+        "--broadcast_address",
+        broadcast,
+        "--worker_id",
+        worker_id,
+        "--auth_token",
+        TOKEN,
+        "--port_file",
+        str(port_file),
+        "--state_file",
+        str(log_dir / f"{worker_id}.json"),
+        *extra,
+    ]
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    return ServiceProcess(name=worker_id, proc=proc, port_file=port_file, log_path=log_path)
+
+
+def state(log_dir: Path, worker_id: str) -> dict:
+    return json.loads((log_dir / f"{worker_id}.json").read_text())
+
+
+class Cluster:
+    def __init__(self, log_dir: Path, broadcast: ServiceProcess, metrics_port: int) -> None:
+        self.log_dir = log_dir
+        self.broadcast = broadcast
+        self.metrics_port = metrics_port
+        self.channel = grpc.insecure_channel(broadcast.address)
+        self.stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(self.channel)
+        self.receivers: dict[str, ServiceProcess] = {}
+
+    def add(self, worker_id: str, *extra: str, wait: bool = True) -> ServiceProcess:
+        receiver = start_standin(self.log_dir, self.broadcast.address, worker_id, *extra)
+        self.receivers[worker_id] = receiver
+        if wait:
+            receiver.wait_ready(90)
+        return receiver
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
+            return reply.read().decode()
+
+    def latest(self) -> int:
+        return self.stub.GetStatus(pb.WeightBroadcastServiceGetStatusRequest(), timeout=5).latest_version
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    log_dir = tmp_path_factory.mktemp("broadcast")
+    metrics_port = free_port()
+    broadcast = start_service(
+        "broadcast",
+        [
+            "--auth_token",
+            TOKEN,
+            "--heartbeat_interval_s",
+            "0.5",
+            "--heartbeat_timeout_s",
+            "3",
+            "--transfer_timeout_s",
+            "10",
+            "--metrics_port",
+            str(metrics_port),
+        ],
+        log_dir=log_dir,
+    ).wait_ready(60)
+    env = Cluster(log_dir, broadcast, metrics_port)
+    fault = f"{CORRUPT_AT[0]}={CORRUPT_AT[1]}"
+    env.add("r0", "--enable_fault_injection", "--corrupt_tensor_at", fault, wait=False)
+    env.add("r1", wait=False)
+    for receiver in env.receivers.values():
+        receiver.wait_ready(90)
+    yield env
+    env.channel.close()
+    for receiver in env.receivers.values():
+        receiver.stop(10)
+    broadcast.stop(10)
+
+
+@pytest.mark.slow
+def test_publish_reaches_every_receiver_with_the_trainers_checksums(cluster: Cluster) -> None:
+    info = publish(cluster.stub, 1).version
+    assert info.num_tensors == 4 and info.total_bytes == 1000 * 256 * 4 + 256 * 256 * 2 + 256 * 4 + 1000 * 4
+    wait_distributed(cluster.stub, 1)
+    for worker_id in ("r0", "r1"):
+        assert state(cluster.log_dir, worker_id) == {"version": 1, "checksums": trainer_checksums(1)}
+    status = workers(cluster.stub)
+    assert {w: (s.weight_version, s.state) for w, s in status.items()} == {
+        "r0": (1, pb.WORKER_STATE_SERVING),
+        "r1": (1, pb.WORKER_STATE_SERVING),
+    }
+    text = cluster.metrics()
+    assert "parity_broadcast_latest_version 1.0" in text
+    assert 'parity_broadcast_bytes_total{direction="sent"}' in text
+    assert "parity_broadcast_update_duration_seconds_count 2.0" in text
+
+
+@pytest.mark.slow
+def test_corrupted_tensor_is_detected_receiver_keeps_old_weights_next_version_applies(
+    cluster: Cluster,
+) -> None:
+    version, tensor = CORRUPT_AT
+    assert cluster.latest() == version - 1
+    publish(cluster.stub, version)
+    wait_distributed(cluster.stub, version)
+    assert state(cluster.log_dir, "r0") == {
+        "version": version - 1,
+        "checksums": trainer_checksums(version - 1),
+    }
+    assert state(cluster.log_dir, "r1") == {"version": version, "checksums": trainer_checksums(version)}
+    r0 = workers(cluster.stub)["r0"]
+    assert r0.state == pb.WORKER_STATE_FAILED and r0.weight_version == version - 1
+    assert tensor in r0.last_error and "checksum" in r0.last_error
+    assert 'parity_broadcast_update_failures_total{reason="checksum"} 1.0' in cluster.metrics()
+    publish(cluster.stub, version + 1)
+    wait_distributed(cluster.stub, version + 1)
+    for worker_id in ("r0", "r1"):
+        assert state(cluster.log_dir, worker_id) == {
+            "version": version + 1,
+            "checksums": trainer_checksums(version + 1),
+        }
+    assert workers(cluster.stub)["r0"].state == pb.WORKER_STATE_SERVING
+
+
+def _expect(code: grpc.StatusCode, call: Callable[[], object], field: str) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    assert caught.value.code() == code, caught.value.details()
+    assert field in caught.value.details()
+
+
+@pytest.mark.slow
+def test_bad_metadata_backwards_versions_and_missing_token_are_rejected(cluster: Cluster) -> None:
+    import torch
+
+    stub, latest = cluster.stub, cluster.latest()
+    auth = bearer(TOKEN)
+    good = toy_weights(latest + 1)
+
+    def with_tensor(index: int, tensor) -> list:
+        named = list(good)
+        named[index] = (named[index][0], tensor)
+        return named
+
+    cases = [
+        (with_tensor(0, torch.zeros(999, 256)), "tensors[0].shape"),
+        (with_tensor(1, torch.zeros(256, 256)), "tensors[1].dtype"),
+        ([*good[:3], ("head.extra", torch.zeros(1000))], "tensors[3].name"),
+        (good[:3], "tensors"),
+    ]
+    for named, field in cases:
+        _expect(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            lambda named=named: stub.PublishVersion(
+                publish_request(latest + 1, named), metadata=auth, timeout=5
+            ),
+            field,
+        )
+    _expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: stub.PublishVersion(publish_request(latest + 1, model="other"), metadata=auth, timeout=5),
+        "model",
+    )
+    _expect(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        lambda: stub.PublishVersion(publish_request(latest), metadata=auth, timeout=5),
+        "goes backwards",
+    )
+    _expect(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        lambda: stub.PublishVersion(publish_request(latest + 2), metadata=auth, timeout=5),
+        "version",
+    )
+    _expect(
+        grpc.StatusCode.UNAUTHENTICATED,
+        lambda: stub.PublishVersion(publish_request(latest + 1), timeout=5),
+        "PublishVersion",
+    )
+    _expect(
+        grpc.StatusCode.UNAUTHENTICATED,
+        lambda: stub.PublishVersion(publish_request(latest + 1), metadata=bearer("wrong"), timeout=5),
+        "PublishVersion",
+    )
+    register = pb.RegisterWorkerRequest(worker_id="intruder", address="127.0.0.1:1", weight_version=0)
+    _expect(
+        grpc.StatusCode.UNAUTHENTICATED, lambda: stub.RegisterWorker(register, timeout=5), "RegisterWorker"
+    )
+    bad_address = pb.RegisterWorkerRequest(worker_id="x", address="nowhere", weight_version=0)
+    _expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: stub.RegisterWorker(bad_address, metadata=auth, timeout=5),
+        "address",
+    )
+    _expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: stub.WaitVersion(pb.WaitVersionRequest(version=1, timeout_s=1), timeout=5),
+        "state",
+    )
+    # nothing above changed the registry, and the service still serves
+    status = stub.GetStatus(pb.WeightBroadcastServiceGetStatusRequest(), timeout=5)
+    assert status.latest_version == latest
+    assert max(v.version for v in status.versions) == latest
+    assert set(workers(stub)) == {"r0", "r1"}
+
+
+@pytest.mark.slow
+def test_three_quick_versions_end_on_newest_never_backwards_none_twice(cluster: Cluster) -> None:
+    first = cluster.latest() + 1
+    events: list[pb.VersionEvent] = []
+    watch = cluster.stub.WatchVersions(pb.WatchVersionsRequest(after_version=first - 1), timeout=120)
+    for version in range(first, first + 3):
+        publish(cluster.stub, version)  # the trainer never waits for the fan-out
+    last = first + 2
+    wait_distributed(cluster.stub, last)
+    for response in watch:
+        events.append(response.event)
+        if response.event.kind == pb.VERSION_EVENT_KIND_DISTRIBUTED and response.event.version == last:
+            break
+    watch.cancel()
+    for worker_id in ("r0", "r1"):
+        applied = [
+            e.version
+            for e in events
+            if e.kind == pb.VERSION_EVENT_KIND_WORKER_UPDATED and e.worker_id == worker_id
+        ]
+        assert applied, f"{worker_id} applied nothing"
+        assert applied == sorted(set(applied)), f"{worker_id} applied {applied}: backwards or twice"
+        assert applied[-1] == last
+        assert state(cluster.log_dir, worker_id) == {"version": last, "checksums": trainer_checksums(last)}
+    published = [e.version for e in events if e.kind == pb.VERSION_EVENT_KIND_PUBLISHED]
+    assert published == [first, first + 1, first + 2]
+
+
+@pytest.mark.slow
+def test_receiver_killed_mid_transfer_does_not_block_others_and_catches_up_on_restart(
+    cluster: Cluster,
+) -> None:
+    current = cluster.latest()
+    # a slow receiver (0.4 s per 256 KiB bucket: ~3 s per version) that we can kill mid-transfer
+    victim = cluster.add("victim", "--bucket_delay_s", "0.4")
+    assert state(cluster.log_dir, "victim")["version"] == current  # pushed the latest on joining
+    target = current + 1
+    publish(cluster.stub, target)
+    deadline = time.monotonic() + 20
+    while workers(cluster.stub)["victim"].state != pb.WORKER_STATE_UPDATING:
+        assert time.monotonic() < deadline, "victim never started updating"
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside the transfer
+    victim.signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    victim.proc.wait(10)
+    info = wait_distributed(cluster.stub, target, timeout_s=30)
+    assert time.monotonic() - killed_at < 15, "a dead receiver delayed the others"
+    assert info.state == pb.VERSION_STATE_DISTRIBUTED
+    for worker_id in ("r0", "r1"):
+        assert state(cluster.log_dir, worker_id)["version"] == target
+    dead = workers(cluster.stub)["victim"]
+    assert dead.weight_version == current and dead.updates_failed >= 1 and dead.last_error
+    assert dead.state in (pb.WORKER_STATE_FAILED, pb.WORKER_STATE_DROPPED)
+    assert state(cluster.log_dir, "victim")["version"] == current  # never half-updated
+
+    restarted = cluster.add("victim")  # ready only once it serves the latest version
+    assert restarted.alive()
+    assert state(cluster.log_dir, "victim") == {"version": target, "checksums": trainer_checksums(target)}
+    status = workers(cluster.stub)["victim"]
+    assert (status.weight_version, status.state) == (target, pb.WORKER_STATE_SERVING)
