@@ -138,7 +138,6 @@ def test_node_client_reports_grpc_errors_and_health(stand_in) -> None:
 @pytest.mark.slow
 def test_node_client_generates_on_real_rollout_service(start_services, tiny_model) -> None:
     """Real vLLM rollout service on the tiny model: tokens, processed logprobs, version 0."""
-    pytest.importorskip("rollout.server", reason="the rollout service has not landed yet")
     rollout = start_services("rollout", "--model", "tiny", "--max_model_len", "512")
     done = run_client(
         "--address", rollout.address, "--prompt", "What is 12+7?", "--n", "3", "--max_tokens", "8",
