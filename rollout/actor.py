@@ -9,8 +9,9 @@ Invariants:
     (`rollout_id = f"{group_id}/{index}"`), per-token versions, min/max versions, the sampling
     params used (for the trainer's replay), rewards, logprobs mode, and the `traceparent` of the
     `publish` span.
-  - async mode: never start a new group while `backlog() >= max_lag * groups_per_step`; the time
-    spent waiting is counted (`parity_rollout_backpressure_wait_seconds_total`).
+  - async mode: never start a new group while `backlog() + groups in flight >= max_lag *
+    groups_per_step` (so the stream never holds more unconsumed groups than that); the time spent
+    waiting is counted (`parity_rollout_backpressure_wait_seconds_total`).
   - sync mode: generate `groups_per_step` groups at the serving version, publish them, then wait
     until the serving version increases (generate -> train -> update).
   - Nothing is generated while the service is not caught up with the broadcast service.
@@ -49,6 +50,8 @@ class Actor:
         self.groups_published = 0
         self.backpressure_wait_s = 0.0
         self.queue = None
+        self._in_flight = 0
+        self._admission = asyncio.Lock()
 
     def sampling(self) -> common_pb2.SamplingParams:
         c = self.config
@@ -65,12 +68,15 @@ class Actor:
         metrics.QUEUE_DEPTH.set(depth)
         return depth
 
-    async def _wait_for_trainer(self) -> None:
-        limit = self.config.max_lag * self.config.groups_per_step
+    async def _admit(self) -> None:
+        """Wait until backlog + groups in flight < max_lag * groups_per_step, then claim a slot."""
+        limit = max(1, self.config.max_lag * self.config.groups_per_step)
         start = None
-        while await self._backlog() >= limit:
-            start = start or time.monotonic()
-            await asyncio.sleep(POLL_S)
+        async with self._admission:
+            while await self._backlog() + self._in_flight >= limit:
+                start = start or time.monotonic()
+                await asyncio.sleep(POLL_S)
+            self._in_flight += 1
         if start is not None:
             waited = time.monotonic() - start
             self.backpressure_wait_s += waited
@@ -142,11 +148,14 @@ class Actor:
     async def _async_worker(self) -> None:
         while not self._done() and not self.servicer.shutting_down:
             await self._ready()
-            await self._wait_for_trainer()
-            group = await self.one_group(self._next_prompt())
-            if self._done():
-                return
-            await self.publish(group)
+            await self._admit()
+            try:
+                group = await self.one_group(self._next_prompt())
+                if self._done():
+                    return
+                await self.publish(group)
+            finally:
+                self._in_flight -= 1
 
     async def _sync_loop(self) -> None:
         limit = asyncio.Semaphore(self.config.concurrency)

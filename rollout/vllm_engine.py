@@ -10,10 +10,13 @@ Invariants:
   - Weight versions: vLLM labels versions with strings ("default" = Parity version 0) and reports
     spans per completion; we set the label to str(version) while paused, so every token sampled
     after `resume` carries the new version and every token before it the old one.
-  - After an applied update the prefix cache is empty of old-weight KV. In keep mode, blocks held
-    by running sequences block vLLM's reset; with prefix caching on we then preempt those sequences
-    (`reset_running_requests=True`) so that nothing old-weight can be hit later; with prefix
-    caching off no block is ever reused, so there is nothing to reset.
+  - After an applied update no new request can hit prefix-cache KV computed by older weights: the
+    cache is reset at every update, and (with prefix caching on) every request carries
+    `cache_salt = "v<version at admission>"`, so blocks of another version never match. The salt
+    matters in keep mode, where blocks held by running sequences make vLLM's reset fail: those
+    sequences keep their old-weight KV (that is what keep means, and their tokens are labelled with
+    the new version from the update on), but their blocks are never reused by newer requests.
+    Both guards are off with `reset_prefix_cache_on_update=false` (only for the fault test).
 """
 
 from __future__ import annotations
@@ -116,9 +119,10 @@ class VllmEngine:
         done: set[int] = set()
         self._running += 1
         try:
-            stream = self.llm.generate(
-                {"prompt_token_ids": spec.prompt_token_ids}, params, request_id=spec.request_id
-            )
+            prompt: dict = {"prompt_token_ids": spec.prompt_token_ids}
+            if self.config.prefix_caching and self.config.reset_prefix_cache_on_update:
+                prompt["cache_salt"] = f"v{self.weight_version}"
+            stream = self.llm.generate(prompt, params, request_id=spec.request_id)
             async for output in stream:
                 for comp in output.outputs:
                     i = comp.index
@@ -209,11 +213,8 @@ class VllmEngine:
     async def _reset_prefix_cache(self) -> None:
         if await self.llm.reset_prefix_cache():
             return
-        if not self.config.prefix_caching:
-            return  # blocks held by kept sequences are never shared without prefix caching
-        log.warning("prefix cache held by running sequences; preempting them so no old KV is reused")
-        if not await self.llm.reset_prefix_cache(reset_running_requests=True):
-            raise RuntimeError("could not reset the prefix cache after a weight update")
+        # Kept sequences still hold blocks; the per-version cache salt keeps newer requests off them.
+        log.info("prefix cache not reset (blocks held by kept sequences); requests are salted by version")
 
     async def current_label(self) -> str:
         return await self.llm.get_weight_version()

@@ -1,0 +1,154 @@
+"""Test and benchmark helpers: an independent HF recompute and a stand-in weight sender.
+
+- `HfScorer` recomputes the logprobs of given completion tokens with transformers and
+  `parity.sampling` (float32), independently of either rollout engine. `score_keep` replays an
+  in-flight keep-mode update: KV before the switch from the old weights, the rest from the new.
+- `push_weights` plays the broadcast service's part of the update protocol for one worker: it
+  hosts the TCPStore, joins as rank 0, and sends the tensors with the real `TransferGroup` (gloo)
+  while the worker's `UpdateWeights` RPC runs. Only the broadcast *service* is stood in.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from parity.sampling import SamplingTransform, token_logprobs
+
+
+def perturbed_state_dict(model_dir: Path, seed: int, scale: float = 0.5) -> dict:
+    """The model's weights plus seeded Gaussian noise (relative `scale`): a clearly different version."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        noise = torch.randn(tensor.shape, generator=generator) * tensor.float().std().clamp_min(1e-3) * scale
+        state[name] = (tensor.float() + noise).contiguous()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+class HfScorer:
+    """Float32 transformers model whose weights can be swapped, for independent recomputes."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.initial = {k: v.clone() for k, v in self.model.state_dict().items()}
+
+    def load(self, state: dict | None) -> None:
+        """Load `state` (None: the checkpoint's own weights)."""
+        self.model.load_state_dict(self.initial if state is None else state, strict=False)
+
+    def logits(self, ids: Sequence[int], past=None):
+        import torch
+
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([list(ids)]), past_key_values=past, use_cache=True)
+        return out.logits[0].float(), out.past_key_values
+
+    def score(
+        self,
+        prompt: Sequence[int],
+        completion: Sequence[int],
+        transform: SamplingTransform,
+        raw: bool = False,
+    ) -> list[float]:
+        """Logprob of each completion token given the prompt and the previous completion tokens."""
+        import torch
+
+        logits_TV, _ = self.logits(list(prompt) + list(completion))
+        logits_TV = logits_TV[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+        tokens_T = torch.tensor(list(completion))
+        if raw:
+            return logits_TV.log_softmax(-1).gather(-1, tokens_T[:, None]).squeeze(-1).tolist()
+        return token_logprobs(logits_TV, tokens_T, transform)[0].tolist()
+
+    def score_keep(
+        self,
+        prompt: Sequence[int],
+        completion: Sequence[int],
+        switch_at: int,
+        old_state: dict | None,
+        new_state: dict | None,
+        transform: SamplingTransform,
+    ) -> list[float]:
+        """Keep-mode replay: tokens [0, switch_at) sampled by the old weights; from token switch_at on
+        the new weights run over KV the old weights computed for positions before token switch_at-1."""
+        import torch
+
+        assert 0 < switch_at < len(completion)
+        ids = list(prompt) + list(completion)
+        self.load(old_state)
+        old_logits, cache = self.logits(ids[: len(prompt) + switch_at - 1])
+        self.load(new_state)
+        new_logits, _ = self.logits(ids[len(prompt) + switch_at - 1 : -1], past=cache)
+        logits_TV = torch.cat([old_logits[len(prompt) - 1 :], new_logits])
+        return token_logprobs(logits_TV, torch.tensor(list(completion)), transform)[0].tolist()
+
+
+def transfer_plan(state: dict, version: int, bucket_bytes: int = 1 << 20, timeout_s: float = 60.0):
+    """(plan for the worker as rank 1, rendezvous for the sender as rank 0, tensors in plan order)."""
+    from parity import checksum
+    from parity.transport import free_port
+    from parity.v1 import common_pb2
+
+    names = sorted(state)
+    tensors = [state[n] for n in names]
+    rendezvous = common_pb2.Rendezvous(
+        host="127.0.0.1",
+        port=free_port(),
+        rank=1,
+        world_size=2,
+        backend="gloo",
+        group_name=f"test-v{version}-{uuid.uuid4().hex[:8]}",
+        timeout_s=timeout_s,
+    )
+    plan = common_pb2.TransferPlan(
+        version=version,
+        tensors=checksum.describe(zip(names, tensors, strict=True)),
+        bucket_bytes=bucket_bytes,
+        checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64,
+        rendezvous=rendezvous,
+    )
+    sender = common_pb2.Rendezvous()
+    sender.CopyFrom(rendezvous)
+    sender.rank = 0
+    return plan, sender, tensors
+
+
+def push_weights(stub, state: dict, version: int, metadata=(), timeout_s: float = 120.0, **request_fields):
+    """Send `state` as `version` to the worker behind `stub` (a RolloutService stub). Returns the reply."""
+    from parity.transport import TransferGroup
+    from parity.v1 import rollout_pb2
+
+    plan, sender_rdv, tensors = transfer_plan(state, version)
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            group = TransferGroup.join(sender_rdv, host_store=True)
+            try:
+                group.send(tensors, plan.bucket_bytes)
+            finally:
+                group.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    reply = stub.UpdateWeights(
+        rollout_pb2.UpdateWeightsRequest(plan=plan, **request_fields), timeout=timeout_s, metadata=metadata
+    )
+    thread.join(timeout_s)
+    if errors:
+        raise errors[0]
+    return reply
