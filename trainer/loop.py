@@ -71,6 +71,7 @@ class Trainer:
         self.finished = False
         self._unpublished_steps = 0
         self._snapshots: dict[int, dict[str, Any]] = {}
+        self._checkpointed: tuple[int, int] | None = None
 
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -181,7 +182,8 @@ class Trainer:
                 self.checkpoint()
         if self._unpublished_steps:
             self._publish()
-        self.checkpoint()
+        if self._checkpointed != (self.state.step, self.state.weight_version):
+            self.checkpoint()
         self.finished = True
 
     def train_step(self, batch: Batch) -> dict[str, Any]:
@@ -499,6 +501,7 @@ class Trainer:
             self.state.applied_rollout_ids = sorted(self.applied_ids)
         path = self.store.save(self.model, self.optimizer, self.state)
         self.queue.set_replay_floor(floor)
+        self._checkpointed = (self.state.step, self.state.weight_version)
         log.info(
             "checkpoint %s (step %d, version %d, floor %s)",
             path.name,
