@@ -2,17 +2,19 @@
 
 Invariants:
 - Off by default. `init(service_name)` turns tracing on only when `OTEL_TRACES_EXPORTER` is `otlp`
-  or `console` (or when a test passes `exporter=`). Off, `span()` returns one shared no-op context
-  manager, `current_traceparent()` returns "", the gRPC interceptor lists are empty, and the SDK
-  and the gRPC instrumentation are never imported.
+  or `console` and `OTEL_SDK_DISABLED` is not `true` (or when a test passes `exporter=`). Off,
+  `span()` returns one shared no-op context manager, `current_traceparent()` returns "", the gRPC
+  interceptor lists are empty, and the SDK and the gRPC instrumentation are never imported.
 - On, the OTLP exporter reads the standard variables (`OTEL_EXPORTER_OTLP_ENDPOINT`,
-  `OTEL_EXPORTER_OTLP_PROTOCOL`, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, ...).
+  `OTEL_EXPORTER_OTLP_PROTOCOL` grpc or http/protobuf, `OTEL_SERVICE_NAME`,
+  `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER`, ...).
 - A rollout entry in Redis carries the W3C `traceparent` of its `publish` span. The trainer's
-  `consume` and `train step` spans *link* to it (messaging semantic conventions: a consumer span
+  `consume` and `train_step` spans *link* to it (messaging semantic conventions: a consumer span
   batches many messages, so it links to their producers instead of becoming a child of one).
-- gRPC calls are traced by opentelemetry-instrumentation-grpc's aio interceptors, which carry the
-  context in call metadata, so a `broadcast transfer` span on the broadcast service is the parent
-  of the rollout worker's `UpdateWeights` server span and of its `verify`/`swap` spans.
+- gRPC calls are traced by opentelemetry-instrumentation-grpc's interceptors, which carry the
+  context in call metadata: the trainer's `publish_version` is the parent of the broadcast
+  service's spans for that version, and a `broadcast_transfer` is the parent of the rollout
+  worker's `UpdateWeights` server span and its `swap`. Health checks are not traced.
 
 Usage:
     tracing.init("parity-rollout")
@@ -70,7 +72,8 @@ def init(service_name: str, exporter: Any = None) -> bool:
     """
     global _enabled, _provider
     choice = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
-    if exporter is None and choice not in {"otlp", "console"}:
+    disabled = os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+    if exporter is None and (disabled or choice not in {"otlp", "console"}):
         return False
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -105,7 +108,7 @@ def init(service_name: str, exporter: Any = None) -> bool:
 
 
 def shutdown() -> None:
-    """Flush pending spans and turn tracing off (services call this on exit)."""
+    """Flush pending spans and turn tracing off (the SDK also flushes at interpreter exit)."""
     global _enabled
     if _provider is not None:
         _provider.force_flush()

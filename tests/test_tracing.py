@@ -217,3 +217,31 @@ def test_instrument_channel_is_identity_when_off() -> None:
     tracing.shutdown()
     sentinel = object()
     assert tracing.instrument_channel(sentinel) is sentinel
+
+
+@pytest.mark.parametrize(
+    ("env", "exporter_module"),
+    [
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"),
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+            "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+        ),
+        ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "true"}, ""),
+        ({"OTEL_TRACES_EXPORTER": "none"}, ""),
+    ],
+)
+def test_standard_otel_variables_choose_the_exporter(env: dict[str, str], exporter_module: str) -> None:
+    script = (
+        "import json\n"
+        "from parity import tracing\n"
+        "on = tracing.init('parity-broadcast')\n"
+        "procs = tracing._provider._active_span_processor._span_processors if on else ()\n"
+        "print(json.dumps([p.span_exporter.__class__.__module__ for p in procs]))\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env={**clean, **env}, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ([exporter_module] if exporter_module else [])
