@@ -1,0 +1,210 @@
+"""Tokens/s of one trainer step on SmolLM2-135M: Parity's step vs the same step in plain torch.
+
+    python bench/trainer_step.py [--groups 2 --group_size 4 --prompt_len 16 --completion_len 48
+                                  --repeats 3 --micro_batch_size 8 --model smollm2-135m]
+
+"ours" is the real `trainer.loop.Trainer` step: XREADGROUP from a private redis-server, dedupe and
+lag checks, fp32-head logprobs under the replayed sampling transform, GRPO/PPO-clip loss with
+gradient accumulation, grad clip, AdamW, XACK, mismatch metrics (lag-0 and all), metrics.jsonl and
+Prometheus gauges. "plain" is the same update written directly in torch: full-vocab logits from
+`model(...)`, log_softmax / temperature, gather, the same GRPO advantages and PPO-clip loss, backward,
+clip, AdamW — no queue, no replay of top-k/top-p, no metrics. Both see identical token batches and
+start from the same weights; the runs alternate so that machine load hits both alike. The ratio
+plain_tps / ours_tps is our overhead (>1 means we are slower). Prints progress lines; the last
+line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_redis() -> tuple[subprocess.Popen, str, str]:
+    workdir = tempfile.mkdtemp(prefix="bench-redis-")
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0", workdir
+
+
+def plain_step(model, optimizer, groups, micro_batch_size: int, clip_eps: float = 0.2) -> None:
+    """The same GRPO/PPO-clip update, written plainly."""
+    import torch
+
+    seqs = []
+    for group in groups:
+        rewards = torch.tensor([s.reward for s in group.samples])
+        adv = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-6)
+        for sample, a in zip(group.samples, adv.tolist(), strict=True):
+            seqs.append((list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), a))
+    total_tokens = sum(len(s[1]) for s in seqs)
+    optimizer.zero_grad(set_to_none=True)
+    for start in range(0, len(seqs), micro_batch_size):
+        chunk = seqs[start : start + micro_batch_size]
+        length = max(len(p) + len(c) for p, c, _, _ in chunk)
+        ids = torch.zeros(len(chunk), length, dtype=torch.long)
+        mask = torch.zeros(len(chunk), length, dtype=torch.long)
+        for b, (p, c, _, _) in enumerate(chunk):
+            ids[b, : len(p) + len(c)] = torch.tensor(p + c)
+            mask[b, : len(p) + len(c)] = 1
+        logprobs = (model(input_ids=ids, attention_mask=mask).logits / 1.0).log_softmax(-1)
+        loss = 0.0
+        for b, (p, c, old, a) in enumerate(chunk):
+            positions = torch.arange(len(p) - 1, len(p) + len(c) - 1)
+            new = logprobs[b, positions, torch.tensor(c)]
+            ratio = torch.exp(new - torch.tensor(old))
+            loss = loss - torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a).sum()
+        (loss / total_tokens).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--group_size", type=int, default=4)
+    parser.add_argument("--prompt_len", type=int, default=16)
+    parser.add_argument("--completion_len", type=int, default=48)
+    parser.add_argument("--micro_batch_size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps the default")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from parity import models
+    from parity.rollout_queue import RolloutQueue
+    from trainer.config import TrainerConfig
+    from trainer.loop import Trainer
+    from trainer.policy import load_model
+    from trainer.synthetic import make_group
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = models.resolve(args.model)
+    redis_proc, redis_url, redis_dir = start_redis()
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
+    try:
+        print(f"loading {args.model} ({model_dir}) twice: ours and plain", flush=True)
+        config = TrainerConfig(
+            model=str(model_dir),
+            redis_url=redis_url,
+            stream="bench:rollouts",
+            run_dir=str(run_dir),
+            steps=10_000,
+            groups_per_step=args.groups,
+            micro_batch_size=args.micro_batch_size,
+            lr=1e-6,
+            max_lag=1_000_000,
+            read_block_ms=100,
+        )
+        trainer = Trainer(config)
+        trainer.setup()
+        plain_model = load_model(model_dir)
+        plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-6, weight_decay=0.0)
+        queue = RolloutQueue(redis_url, stream="bench:rollouts")
+        gen = torch.Generator().manual_seed(0)
+        reward_patterns = [(1.0, 0.0, 0.0, 1.0), (0.0, 1.0, 0.0, 0.0), (1.0, 1.0, 0.0, 1.0)]
+
+        def make_batch(round_index: int) -> list:
+            return [
+                make_group(
+                    trainer.model,
+                    f"r{round_index}-g{g}",
+                    [reward_patterns[(g + k) % 3][k % 4] for k in range(args.group_size)],
+                    prompt_len=args.prompt_len,
+                    completion_len=args.completion_len,
+                    generator=gen,
+                    sample=False,
+                )
+                for g in range(args.groups)
+            ]
+
+        tokens_per_step = args.groups * args.group_size * args.completion_len
+        results: dict[str, list[float]] = {"ours": [], "plain": []}
+        for round_index in range(args.repeats + 1):
+            groups = make_batch(round_index)
+            for group in groups:
+                queue.publish(group)
+            start = time.perf_counter()
+            batch = trainer.consumer.collect(args.groups, trainer.state.weight_version, config.max_lag)
+            trainer.train_step(batch)
+            ours_s = time.perf_counter() - start
+            start = time.perf_counter()
+            plain_step(plain_model, plain_opt, groups, args.micro_batch_size)
+            plain_s = time.perf_counter() - start
+            label = "warmup" if round_index == 0 else f"round {round_index}/{args.repeats}"
+            print(
+                f"{label}: ours {ours_s:.2f}s ({tokens_per_step / ours_s:.0f} tok/s), "
+                f"plain {plain_s:.2f}s ({tokens_per_step / plain_s:.0f} tok/s)",
+                flush=True,
+            )
+            if round_index > 0:
+                results["ours"].append(tokens_per_step / ours_s)
+                results["plain"].append(tokens_per_step / plain_s)
+        ours_tps = statistics.median(results["ours"])
+        plain_tps = statistics.median(results["plain"])
+        metrics = trainer.last_metrics
+        summary = {
+            "bench": "trainer_step",
+            "model": args.model,
+            "tokens_per_step": tokens_per_step,
+            "sequences_per_step": args.groups * args.group_size,
+            "prompt_len": args.prompt_len,
+            "completion_len": args.completion_len,
+            "ours_tokens_per_s": round(ours_tps, 1),
+            "plain_tokens_per_s": round(plain_tps, 1),
+            "overhead_ratio": round(plain_tps / ours_tps, 3),
+            "torch_threads": torch.get_num_threads(),
+            "repeats": args.repeats,
+            "lag0_mismatch_k3": metrics.get("mismatch_k3"),
+            "lag0_mismatch_max_abs": metrics.get("mismatch_max_abs"),
+        }
+        print(
+            f"ours {ours_tps:.0f} tok/s vs plain {plain_tps:.0f} tok/s: overhead ratio "
+            f"{summary['overhead_ratio']:.3f} (plain/ours)",
+            flush=True,
+        )
+        print(json.dumps(summary), flush=True)
+        trainer.close()
+    finally:
+        redis_proc.terminate()
+        redis_proc.wait(10)
+        shutil.rmtree(redis_dir, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
