@@ -1,0 +1,81 @@
+"""The trainer publishes through the real weight-broadcast service: one version per publish, the
+broadcast commits them with the trainer's checksums, and a trainer that restarts behind the
+broadcast's latest version continues above it (versions never reused)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from parity.rollout_queue import RolloutQueue
+from parity.server import bearer
+from parity.v1 import broadcast_pb2, broadcast_pb2_grpc
+from trainer.config import TrainerConfig
+from trainer.loop import Trainer
+from trainer.policy import load_model
+from trainer.synthetic import make_group
+
+TOKEN = "tok"
+STREAM = "pub:rollouts"
+
+
+def run_trainer(redis_url: str, run_dir: Path, broadcast: str, steps: int) -> Trainer:
+    trainer = Trainer(
+        TrainerConfig(
+            model="tiny",
+            redis_url=redis_url,
+            stream=STREAM,
+            run_dir=str(run_dir),
+            steps=steps,
+            groups_per_step=1,
+            read_block_ms=50,
+            broadcast_address=broadcast,
+            auth_token=TOKEN,
+            max_lag=10,
+            lr=1e-3,
+            wait_committed_s=20,
+        )
+    )
+    trainer.setup()
+    trainer.run()
+    trainer.close()
+    return trainer
+
+
+@pytest.mark.slow
+def test_versions_are_published_committed_and_continue_above_the_broadcasts_latest(
+    redis_url: str, tmp_path: Path, start_services, tiny_model: Path
+) -> None:
+    broadcast = start_services("broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "20", timeout_s=90)
+    model = load_model(tiny_model)
+    queue = RolloutQueue(redis_url, stream=STREAM)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(2):
+        queue.publish(make_group(model, f"g{i}", (1.0, 0.0, 0.0, 0.0), generator=gen))
+    first = run_trainer(redis_url, tmp_path / "a", broadcast.address, steps=2)
+    assert first.state.weight_version == 2
+    with grpc.insecure_channel(broadcast.address) as chan:
+        stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(chan)
+        reply = stub.WaitVersion(
+            broadcast_pb2.WaitVersionRequest(
+                version=2, state=broadcast_pb2.VERSION_STATE_COMMITTED, timeout_s=10
+            ),
+            timeout=20,
+            metadata=bearer(TOKEN),
+        )
+        assert reply.reached and reply.version.num_tensors == len(list(first.model.named_parameters()))
+        status = stub.GetStatus(broadcast_pb2.WeightBroadcastServiceGetStatusRequest(), timeout=5)
+        assert status.latest_version == 2
+        committed = {v.version for v in status.versions if v.state >= broadcast_pb2.VERSION_STATE_COMMITTED}
+        assert {1, 2} <= committed
+        # A fresh trainer (no checkpoint: it starts from version 0's weights) must not reuse 1 or 2.
+        queue.publish(make_group(model, "g2", (1.0, 0.0, 0.0, 0.0), generator=gen))
+        second = run_trainer(redis_url, tmp_path / "b", broadcast.address, steps=1)
+        assert second.state.weight_version == 4  # 3 = re-published initial weights, 4 = after its step
+        assert (
+            stub.GetStatus(broadcast_pb2.WeightBroadcastServiceGetStatusRequest(), timeout=5).latest_version
+            == 4
+        )
