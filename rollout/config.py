@@ -70,6 +70,12 @@ class RolloutConfig(ServiceConfig):
         1.0, gt=0, description="KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."
     )
     enforce_eager: bool = Field(True, description="Skip graph capture/compilation (fast startup on CPU).")
+    reference_threads: int = Field(
+        1,
+        ge=1,
+        description="torch intra-op threads of the reference engine; 1 avoids OpenMP oversubscription "
+        "(100x slower steps) on shared CPUs.",
+    )
     max_num_seqs: int = Field(64, gt=0, description="Most sequences the engine batches at once.")
 
     # Weight updates and membership.

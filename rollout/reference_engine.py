@@ -60,6 +60,7 @@ class ReferenceEngine:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        torch.set_num_threads(self.config.reference_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         dtype = torch.float32 if self.config.dtype == "float32" else torch.bfloat16
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval()

@@ -334,12 +334,17 @@ async def serve(config: RolloutConfig, model_dir: Path) -> int:
     stopped = asyncio.Event()
 
     async def shutdown() -> None:
+        # New RPCs get UNAVAILABLE ("shutting down") from here on; in-flight groups get the grace
+        # period to finish before the server stops.
         servicer.shutting_down = True
         await servicer.refresh_serving()
         await server.set_serving(False)
         for task in background:
             task.cancel()
-        await server.stop(config.shutdown_grace_s)
+        deadline = time.monotonic() + config.shutdown_grace_s
+        while engine.num_running() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await server.stop(0.5)
         stopped.set()
 
     install_shutdown_handlers(shutdown)

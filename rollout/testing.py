@@ -37,9 +37,12 @@ def perturbed_state_dict(model_dir: Path, seed: int, scale: float = 0.5) -> dict
 class HfScorer:
     """Float32 transformers model whose weights can be swapped, for independent recomputes."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, threads: int | None = 1) -> None:
         import torch
         from transformers import AutoModelForCausalLM
+
+        if threads:
+            torch.set_num_threads(threads)  # a shared 2-core box: more threads are 100x slower
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.initial = {k: v.clone() for k, v in self.model.state_dict().items()}

@@ -1,0 +1,185 @@
+"""The reference engine, the actor loop, startup errors and shutdown, on real processes.
+
+These use the HF reference engine (starts in seconds) where the engine is not the point: the actor
+publishes to a real Redis, shutdown is a real SIGTERM. Tolerance for the reference engine against
+the independent recompute is 2e-4 per token, as for vLLM: both are the same float32 torch model
+under the same transform, differing only in KV-cached (one token at a time) vs full-sequence
+attention; over 150 tokens with perturbed, larger-norm weights we observe up to ~5e-5.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from parity.sampling import SamplingTransform
+from parity.server import bearer
+from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, rollouts_pb2
+from rollout.testing import HfScorer, perturbed_state_dict, push_weights
+
+TOKEN = "reference-test-token"
+EXACT_TOL = 2e-4
+
+
+def _stub(service) -> rollout_pb2_grpc.RolloutServiceStub:
+    return rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(service.address))
+
+
+def _sampling(**fields) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(**{"temperature": 1.0, "max_tokens": 12, "n": 2, **fields})
+
+
+def test_unknown_model_fails_at_startup_naming_the_field() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "parity.cli", "serve", "rollout", "--model", "no-such-model"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "model" in result.stderr and "no-such-model" in result.stderr
+
+
+def test_bad_config_fails_at_startup_naming_the_field() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "parity.cli", "serve", "rollout", "--update_mode", "sometimes"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "update_mode" in result.stderr
+
+
+@pytest.mark.slow
+def test_reference_engine_is_the_trainers_numerics_and_updates_in_flight(
+    start_services, tiny_model: Path
+) -> None:
+    service = start_services(
+        "rollout", "--engine", "reference", "--model", str(tiny_model), "--auth_token", TOKEN
+    )
+    stub = _stub(service)
+    scorer = HfScorer(tiny_model)
+    prompt = list(range(10, 30))
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.8, 20, 0.9), (0.6, 5, 0.7)]:
+        reply = stub.Generate(
+            rollout_pb2.GenerateRequest(
+                prompt_token_ids=prompt,
+                sampling=_sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=3),
+            )
+        )
+        for comp in reply.completions:
+            expected = scorer.score(prompt, comp.token_ids, SamplingTransform(temperature, top_k, top_p))
+            assert max(abs(a - b) for a, b in zip(comp.logprobs, expected, strict=True)) < EXACT_TOL
+    # An in-flight keep-mode update: versions switch between two decode steps, and the logprobs after
+    # the switch are the new weights over the KV the old weights computed.
+    new_state = perturbed_state_dict(tiny_model, seed=7)
+    replies: list = []
+    request = rollout_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=_sampling(max_tokens=150, n=4))
+    worker = threading.Thread(target=lambda: replies.append(stub.Generate(request, timeout=120)))
+    worker.start()
+    while stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).num_running_requests == 0:
+        time.sleep(0.02)
+    time.sleep(0.05)
+    stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(), metadata=bearer(TOKEN))
+    update = push_weights(stub, new_state, 1, metadata=bearer(TOKEN))
+    stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), metadata=bearer(TOKEN))
+    assert update.outcome == rollout_pb2.UPDATE_OUTCOME_APPLIED, update.error
+    worker.join(120)
+    switched = 0
+    for comp in replies[0].completions:  # a completion may end (EOS) before the update
+        versions = list(comp.token_weight_versions)
+        switch_at = versions.index(1) if 1 in versions else len(versions)
+        assert versions == [0] * switch_at + [1] * (len(versions) - switch_at)
+        if switch_at == len(versions):
+            scorer.load(None)
+            expected = scorer.score(prompt, comp.token_ids, SamplingTransform())
+        else:
+            switched += 1
+            expected = scorer.score_keep(
+                prompt, comp.token_ids, switch_at, None, new_state, SamplingTransform()
+            )
+        assert max(abs(a - b) for a, b in zip(comp.logprobs, expected, strict=True)) < EXACT_TOL
+    assert switched, "no completion was running at the update"
+    assert stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).weight_version == 1
+
+
+@pytest.mark.slow
+def test_requests_during_shutdown_are_unavailable_and_inflight_ones_finish(
+    start_services, tiny_model: Path
+) -> None:
+    service = start_services(
+        "rollout", "--engine", "reference", "--model", str(tiny_model), "--shutdown_grace_s", "30"
+    )
+    stub = _stub(service)
+    long_request = rollout_pb2.GenerateRequest(
+        prompt_token_ids=[5, 6, 7], sampling=_sampling(max_tokens=400, n=4)
+    )
+    future = stub.Generate.future(long_request, timeout=120)
+    while stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).num_running_requests == 0:
+        time.sleep(0.02)
+    service.signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(rollout_pb2.GenerateRequest(prompt_token_ids=[5], sampling=_sampling()), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in info.value.details()
+    finished = future.result()
+    assert len(finished.completions) == 4  # completed normally (EOS or length), not aborted
+    assert all(c.finish_reason != common_pb2.FINISH_REASON_ABORT for c in finished.completions)
+    assert service.proc.wait(60) == 0
+
+
+@pytest.mark.slow
+def test_actor_publishes_scored_groups_with_backpressure(
+    start_services, tiny_model: Path, redis_url: str
+) -> None:
+    from parity.rollout_queue import RolloutQueue
+
+    service = start_services(
+        "rollout", "--engine", "reference", "--model", str(tiny_model), "--actor", "true",
+        "--redis_url", redis_url, "--group_size", "3", "--max_tokens", "6", "--max_lag", "2",
+        "--groups_per_step", "2", "--concurrency", "3", "--worker_id", "w0", "--temperature", "0.9",
+        "--top_k", "40",
+        env={"OTEL_TRACES_EXPORTER": "console"},
+    )  # fmt: skip
+    queue = RolloutQueue(redis_url)
+    deadline = time.monotonic() + 60
+    while queue.redis.xlen(queue.stream) < 4:
+        assert time.monotonic() < deadline, service.log_tail()
+        time.sleep(0.1)
+    time.sleep(1.5)  # the actor must now be blocked: backlog == max_lag * groups_per_step
+    assert queue.redis.xlen(queue.stream) == 4
+    entries = queue.redis.xrange(queue.stream)
+    group_ids = set()
+    for _entry_id, fields in entries:
+        group = rollouts_pb2.RolloutGroup.FromString(fields[b"group"])
+        group_ids.add(group.group_id)
+        assert fields[b"group_id"].decode() == group.group_id and group.worker_id == "w0"
+        assert fields[b"traceparent"].startswith(b"00-")  # W3C traceparent of the publish span
+        assert (group.sampling.temperature, group.sampling.top_k, group.sampling.n) == (
+            pytest.approx(0.9),
+            40,
+            3,
+        )
+        assert group.task == "arithmetic" and group.prompt_text.startswith("What is ")
+        assert group.logprobs_mode == common_pb2.LOGPROBS_MODE_PROCESSED
+        assert (group.min_weight_version, group.max_weight_version) == (0, 0)
+        assert [s.rollout_id for s in group.samples] == [f"{group.group_id}/{i}" for i in range(3)]
+        for sample in group.samples:
+            assert len(sample.token_ids) == len(sample.logprobs) == len(sample.token_weight_versions) > 0
+            assert sample.reward in (0.0, 1.0)
+    assert len(group_ids) == 4
+    # The trainer consumes: the actor resumes.
+    ids = [entry_id.decode() for entry_id, _ in entries]
+    queue.redis.xreadgroup(queue.group, "test", {queue.stream: ">"}, count=4)
+    queue.redis.xack(queue.stream, queue.group, *ids)
+    while queue.redis.xlen(queue.stream) < 6:
+        assert time.monotonic() < deadline + 60, service.log_tail()
+        time.sleep(0.1)
