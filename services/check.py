@@ -1,0 +1,531 @@
+"""`parity check`: rollout-engine logprobs against the trainer's, same weights, same prompts.
+
+    parity check --model tiny                          # start a rollout service with the switches, check it
+    parity check --rollout_address 127.0.0.1:PORT      # check a running rollout service (the launcher's gate)
+    parity check --model tiny --ablate --out DIR       # one row per correctness fix turned off
+
+A fixed, seeded prompt set (the task's first `num_prompts` training prompts, through the chat
+template) is tokenized here and sent as token ids, so both sides see identical prompts. The
+rollout side samples `samples_per_prompt` completions per prompt; the trainer side is
+`trainer.policy.token_logprobs` (fp32 head, the replayed sampling transform) on the same tokens.
+
+Gate: a configuration passes when no logprob is non-finite and mean k3 <= threshold. Exit codes:
+0 passed, 1 above the threshold (or non-finite), 2 bad input. With --ablate only the first row
+(the configured settings) decides the exit code; the other rows are expected to fail.
+
+Default threshold 1e-3 (mean k3 per token). For small r, k3 ≈ r²/2, so 1e-3 is an RMS log-ratio
+of ~0.045: per-token importance ratios off by ~4.5% on average, a quarter of PPO's clip range
+(0.2), so the trust region still means what the objective assumes. Measured on the tiny model
+(docs/ab_study.md): fp32 rollouts ~1e-11, bf16 with the fp32 head ~1e-4..1e-3 on a random model,
+raw logprobs at temperature 0.7 ~1e-1, stale prefix-cache KV ≫ 1e-3.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
+
+from parity.config import ConfigError, load_config
+from services.ablation import Ablation, RawCompletion, SamplingSetup
+from services.check_metrics import (
+    MismatchStats,
+    ScoredCompletion,
+    WorstToken,
+    finite_log_ratios,
+    format_table,
+    format_worst,
+    mismatch_stats,
+    worst_tokens,
+)
+
+DEFAULT_THRESHOLD = 1e-3
+PARITY_SWITCHES = (
+    "dtype",
+    "logprobs_mode",
+    "head_dtype",
+    "prefix_caching",
+    "reset_prefix_cache_on_update",
+    "generation_config",
+)
+
+
+class CheckConfig(BaseSettings):
+    """`parity check` flags (env: PARITY_CHECK_<FIELD>)."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid", env_prefix="PARITY_CHECK_", cli_implicit_flags=False, cli_prog_name="parity check"
+    )
+
+    model: str = Field("tiny", description="Model: tiny, smollm2-135m, or an HF model directory.")
+    engine: Literal["vllm", "reference"] = Field("vllm", description="Rollout engine to check.")
+    rollout_address: str = Field(
+        "", description="HOST:PORT of a running rollout service to check; empty starts one with the switches."
+    )
+    task: str = Field("arithmetic", description="Task whose training prompts are used.")
+    num_prompts: int = Field(8, ge=1, le=4096, description="Prompts in the fixed, seeded prompt set.")
+    samples_per_prompt: int = Field(2, ge=1, le=64, description="Completions sampled per prompt.")
+    max_tokens: int = Field(24, ge=1, le=4096, description="Maximum tokens per completion.")
+    temperature: float = Field(
+        0.7, gt=0, le=10, description="Sampling temperature. Not 1, so raw and processed logprobs differ."
+    )
+    top_p: float = Field(0.9, gt=0, le=1, description="Nucleus mass (1 disables).")
+    top_k: int = Field(0, ge=0, description="Top-k (0 disables).")
+    seed: int = Field(0, ge=0, description="Seed of the prompt set and of the sampling.")
+    threshold: float = Field(
+        DEFAULT_THRESHOLD, gt=0, description="Largest passing mean k3 (KL) per token; see the module docs."
+    )
+    out: str = Field(
+        "", description="Write check.json, check.txt and check_hist.png here; empty = checks/<UTC time>."
+    )
+    ablate: CliImplicitFlag[bool] = Field(
+        False, description="Also run one row per correctness fix turned off."
+    )
+    # The parity switches of the rollout engine (as `parity serve rollout`); defaults are the correct ones.
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Rollout weights/activations dtype.")
+    logprobs_mode: Literal["processed", "raw"] = Field("processed", description="Rollout logprobs mode.")
+    head_dtype: Literal["float32", "model"] = Field("float32", description="Rollout lm_head dtype.")
+    prefix_caching: bool = Field(False, description="vLLM prefix caching.")
+    reset_prefix_cache_on_update: bool = Field(True, description="Reset the prefix cache at weight updates.")
+    generation_config: Literal["vllm", "auto"] = Field(
+        "vllm", description="Use the model's sampling defaults."
+    )
+    max_model_len: int = Field(512, ge=64, description="Rollout engine context length.")
+    update_scale: float = Field(
+        0.05, gt=0, description="--ablate: relative size of the weight update in the prefix-cache rows."
+    )
+    startup_timeout_s: float = Field(600.0, gt=0, description="Seconds a started rollout service may take.")
+
+    def sampling(self) -> SamplingSetup:
+        return SamplingSetup(
+            self.temperature, self.top_p, self.top_k, self.max_tokens, self.samples_per_prompt, self.seed
+        )
+
+    def rollout_config(self):
+        """The RolloutConfig these switches describe (validated by the rollout service's own rules)."""
+        from rollout.config import RolloutConfig
+
+        return RolloutConfig(
+            model=self.model,
+            engine=self.engine,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            **{name: getattr(self, name) for name in PARITY_SWITCHES},
+        )
+
+
+@dataclass
+class CheckRow:
+    """One configuration's measurement."""
+
+    name: str
+    description: str
+    settings: dict[str, object]
+    stats: MismatchStats
+    worst: list[WorstToken]
+    log_ratios: list[float] = field(repr=False)
+    passed: bool
+    compare_with: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "compare_with": self.compare_with,
+            "settings": self.settings,
+            "passed": self.passed,
+            "stats": self.stats.as_dict(),
+            "worst_tokens": [w.as_dict() for w in self.worst],
+        }
+
+
+@dataclass
+class CheckReport:
+    """The check's result. rows[0] is the configuration under test; it alone decides `passed`."""
+
+    rows: list[CheckRow]
+    threshold: float
+    model: str
+    source: str
+    sampling: SamplingSetup
+    num_prompts: int
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.rows[0].passed
+
+    @property
+    def table(self) -> str:
+        rows = [(r.name, r.stats, _verdict(r)) for r in self.rows]
+        s = self.sampling
+        head = (
+            f"parity check: {self.model} via {self.source}; {self.num_prompts} prompts x "
+            f"{s.samples_per_prompt} samples, max_tokens {s.max_tokens}, temperature {s.temperature}, "
+            f"top_p {s.top_p}, top_k {s.top_k}, seed {s.seed}; gate: no non-finite and mean k3 <= "
+            f"{self.threshold:g}"
+        )
+        settings = ", ".join(f"{k}={v}" for k, v in self.rows[0].settings.items())
+        verdict = "PASSED" if self.passed else "FAILED"
+        tail = f"{self.rows[0].name}: {verdict} (mean k3 {self.rows[0].stats.k3:.3g}, threshold {self.threshold:g})"
+        first = f"{self.rows[0].name} settings: {settings}"
+        return "\n".join([head, first, format_table(rows), format_worst(self.rows[0].worst[:5]), tail])
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "passed": self.passed,
+            "threshold": self.threshold,
+            "model": self.model,
+            "source": self.source,
+            "sampling": self.sampling.__dict__,
+            "num_prompts": self.num_prompts,
+            "seconds": self.seconds,
+            "rows": [r.as_dict() for r in self.rows],
+        }
+
+
+def _verdict(row: CheckRow) -> str:
+    if row.passed:
+        return "pass"
+    return "FAIL (non-finite)" if row.stats.nonfinite else "FAIL"
+
+
+def gate(report: CheckReport, override: bool) -> bool:
+    """May training start? Yes if the check passed; if not, only with the override, and loudly."""
+    if report.passed:
+        return True
+    if override:
+        print(
+            "!" * 78 + "\nWARNING: the preflight parity check FAILED and the override is set: training on "
+            "rollout logprobs that disagree with the trainer's.\n" + "!" * 78,
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
+    return False
+
+
+def check_prompts(
+    model_dir: Path, task_name: str, num_prompts: int, seed: int
+) -> tuple[list[list[int]], object]:
+    """The task's first `num_prompts` training prompts as token ids (chat template), and the tokenizer."""
+    from transformers import AutoTokenizer
+
+    from rollout.tasks import get_task
+    from rollout.vllm_engine import encode_prompt
+
+    task = get_task(task_name, seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    use_chat_template = bool(getattr(task, "use_chat_template", True))
+    stream = task.train_prompts()
+    prompts = [encode_prompt(tokenizer, next(stream).text, use_chat_template) for _ in range(num_prompts)]
+    return prompts, tokenizer
+
+
+class TrainerSide:
+    """The trainer's logprobs (trainer.policy: fp32 head, replayed transform), one model per weights dir."""
+
+    def __init__(self, batch_size: int = 16) -> None:
+        self.batch_size = batch_size
+        self._models: dict[Path, object] = {}
+
+    def score(
+        self,
+        weights_dir: Path,
+        prompts: Sequence[Sequence[int]],
+        completions: Sequence[RawCompletion],
+        sampling: SamplingSetup,
+    ) -> list[ScoredCompletion]:
+        import torch
+
+        from parity.sampling import SamplingTransform
+        from trainer.policy import SequenceInput, load_model, token_logprobs
+
+        if weights_dir not in self._models:
+            self._models = {weights_dir: load_model(weights_dir)}  # keep one model in memory
+        model = self._models[weights_dir]
+        transform = SamplingTransform(sampling.temperature, sampling.top_k, sampling.top_p)
+        kept = [c for c in completions if c.token_ids]
+        scored: list[ScoredCompletion] = []
+        for start in range(0, len(kept), self.batch_size):
+            batch = kept[start : start + self.batch_size]
+            seqs = [SequenceInput(tuple(prompts[c.prompt_index]), c.token_ids, transform) for c in batch]
+            with torch.no_grad():
+                trainer_lp, _ = token_logprobs(model, seqs, with_entropy=False)
+            offset = 0
+            for c in batch:
+                n = len(c.token_ids)
+                scored.append(
+                    ScoredCompletion(
+                        c.prompt_index,
+                        tuple(prompts[c.prompt_index]),
+                        c.token_ids,
+                        c.logprobs,
+                        tuple(float(x) for x in trainer_lp[offset : offset + n]),
+                    )
+                )
+                offset += n
+        return scored
+
+
+def make_row(
+    name: str,
+    description: str,
+    settings: dict,
+    scored: list[ScoredCompletion],
+    tokenizer,
+    threshold: float,
+    compare_with: str = "",
+) -> CheckRow:
+    stats = mismatch_stats(scored)
+    decode = lambda ids: tokenizer.decode(list(ids))  # noqa: E731
+    return CheckRow(
+        name=name,
+        description=description,
+        settings=settings,
+        stats=stats,
+        worst=worst_tokens(scored, decode),
+        log_ratios=finite_log_ratios(scored).tolist(),
+        passed=stats.nonfinite == 0 and stats.k3 <= threshold,
+        compare_with=compare_with,
+    )
+
+
+def service_rollouts(
+    address: str, prompts: Sequence[Sequence[int]], sampling: SamplingSetup, timeout_s: float = 600.0
+) -> tuple[list[RawCompletion], dict[str, object]]:
+    """Generate through a running rollout service (all prompts in flight at once); and its settings."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+    with grpc.insecure_channel(address) as chan:
+        stub = rollout_pb2_grpc.RolloutServiceStub(chan)
+        status = stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=30.0)
+        futures = [
+            stub.Generate.future(
+                rollout_pb2.GenerateRequest(
+                    request_id=f"check-{i}",
+                    prompt_token_ids=list(p),
+                    sampling=common_pb2.SamplingParams(
+                        temperature=sampling.temperature,
+                        top_p=sampling.top_p,
+                        top_k=sampling.top_k,
+                        max_tokens=sampling.max_tokens,
+                        n=sampling.samples_per_prompt,
+                        seed=sampling.seed * 100_003 + i + 1,  # 0 would mean unseeded
+                    ),
+                ),
+                timeout=timeout_s,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        completions = []
+        for i, fut in enumerate(futures):
+            for comp in fut.result().completions:
+                completions.append(RawCompletion(i, tuple(comp.token_ids), tuple(comp.logprobs)))
+    settings = MessageToDict(status.settings, preserving_proto_field_name=True)
+    settings["weight_version"] = int(status.weight_version)
+    return completions, settings
+
+
+def _require_version_zero(address: str) -> None:
+    """The trainer side scores with the checkpoint on disk, which is weight version 0."""
+    import grpc
+
+    from parity.v1 import rollout_pb2, rollout_pb2_grpc
+
+    with grpc.insecure_channel(address) as chan:
+        status = rollout_pb2_grpc.RolloutServiceStub(chan).GetStatus(
+            rollout_pb2.RolloutServiceGetStatusRequest(), timeout=30.0
+        )
+    if status.weight_version != 0:
+        raise ConfigError(
+            f"rollout_address: {address} serves weight version {status.weight_version}; the check compares "
+            "against the checkpoint on disk (version 0), so run it before training"
+        )
+
+
+def run_check(config: CheckConfig | None = None, /, **fields: object) -> CheckReport:
+    """Run the check (and the ablation with `ablate`); write outputs when `config.out` is set."""
+    from parity import models
+
+    config = config or CheckConfig(**fields)
+    if config.ablate and config.engine != "vllm":
+        raise ConfigError("ablate: the ablation switches are vLLM settings; use --engine vllm")
+    if config.ablate and config.rollout_address:
+        raise ConfigError("ablate: the ablation starts its own engines; drop --rollout_address")
+    started = time.perf_counter()
+    model_dir = models.resolve(config.model)
+    prompts, tokenizer = check_prompts(model_dir, config.task, config.num_prompts, config.seed)
+    sampling = config.sampling()
+    trainer = TrainerSide()
+    if config.ablate:
+        rows, source = _ablation_rows(config, model_dir, prompts, sampling, trainer, tokenizer)
+    else:
+        completions, settings, source = _rollout_side(config, prompts, sampling)
+        scored = trainer.score(model_dir, prompts, completions, sampling)
+        rows = [
+            make_row(
+                "configured",
+                "the rollout engine as configured",
+                settings,
+                scored,
+                tokenizer,
+                config.threshold,
+            )
+        ]
+    report = CheckReport(
+        rows,
+        config.threshold,
+        config.model,
+        source,
+        sampling,
+        config.num_prompts,
+        time.perf_counter() - started,
+    )
+    if config.out:
+        write_outputs(report, Path(config.out))
+    return report
+
+
+def _rollout_side(config: CheckConfig, prompts, sampling) -> tuple[list[RawCompletion], dict, str]:
+    if config.rollout_address:
+        _require_version_zero(config.rollout_address)
+        completions, settings = service_rollouts(config.rollout_address, prompts, sampling)
+        return completions, settings, f"rollout service at {config.rollout_address}"
+    import tempfile
+
+    from parity.procs import start_service
+
+    rollout_cfg = config.rollout_config()  # validates the switches before anything starts
+    args = [
+        "--model",
+        config.model,
+        "--engine",
+        config.engine,
+        "--max_model_len",
+        str(config.max_model_len),
+        "--seed",
+        str(config.seed),
+        "--max_n",
+        str(max(16, config.samples_per_prompt)),
+    ]
+    for name in PARITY_SWITCHES:
+        value = getattr(rollout_cfg, name)
+        args += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    service = start_service(
+        "rollout", args, log_dir=tempfile.mkdtemp(prefix="parity-check-"), name="check-rollout"
+    )
+    try:
+        service.wait_ready(config.startup_timeout_s)
+        completions, settings = service_rollouts(service.address, prompts, sampling)
+    finally:
+        service.stop()
+    return completions, settings, f"a rollout service started for the check ({config.engine})"
+
+
+def _ablation_rows(
+    config, model_dir, prompts, sampling, trainer: TrainerSide, tokenizer
+) -> tuple[list[CheckRow], str]:
+    from services.ablation import run_ablation
+
+    def score(name: str, ablation: Ablation, rollout_cfg, completions, weights_dir: Path) -> CheckRow:
+        scored = trainer.score(weights_dir, prompts, completions, sampling)
+        settings = {k: getattr(rollout_cfg, k) for k in PARITY_SWITCHES}
+        return make_row(
+            name,
+            ablation.description,
+            settings,
+            scored,
+            tokenizer,
+            config.threshold,
+            ablation.compare_with if name != "base" else "",
+        )
+
+    rows = run_ablation(
+        config.rollout_config(),
+        model_dir,
+        prompts,
+        sampling,
+        score,
+        config.update_scale,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    return rows, "in-process vLLM engines built from the rollout service's engine arguments"
+
+
+def write_outputs(report: CheckReport, out: Path) -> None:
+    """check.json, check.txt (the table) and check_hist.png (|Δlogprob| histogram per configuration)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "check.json").write_text(json.dumps(report.as_dict(), indent=2, default=float) + "\n")
+    (out / "check.txt").write_text(report.table + "\n")
+    plot_histogram(report, out / "check_hist.png")
+
+
+def plot_histogram(report: CheckReport, path: Path):
+    """|r| on log-spaced bins, one step line per configuration (exact zeros go in the first bin)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    floor, ceil = 1e-9, 1e2
+    bins = np.logspace(np.log10(floor), np.log10(ceil), 56)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for row in report.rows:
+        r = np.clip(np.abs(np.asarray(row.log_ratios, dtype=np.float64)), floor, ceil)
+        ax.hist(r, bins=bins, histtype="step", linewidth=1.6, label=f"{row.name} (k3 {row.stats.k3:.2g})")
+    ax.set_xscale("log")
+    ax.set_xlabel("|Δlogprob| = |logp_trainer - logp_rollout| per token (finite tokens)")
+    ax.set_ylabel("tokens")
+    ax.set_title(
+        f"parity check: {report.model}, temperature {report.sampling.temperature}, "
+        f"top_p {report.sampling.top_p}, top_k {report.sampling.top_k}"
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = load_config(CheckConfig, list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # argparse: --help (0) or an unknown flag (2)
+        return int(exc.code or 0)
+    if not config.out:
+        config = config.model_copy(update={"out": f"checks/{datetime.now(UTC):%Y%m%d-%H%M%S}"})
+    import grpc
+
+    from parity.models import ModelError
+
+    try:
+        report = run_check(config)
+    except (ConfigError, ValueError, ModelError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:
+        print(f"error: rollout service: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    print(report.table)
+    print(f"wrote {config.out}/check.json, check.txt, check_hist.png ({report.seconds:.0f}s)")
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

