@@ -87,15 +87,19 @@ def services(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, metrics
         [*common, "--logprobs_mode", "raw", "--prefix_caching", "true", "--reset_prefix_cache_on_update", "false"],
         log_dir=log_dir, name="faulty",
     )  # fmt: skip
+    reference = start_service(
+        "rollout", [*common, "--engine", "reference"], log_dir=log_dir, name="reference"
+    )
+    procs = (guarded, faulty, reference)
     try:
-        guarded.wait_ready(300)
-        faulty.wait_ready(300)
-        yield {"guarded": Served(guarded), "faulty": Served(faulty)}
+        for proc in procs:
+            proc.wait_ready(300)
+        yield {"guarded": Served(guarded), "faulty": Served(faulty), "reference": Served(reference)}
     finally:
-        for proc in (guarded, faulty):  # both shut down at once: vLLM's exit takes seconds
+        for proc in procs:  # all shut down at once: vLLM's exit takes seconds
             proc.signal(signal.SIGTERM)
-        guarded.stop()
-        faulty.stop()
+        for proc in procs:
+            proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +141,19 @@ def test_status_reports_every_parity_setting(services) -> None:
     assert raw.logprobs_mode == common_pb2.LOGPROBS_MODE_RAW and not raw.reset_prefix_cache_on_update
     log = services["guarded"].proc.log_path.read_text()
     assert '"logprobs_mode": "processed"' in log and '"head_dtype": "float32"' in log
+
+
+def test_reference_and_vllm_engines_agree_under_fp32(services) -> None:
+    vllm, reference = services["guarded"], services["reference"]
+    if reference.version != vllm.version:  # bring the reference engine to the weights vLLM serves
+        assert vllm.state() is not None
+        push_weights(reference.stub, vllm.state(), vllm.version, metadata=AUTH)
+    for seed in range(3):
+        prompt = prompt_ids(10 + seed, 20)
+        ours = generate(vllm.stub, prompt, 0.0, 0, 1.0, n=1, max_tokens=24).completions[0]
+        theirs = generate(reference.stub, prompt, 0.0, 0, 1.0, n=1, max_tokens=24).completions[0]
+        assert list(ours.token_ids) == list(theirs.token_ids)
+        assert max_abs_diff(ours.logprobs, theirs.logprobs) < TOL
 
 
 def test_processed_logprobs_match_independent_recompute(services, scorer: HfScorer) -> None:
