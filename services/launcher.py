@@ -136,18 +136,27 @@ def preflight(cfg: RunConfig, rollout_address: str, run_dir: Path) -> dict:
         return {"ran": False, "reason": "--skip_preflight"}
     try:
         from services.check import run_check
-    except ImportError:
-        # PREFLIGHT CALL SITE: services.check has not landed; the gate cannot run yet.
-        log("preflight check NOT RUN: services.check is not available in this checkout")
-        return {"ran": False, "reason": "services.check unavailable"}
-    report = run_check(model=cfg.model, rollout_address=rollout_address, task=cfg.task, seed=cfg.seed)
-    (run_dir / "preflight.txt").write_text(report.table + "\n")
+    except ImportError as exc:
+        raise RunError(
+            f"preflight check unavailable ({exc}); pass --skip_preflight to train without it"
+        ) from exc
+    log("preflight: measuring rollout-vs-trainer logprob mismatch (services.check)")
+    report = run_check(
+        model=cfg.model,
+        rollout_address=rollout_address,
+        task=cfg.task,
+        seed=cfg.seed,
+        temperature=cfg.temperature,
+        top_p=1.0,
+        max_tokens=cfg.max_tokens,
+        out=str(run_dir / "preflight"),
+    )
     print(report.table, flush=True)
     if not report.passed:
         if not cfg.i_know_the_mismatch_is_high:
             raise RunError(
                 "preflight check FAILED: rollout and trainer logprobs disagree (table above, "
-                f"{run_dir / 'preflight.txt'}). Fix the engine settings, or pass "
+                f"{run_dir / 'preflight'}). Fix the engine settings, or pass "
                 "--i_know_the_mismatch_is_high to train anyway."
             )
         log("WARNING: preflight check FAILED and --i_know_the_mismatch_is_high is set: training anyway")
@@ -388,7 +397,12 @@ def main(argv: list[str]) -> int:
     except RunConfigError as exc:
         print(f"parity run: error: {exc}", file=sys.stderr)
         return 2
-    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    # Ctrl-C reaches only this process (children run in their own sessions). Install the handler
+    # explicitly: a launcher started in the background inherits SIGINT ignored.
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, _sigterm_as_interrupt),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+    }
     run_dir = cfg.run_dir()
     started = time.monotonic()
     try:
@@ -404,4 +418,5 @@ def main(argv: list[str]) -> int:
         print(f"parity run: logs are in {run_dir / 'logs'}", file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

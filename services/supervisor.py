@@ -82,6 +82,7 @@ class Supervisor:
     marker: str
     children: dict[str, ServiceProcess] = field(default_factory=dict)
     expect_exit: set[str] = field(default_factory=set)
+    stop_seconds: dict[str, float] = field(default_factory=dict)
 
     def __enter__(self) -> Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -171,27 +172,33 @@ class Supervisor:
         return {name: child.proc.pid for name, child in self.children.items()}
 
     # --- stopping -----------------------------------------------------------------------------
-    def stop_all(self, grace_s: float = 15.0) -> None:
-        """Stop every child: rollouts and trainer first, then broadcast, redis last."""
+    def stop_all(self, grace_s: float = 15.0) -> dict[str, str]:
+        """Stop every child (rollouts and trainer first, then broadcast and redis); return how each ended."""
         order = sorted(self.children.values(), key=lambda c: {"redis": 2, "broadcast": 1}.get(c.name, 0))
         with signals_held():
             first = [c for c in order if c.name not in ("redis", "broadcast")]
-            self._stop(first, grace_s)
-            self._stop([c for c in order if c not in first], grace_s)
+            took = {**self._stop(first, grace_s), **self._stop([c for c in order if c not in first], grace_s)}
+        for name, seconds in took.items():
+            self.stop_seconds.setdefault(name, seconds)
+        return {c.name: describe_exit(c.proc.returncode) for c in order}
 
     @staticmethod
-    def _stop(children: list[ServiceProcess], grace_s: float) -> None:
+    def _stop(children: list[ServiceProcess], grace_s: float) -> dict[str, float]:
+        started = time.monotonic()
         for child in children:
             if child.proc.poll() is None:
                 child.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        deadline = started + grace_s
+        took = {}
         for child in children:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(max(0.0, deadline - time.monotonic()))
+            took[child.name] = time.monotonic() - started
         for child in children:
             child.signal(signal.SIGKILL)  # whatever is left in the group, leader or stragglers
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(5.0)
+        return took
 
 
 def _is_serving(address: str) -> bool:

@@ -27,17 +27,17 @@ METRIC_FIELDS = [
     "step", "weight_version", "reward_mean", "reward_std", "clip_rate", "kl_new_old", "entropy",
     "mismatch_k1", "mismatch_k2", "mismatch_k3", "mismatch_max_abs", "mismatch_ratio_p05",
     "mismatch_ratio_p50", "mismatch_ratio_p95", "mismatch_k1_all", "mismatch_k2_all", "mismatch_k3_all",
-    "mismatch_max_abs_all", "ess", "lag_mean", "lag_max", "lag_hist", "dropped_stale", "tokens_per_s",
+    "mismatch_max_abs_all", "mismatch_ratio_p05_all", "mismatch_ratio_p50_all", "mismatch_ratio_p95_all", "ess", "lag_mean", "lag_max", "lag_hist", "dropped_stale", "tokens_per_s",
     "step_time_s", "lag0_token_frac",
 ]  # fmt: skip
 PLOTS = ["reward", "accuracy", "clip_rate", "kl_new_old", "entropy", "mismatch", "ess", "lag"]
 
 
-def _tiny_flags(out: Path, redis_url: str, steps: int) -> list[str]:
-    return [
+def _tiny_flags(out: Path, redis_url: str, steps: int, preflight: bool = False) -> list[str]:
+    return [*([] if preflight else ["--skip_preflight"]),
         "--model", "tiny", "--steps", str(steps), "--groups_per_step", "2", "--group_size", "4",
         "--max_tokens", "8", "--eval_size", "8", "--redis_url", redis_url, "--out", str(out),
-        "--skip_preflight", "--max_model_len", "256", "--startup_timeout_s", "300",
+        "--max_model_len", "256", "--startup_timeout_s", "300",
     ]  # fmt: skip
 
 
@@ -131,7 +131,7 @@ def tiny_run(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> dic
     marker = uuid.uuid4().hex
     log_path = out.parent / "launcher.log"
     started = time.monotonic()
-    proc = _launch(_tiny_flags(out, redis_server, TINY_STEPS), marker, log_path)
+    proc = _launch(_tiny_flags(out, redis_server, TINY_STEPS, preflight=True), marker, log_path)
     try:
         rc = proc.wait(timeout=420)
     finally:
@@ -218,6 +218,7 @@ def test_run_directory_holds_config_eval_plots_summary(tiny_run: dict) -> None:
     assert settings["logprobs_mode"] == "LOGPROBS_MODE_PROCESSED"
     assert settings["head_dtype"] == "float32" and settings["prefix_caching"] is False
     assert config["run"]["model"] == "tiny" and config["run"]["steps"] == TINY_STEPS
+    assert config["preflight"]["ran"] and config["preflight"]["passed"], config["preflight"]
     assert "<redacted>" in config["trainer"]["args"]  # the auth token never lands on disk
     evals = json.loads((out / "eval.json").read_text())
     assert evals["before"]["weight_versions"] == [0]
