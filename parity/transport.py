@@ -189,7 +189,7 @@ class TransferGroup:
         return cls(pg, rdv.rank, rdv.world_size, rdv.backend, float(rdv.timeout_s))
 
     # -- primitives -----------------------------------------------------------------------------
-    def _broadcast(self, buffer: torch.Tensor) -> None:
+    def _issue(self, buffer: torch.Tensor) -> object:
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
@@ -197,14 +197,24 @@ class TransferGroup:
         opts.rootTensor = 0
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
-            work = self._pg.broadcast([buffer], opts)
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            return self._pg.broadcast([buffer], opts)
         except Exception as exc:
             raise TransferError(f"broadcast of {buffer.numel()} bytes failed: {exc}") from exc
 
+    def _wait(self, work: object, nbytes: int) -> None:
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:
+            raise TransferError(f"broadcast of {nbytes} bytes failed: {exc}") from exc
+
+    def _broadcast(self, buffer: torch.Tensor) -> None:
+        self._wait(self._issue(buffer), buffer.numel())
+
     # -- sender ---------------------------------------------------------------------------------
     def send(self, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> int:
-        """Rank 0: broadcast `tensors` (packed, bucketed) to every other rank; returns bytes sent."""
+        """Rank 0: broadcast `tensors` (packed, bucketed) to every other rank; returns bytes sent.
+
+        Double-buffered: bucket i+1 is packed while bucket i is on the wire."""
         import torch
 
         if self.rank != 0:
@@ -214,15 +224,22 @@ class TransferGroup:
             return 0
         device = tensors[0].device
         flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-        staging = torch.empty(min(bucket_bytes, layout.total_bytes), dtype=torch.uint8, device=device)
-        for start, end in layout.buckets(bucket_bytes):
-            bucket = staging[: end - start]
-            bucket.zero_()
+        size = min(bucket_bytes, layout.total_bytes)
+        staging = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        pending: tuple[object, int] | None = None
+        for i, (start, end) in enumerate(layout.buckets(bucket_bytes)):
+            bucket = staging[i % 2][: end - start]  # its last user (bucket i-2) has completed
             for flat, offset, nbytes in zip(flats, layout.offsets, layout.nbytes, strict=True):
                 lo, hi = max(start, offset), min(end, offset + nbytes)
                 if lo < hi:
                     bucket[lo - start : hi - start] = flat[lo - offset : hi - offset]
-            self._broadcast(bucket)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+            if pending is not None:
+                self._wait(*pending)
+            pending = (self._issue(bucket), end - start)
+        if pending is not None:
+            self._wait(*pending)
         return layout.total_bytes
 
     def send_packed(

@@ -158,9 +158,11 @@ class FanOut:
         start = time.monotonic()
         error, code, reply = "", None, None
         with tracing.span("broadcast_transfer", attrs, kind="client"):
+            buffer.leases += 1  # the registry reuses a retired buffer only with no lease on it
             sender = asyncio.ensure_future(
                 asyncio.to_thread(_send_to_worker, send_rdv, record, buffer, timeout_s)
             )
+            sender.add_done_callback(lambda _task: setattr(buffer, "leases", buffer.leases - 1))
             try:
                 reply = await stub.UpdateWeights(
                     rollout_pb2.UpdateWeightsRequest(plan=plan),

@@ -56,6 +56,7 @@ class WeightBuffer:
         self.tensor = tensor
         self.watermark = 0
         self.error = ""
+        self.leases = 0  # fan-out senders reading it (changed on the event loop only)
         self._cond = threading.Condition()
 
     def advance(self, end: int) -> None:
@@ -133,6 +134,9 @@ class VersionRegistry:
         self.records: OrderedDict[int, VersionRecord] = OrderedDict()
         self.model = ""
         self.schema: list[tuple[str, tuple[int, ...], str]] = []
+        # Buffers of superseded versions, reused once no sender reads them: page-faulting a fresh
+        # multi-GB buffer per version costs more than the transfer itself on a busy host.
+        self.retired: list[WeightBuffer] = []
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -228,7 +232,6 @@ class VersionRegistry:
 
     def begin(self, request: pb.PublishVersionRequest, bucket_bytes: int, device: str) -> VersionRecord:
         """Accept a validated publish: allocate its buffer and record it as RECEIVING."""
-        import torch
 
         metas = list(request.tensors)
         layout = Layout.of(metas)
@@ -241,7 +244,7 @@ class VersionRegistry:
             metas=metas,
             layout=layout,
             bucket_bytes=bucket_bytes,
-            buffer=WeightBuffer(torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)),
+            buffer=WeightBuffer(self._allocate(layout.total_bytes, device)),
         )
         self.records.pop(request.version, None)  # a failed attempt at this number is replaced
         self.records[request.version] = record
@@ -249,6 +252,21 @@ class VersionRegistry:
             self.records.popitem(last=False)
         self.events.emit(Kind.VERSION_EVENT_KIND_PUBLISHED, record.version)
         return record
+
+    def _allocate(self, nbytes: int, device: str) -> torch.Tensor:
+        import torch
+
+        for old in self.retired:
+            if old.leases == 0 and old.tensor.numel() == nbytes and old.tensor.device.type == device:
+                self.retired.remove(old)
+                return old.tensor
+        self.retired = [b for b in self.retired if b.leases > 0]  # wrong size or busy: let go
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def _retire(self, record: VersionRecord) -> None:
+        if record.buffer is not None:
+            self.retired.append(record.buffer)
+            record.buffer = None
 
     # -- transitions ----------------------------------------------------------------------------
     def commit(self, record: VersionRecord, receive_seconds: float) -> None:
@@ -258,7 +276,7 @@ class VersionRegistry:
         for older in self.records.values():
             if older.version >= record.version:
                 continue
-            older.buffer = None  # fan-outs already running keep their own reference
+            self._retire(older)  # fan-outs already running hold a lease on it
             if older.state == State.VERSION_STATE_COMMITTED and not older.started_workers:
                 older.state = State.VERSION_STATE_SUPERSEDED
                 self.events.emit(Kind.VERSION_EVENT_KIND_SUPERSEDED, older.version)
@@ -268,7 +286,7 @@ class VersionRegistry:
         record.error = error
         if record.buffer is not None:
             record.buffer.fail(error)
-        record.buffer = None
+        self._retire(record)
         self.events.emit(Kind.VERSION_EVENT_KIND_FAILED, record.version, error=error)
 
     def update_distributed(self, attempted_by_live_workers: list[int]) -> None:

@@ -37,6 +37,8 @@ class StandinReceiver:
         self.args = args
         self.version = 0
         self.weights: list = []
+        self.served_buffer = None  # the packed buffer self.weights view
+        self.spare_buffer = None  # a buffer nobody serves from: received into next time
         self.latest_seen = 0
         self.lock = asyncio.Lock()
         self.server = None  # GrpcServer, set in serve()
@@ -52,8 +54,9 @@ class StandinReceiver:
         tmp.write_text(json.dumps(state))
         tmp.replace(path)
 
-    def _receive(self, plan, corrupt: str) -> tuple[list, list[int], list[str], float]:
-        """Blocking: join, receive, (optionally corrupt), checksum. Returns tensors, sums, bad names, s."""
+    def _receive(self, plan, corrupt: str) -> tuple[object, list, list[int], list[str], float]:
+        """Blocking: join, receive, (optionally corrupt), checksum.
+        Returns (buffer, tensors, sums, bad names, seconds)."""
         from parity.checksum import dtype_name, tensor_checksum
         from parity.transport import Layout, TransferGroup, views
 
@@ -61,8 +64,15 @@ class StandinReceiver:
         group = TransferGroup.join(plan.rendezvous)
         delay = self.args.bucket_delay_s
         try:
+            spare = self.spare_buffer
+            out = (
+                spare if spare is not None and spare.numel() == Layout.of(plan.tensors).total_bytes else None
+            )
             buffer = group.recv_packed(
-                plan.tensors, plan.bucket_bytes, progress=(lambda _end: time.sleep(delay)) if delay else None
+                plan.tensors,
+                plan.bucket_bytes,
+                progress=(lambda _end: time.sleep(delay)) if delay else None,
+                out=out,
             )
         finally:
             group.close()
@@ -78,7 +88,7 @@ class StandinReceiver:
             for m, t, s in zip(plan.tensors, tensors, sums, strict=True)
             if s != m.checksum or list(t.shape) != list(m.shape) or dtype_name(t.dtype) != m.dtype
         ]
-        return tensors, sums, bad, time.monotonic() - start
+        return buffer, tensors, sums, bad, time.monotonic() - start
 
     async def UpdateWeights(self, request, context: grpc.aio.ServicerContext):
         from parity.transport import TransferError
@@ -110,7 +120,7 @@ class StandinReceiver:
                 )
             paused_at = time.monotonic()  # pause(keep): a real engine stops scheduling here
             try:
-                tensors, sums, bad, transfer_s = await asyncio.to_thread(self._receive, plan, corrupt)
+                buffer, tensors, sums, bad, transfer_s = await asyncio.to_thread(self._receive, plan, corrupt)
             except TransferError as exc:
                 return rollout_pb2.UpdateWeightsResponse(
                     outcome=rollout_pb2.UPDATE_OUTCOME_FAILED,
@@ -119,6 +129,7 @@ class StandinReceiver:
                     paused_seconds=time.monotonic() - paused_at,
                 )
             if bad:
+                self.spare_buffer = buffer
                 return rollout_pb2.UpdateWeightsResponse(
                     outcome=rollout_pb2.UPDATE_OUTCOME_FAILED,
                     weight_version=self.version,
@@ -127,7 +138,9 @@ class StandinReceiver:
                     transfer_seconds=transfer_s,
                     paused_seconds=time.monotonic() - paused_at,
                 )
-            self.weights, self.version = tensors, plan.version  # the swap: one reference assignment
+            # the swap: reference assignments; the buffer served until now becomes the spare
+            self.spare_buffer, self.served_buffer = self.served_buffer, buffer
+            self.weights, self.version = tensors, plan.version
             self._write_state()
             paused_s = time.monotonic() - paused_at  # resume
         if self.version >= self.latest_seen:
