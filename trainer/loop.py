@@ -36,7 +36,7 @@ from trainer.checkpoint import CheckpointStore, TrainerState, atomic_write_text
 from trainer.config import TrainerConfig
 from trainer.consumer import Batch, RolloutConsumer, token_versions
 from trainer.policy import SequenceInput, load_model, token_logprobs
-from trainer.publisher import Publisher
+from trainer.publisher import Publisher, PublishError
 from trainer.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -479,9 +479,22 @@ class Trainer:
         return metrics
 
     # ---- publish / checkpoint --------------------------------------------------------------------
-    def _publish(self) -> None:
-        version = self.state.published_version + 1
-        result = self.publisher.publish(self.model, version)
+    def _publish(self, attempts: int = 3) -> None:
+        """Publish the current weights as the next version; retry (with a fresh number) on failure."""
+        for attempt in range(1, attempts + 1):
+            version = self.state.published_version + 1
+            try:
+                result = self.publisher.publish(self.model, version)
+                break
+            except PublishError as exc:
+                if attempt == attempts:
+                    raise
+                log.warning("publish of version %d failed (attempt %d): %s; retrying", version, attempt, exc)
+                time.sleep(attempt)
+                # A failed transfer may still have consumed the number at the broadcast service.
+                self.state.published_version = max(
+                    self.state.published_version, self.publisher.latest_version()
+                )
         atomic_write_text(self.run_dir / PUBLISHED_VERSION_FILE, str(version))
         with self.lock:
             self.state.published_version = version

@@ -80,6 +80,7 @@ class Publisher:
             broadcast_pb2.WeightBroadcastServiceGetStatusRequest(),
             timeout=self.rpc_timeout_s,
             metadata=self.metadata,
+            wait_for_ready=True,  # the launcher may start us a moment before the broadcast serves
         )
         return int(reply.latest_version)
 
