@@ -233,3 +233,31 @@ def test_recomputed_old_logprobs_use_the_tokens_own_version(
     assert torch.allclose(recomputed, behaviour, atol=1e-4)  # version-0 weights, not the current ones
     current, _ = token_logprobs(trainer.model, [s.inputs for s in seqs])
     assert (current.detach() - behaviour).abs().max() > 1e-3  # ... which do differ
+
+
+def test_consume_train_and_publish_spans_link_to_the_producer(
+    redis_url: str, tmp_path: Path, reference_model
+) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from parity import tracing
+
+    spans = InMemorySpanExporter()
+    assert tracing.init("parity-trainer-test", exporter=spans)
+    try:
+        with tracing.span("publish", kind="producer"):
+            traceparent = tracing.current_traceparent()
+        RolloutQueue(redis_url, stream=STREAM).publish(
+            group(reference_model, "traced"), traceparent=traceparent
+        )
+        make_trainer(redis_url, tmp_path).run()
+        finished = {s.name: s for s in spans.get_finished_spans()}
+    finally:
+        tracing.shutdown()
+    consume, step, publish = finished["consume"], finished["train_step"], finished["publish_version"]
+    assert consume.kind == trace.SpanKind.CONSUMER
+    assert [link.context.span_id for link in consume.links] == [finished["publish"].context.span_id]
+    assert consume.attributes["parity.lag"] == 0 and consume.attributes["parity.tokens"] == 32
+    assert step.attributes["parity.weight_version"] == 0 and step.attributes["parity.tokens"] == 32
+    assert publish.attributes["parity.weight_version"] == 1

@@ -197,10 +197,10 @@ class Trainer:
         with tracing.span(
             "train_step",
             {
-                "parity.weight_version": version,
-                "parity.step": self.state.step + 1,
+                tracing.ATTR_WEIGHT_VERSION: version,
+                tracing.ATTR_STEP: self.state.step + 1,
+                tracing.ATTR_TOKENS: sum(len(s.rollout_logprobs) for s in sequences),
                 "parity.groups": len(batch.groups),
-                "parity.tokens": sum(len(s.rollout_logprobs) for s in sequences),
             },
         ) as span:
             self.optimizer.zero_grad(set_to_none=True)
@@ -217,6 +217,7 @@ class Trainer:
             self.queue.ack(batch.all_entry_ids())
             step_time_s = time.perf_counter() - start
             metrics = self._metrics(batch, sequences, rewards, zero_groups, totals, grad_norm, step_time_s)
+            span.set_attribute(tracing.ATTR_LAG, metrics["lag_max"])
             span.set_attribute("parity.lag_mean", metrics["lag_mean"])
             span.set_attribute("parity.mismatch_k3", metrics["mismatch_k3"])
         trained_ids = batch.rollout_ids()

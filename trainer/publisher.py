@@ -87,7 +87,7 @@ class Publisher:
     def publish(self, model, version: int) -> PublishResult:
         """Send the parameters as `version`; raise PublishError (version unchanged) on failure."""
         start = time.perf_counter()
-        with tracing.span("publish_version", {"parity.weight_version": version}) as span:
+        with tracing.span("publish_version", {tracing.ATTR_WEIGHT_VERSION: version}) as span:
             if self._stub is None:
                 return PublishResult(version, 0, time.perf_counter() - start, committed=True)
             from parity.checksum import describe
@@ -119,7 +119,7 @@ class Publisher:
                 group.close()
             committed = self._wait_committed(version)
             seconds = time.perf_counter() - start
-            span.set_attribute("parity.bytes_sent", sent)
+            span.set_attribute(tracing.ATTR_BYTES, sent)
             span.set_attribute("parity.committed", committed)
             log.info("published version %d: %.1f MB in %.2fs", version, sent / 1e6, seconds)
             return PublishResult(version, sent, seconds, committed)
