@@ -150,7 +150,8 @@ def end_to_end(
 ) -> list[dict[str, float]]:
     rounds = []
     tensors = [t for _, t in named]
-    for i in range(repeats + 1):
+    warmup = 2  # the service and receivers allocate their two buffers in the first two versions
+    for i in range(repeats + warmup):
         version = first_version + i
         bump(named, version)
         start = time.perf_counter()
@@ -189,9 +190,9 @@ def end_to_end(
         log(
             f"  v{version}: e2e {row['e2e_s']:.3f}s ({sent / row['e2e_s'] / 1e9:.2f} GB/s), trainer busy "
             f"{row['trainer_s']:.3f}s, stall {row['stall_s']:.3f}s, trainer checksums {row['checksum_s']:.3f}s"
-            + (" (warm-up, not counted)" if i == 0 else "")
+            + (" (warm-up, not counted)" if i < warmup else "")
         )
-        if i:
+        if i >= warmup:
             rounds.append(row)
     return rounds
 
@@ -207,7 +208,7 @@ def checksum_ms_per_100mb(named: list) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--receivers", type=int, default=2, help="stand-in rollout workers")
-    parser.add_argument("--repeats", type=int, default=3, help="measured rounds per model (after 1 warm-up)")
+    parser.add_argument("--repeats", type=int, default=5, help="measured rounds per model (after warm-up)")
     parser.add_argument("--bucket_bytes", type=int, default=64 * 1024 * 1024)
     parser.add_argument("--large_mb", type=int, default=1024, help="random model size; 0 skips it")
     args = parser.parse_args(argv)
