@@ -89,15 +89,17 @@ def test_grpc_status_checkpoint_and_graceful_stop(
             stub.Stop(trainer_pb2.StopRequest(), timeout=5, metadata=bearer("wrong"))
         assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
         queue.publish(groups[0])
-        wait_for(lambda: status(stub).step == 1, what="step 1")
+        wait_for(lambda: (status(stub).step, status(stub).weight_version) == (1, 1), what="step 1 published")
+        time.sleep(0.3)  # now idle, waiting for rollouts: the checkpoint is written right away
         reply = stub.RequestCheckpoint(
             trainer_pb2.RequestCheckpointRequest(), timeout=5, metadata=bearer(TOKEN)
         )
-        assert reply.step == 2
-        queue.publish(groups[1])
+        assert reply.step == 1
         wait_for(
-            lambda: (run_dir / "checkpoints" / "step_00000002" / "state.json").exists(), what="checkpoint"
+            lambda: (run_dir / "checkpoints" / "step_00000001" / "state.json").exists(), what="checkpoint"
         )
+        queue.publish(groups[1])
+        wait_for(lambda: (status(stub).step, status(stub).weight_version) == (2, 2), what="step 2 published")
         now = status(stub)
         assert (now.step, now.weight_version, now.rollouts_trained_total) == (2, 2, 8)
         assert now.last_metrics["step"] == 2.0 and "mismatch_k3" in now.last_metrics

@@ -91,8 +91,13 @@ class RolloutConsumer:
         trainer_version: int,
         max_lag: int,
         should_stop: Callable[[], bool] = lambda: False,
+        on_wait: Callable[[], None] = lambda: None,
     ) -> Batch | None:
-        """Block until the batch is full; None if `should_stop()` turns true first."""
+        """Block until the batch is full; None if `should_stop()` turns true first.
+
+        `on_wait` runs before every read (the trainer checkpoints there on request while it waits
+        for rollouts: the entries already taken for this batch are still pending, so the floor
+        keeps them)."""
         import time
 
         batch = Batch()
@@ -102,6 +107,7 @@ class RolloutConsumer:
         while len(batch.groups) < groups_per_step:
             if should_stop():
                 return None
+            on_wait()
             entries = self.queue.read(
                 self.consumer_name,
                 count=groups_per_step - len(batch.groups),

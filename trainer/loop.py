@@ -72,6 +72,7 @@ class Trainer:
         self._unpublished_steps = 0
         self._snapshots: dict[int, dict[str, Any]] = {}
         self._checkpointed: tuple[int, int] | None = None
+        self.in_step = False  # between taking a batch and finishing its publish
 
     # ---- setup -----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -170,13 +171,19 @@ class Trainer:
         cfg = self.config
         while self.state.step < cfg.steps and not self.stop_event.is_set():
             batch = self.consumer.collect(
-                cfg.groups_per_step, self.state.weight_version, cfg.max_lag, self.stop_event.is_set
+                cfg.groups_per_step,
+                self.state.weight_version,
+                cfg.max_lag,
+                self.stop_event.is_set,
+                on_wait=self._checkpoint_if_requested,
             )
             if batch is None:
                 break
+            self.in_step = True
             self.train_step(batch)
             if self.state.step % cfg.publish_every == 0:
                 self._publish()
+            self.in_step = False
             due = cfg.checkpoint_every > 0 and self.state.step % cfg.checkpoint_every == 0
             if due or self.checkpoint_requested.is_set():
                 self.checkpoint()
@@ -505,6 +512,10 @@ class Trainer:
         self.telemetry.set_gauge("weight_version", version)
         self.telemetry.set_gauge("publish_s", result.seconds)
         self._snapshot_current()
+
+    def _checkpoint_if_requested(self) -> None:
+        if self.checkpoint_requested.is_set():
+            self.checkpoint()
 
     def checkpoint(self) -> Path:
         """Save everything; then raise the stream's replay floor to what the checkpoint covers."""

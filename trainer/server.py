@@ -68,8 +68,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     async def RequestCheckpoint(self, request, context):
         await self._check_running(context, allow_stopping=False)
+        # Mid-step: after this step; while waiting for rollouts: right away, at the current step.
+        step = self.trainer.state.step + (1 if self.trainer.in_step else 0)
         self.trainer.request_checkpoint()
-        return trainer_pb2.RequestCheckpointResponse(step=self.trainer.state.step + 1)
+        return trainer_pb2.RequestCheckpointResponse(step=step)
 
     async def Stop(self, request, context):
         await self._check_running(context, allow_stopping=True)
