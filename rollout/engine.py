@@ -82,8 +82,9 @@ class RolloutEngine(Protocol):
     def encode(self, text: str, use_chat_template: bool) -> list[int]:
         """Prompt text -> token ids (optionally through the tokenizer's chat template)."""
 
-    def generate(self, spec: GenerationSpec) -> AsyncIterator[CompletionResult]:
-        """Yield each completion of the group as soon as it finishes (in finishing order)."""
+    def generate(self, spec: GenerationSpec, stream: bool = False) -> AsyncIterator[CompletionResult]:
+        """Yield the group's completions; with `stream`, each as soon as it finishes (else possibly
+        all at the end, which is cheaper per decode step)."""
 
     async def pause(self, mode: Literal["keep", "recompute"]) -> None:
         """Stop scheduling new tokens; running sequences are kept (or their KV dropped)."""

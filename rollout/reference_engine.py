@@ -143,7 +143,7 @@ class ReferenceEngine:
             sampled.append(tokens_n)
             next_input = tokens_n.unsqueeze(-1)
 
-    async def generate(self, spec: GenerationSpec) -> AsyncIterator[CompletionResult]:
+    async def generate(self, spec: GenerationSpec, stream: bool = False) -> AsyncIterator[CompletionResult]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 

@@ -177,7 +177,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         )
         return generation_spec(request, ids, self.limits)
 
-    async def run_group(self, spec: GenerationSpec):
+    async def run_group(self, spec: GenerationSpec, stream: bool = False):
         """Yield completions as they finish, recording tokens and a `generate` span."""
         attrs = {
             "parity.weight_version": self.engine.weight_version,
@@ -187,7 +187,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         }
         with tracing.span("generate", attrs) as span:
             generated = 0
-            async for result in self.engine.generate(spec):
+            async for result in self.engine.generate(spec, stream):
                 generated += len(result.token_ids)
                 self.rate.add(len(result.token_ids))
                 yield result
@@ -213,7 +213,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             check_unknown_fields(request)
             spec = self.spec_for(request.request)
-            async for result in self.run_group(spec):
+            async for result in self.run_group(spec, stream=True):
                 yield rollout_pb2.GenerateStreamResponse(
                     prompt_token_ids=spec.prompt_token_ids,
                     completion=completion_proto(result),

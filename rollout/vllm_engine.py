@@ -94,7 +94,7 @@ class VllmEngine:
     def encode(self, text: str, use_chat_template: bool) -> list[int]:
         return encode_prompt(self.tokenizer, text, use_chat_template)
 
-    def sampling_params(self, spec: GenerationSpec):
+    def sampling_params(self, spec: GenerationSpec, stream: bool = False):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -107,12 +107,13 @@ class VllmEngine:
             logprobs=0,
             seed=spec.seed,
             stop=list(spec.stop) or None,
-            output_kind=RequestOutputKind.DELTA,
+            # Unary calls take the final output only (least per-step work); streams take deltas.
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
 
-    async def generate(self, spec: GenerationSpec) -> AsyncIterator[CompletionResult]:
+    async def generate(self, spec: GenerationSpec, stream: bool = False) -> AsyncIterator[CompletionResult]:
         assert self.llm is not None, "start() first"
-        params = self.sampling_params(spec)
+        params = self.sampling_params(spec, stream)
         token_ids: dict[int, list[int]] = {i: [] for i in range(spec.n)}
         logprobs: dict[int, list[float]] = {i: [] for i in range(spec.n)}
         texts: dict[int, list[str]] = {i: [] for i in range(spec.n)}
