@@ -120,6 +120,31 @@ def pack(tensors: Sequence[torch.Tensor], layout: Layout, device: str = "cpu") -
     return buffer
 
 
+class StreamVerifier:
+    """Checksums tensors as soon as their last byte has arrived (pass `advance` as `progress`), so
+    verification overlaps the transfer instead of following it."""
+
+    def __init__(self, buffer: torch.Tensor, metas: Sequence[common_pb2.TensorMeta]) -> None:
+        self.metas = list(metas)
+        self.layout = Layout.of(self.metas)
+        self.tensors = views(buffer, self.metas, self.layout)
+        self.checksums: list[int] = []
+
+    def advance(self, end: int) -> None:
+        from parity.checksum import tensor_checksum
+
+        while len(self.checksums) < len(self.metas):
+            i = len(self.checksums)
+            if self.layout.offsets[i] + self.layout.nbytes[i] > end:
+                break
+            self.checksums.append(tensor_checksum(self.tensors[i]))
+
+    def mismatched(self) -> list[str]:
+        """Names whose checksum differs from the metadata (call after the last `advance`)."""
+        self.advance(self.layout.total_bytes)
+        return [m.name for m, c in zip(self.metas, self.checksums, strict=True) if c != m.checksum]
+
+
 def _layout_of_tensors(tensors: Sequence[torch.Tensor]) -> Layout:
     metas = [
         common_pb2.TensorMeta(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch.")) for t in tensors
@@ -249,12 +274,19 @@ class TransferGroup:
         ready: Callable[[int], None] | None = None,
     ) -> int:
         """Rank 0: broadcast an already packed uint8 buffer. `ready(end)` blocks until bytes [0, end)
-        are valid (lets the broadcast service forward a version while it is still arriving)."""
+        are valid (lets the broadcast service forward a version while it is still arriving).
+        Two buckets are in flight at a time, so the wire never idles between buckets."""
         layout = Layout((0,), (buffer.numel(),), buffer.numel())
+        pending: tuple[object, int] | None = None
         for start, end in layout.buckets(bucket_bytes):
             if ready is not None:
                 ready(end)
-            self._broadcast(buffer[start:end])
+            work = self._issue(buffer[start:end])
+            if pending is not None:
+                self._wait(*pending)
+            pending = (work, end - start)
+        if pending is not None:
+            self._wait(*pending)
         return buffer.numel()
 
     # -- receiver -------------------------------------------------------------------------------
@@ -267,17 +299,28 @@ class TransferGroup:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Ranks >= 1: receive the packed stream into a new uint8 buffer (or `out`); `progress(end)`
-        is called after bytes [0, end) have arrived."""
+        is called once bytes [0, end) have arrived, while the next bucket is already on the wire
+        (so work in `progress`, like checksumming finished tensors, overlaps the transfer)."""
         import torch
 
         if self.rank == 0:
             raise TransferError("recv: rank 0 is the sender")
         layout = Layout.of(metas)
         buffer = out if out is not None else torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+        if buffer.numel() != layout.total_bytes:
+            raise TransferError(f"out: {buffer.numel()} bytes, the plan needs {layout.total_bytes}")
+        pending: tuple[object, int, int] | None = None
         for start, end in layout.buckets(bucket_bytes):
-            self._broadcast(buffer[start:end])
+            work = self._issue(buffer[start:end])
+            if pending is not None:
+                self._wait(pending[0], pending[1])
+                if progress is not None:
+                    progress(pending[2])
+            pending = (work, end - start, end)
+        if pending is not None:
+            self._wait(pending[0], pending[1])
             if progress is not None:
-                progress(end)
+                progress(pending[2])
         return buffer
 
     def recv(

@@ -117,7 +117,17 @@ class FanOut:
                         < self.config.retry_failed_after_s
                     ):
                         break  # failed at this version already: wait for a newer one or the retry timer
-                    await self._update(worker, stub, target)
+                    try:
+                        await self._update(worker, stub, target)
+                    except Exception as exc:  # keep the driver alive: one bad attempt is one failure
+                        log.exception("update of %s to v%d crashed", worker.worker_id, target.version)
+                        worker.state = WorkerState.WORKER_STATE_FAILED
+                        worker.last_error = f"internal: {exc!r}"
+                        worker.updates_failed += 1
+                        worker.attempted_version = max(worker.attempted_version, target.version)
+                        worker.last_failure_monotonic = time.monotonic()
+                        telemetry.FAILURES.labels("internal").inc()
+                        self.on_attempt_done()
         finally:
             await chan.close()
 
@@ -180,7 +190,7 @@ class FanOut:
                     else SENDER_GRACE_S
                 )
                 sent = await asyncio.wait_for(asyncio.shield(sender), grace)
-            except TransferError as exc:
+            except (TransferError, RuntimeError) as exc:
                 error = error or f"transfer: {exc}"
             except TimeoutError:  # the thread ends on its own collective timeout; don't wait for it
                 error = error or "transfer: sender still running after the worker answered"

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import time
 
-from parity import checksum, tracing
-from parity.transport import TransferGroup, views
+from parity import tracing
+from parity.transport import StreamVerifier, TransferGroup
 from parity.v1 import common_pb2
 from services.broadcast.registry import VersionRecord
 
@@ -26,19 +26,25 @@ log = logging.getLogger(__name__)
 def receive_and_verify(
     rendezvous: common_pb2.Rendezvous, record: VersionRecord
 ) -> tuple[float, float, list[str]]:
-    """Blocking (run in a thread): returns (receive_seconds, verify_seconds, mismatched names)."""
+    """Blocking (run in a thread): returns (receive_seconds, verify_tail_seconds, mismatched names)."""
     buffer = record.buffer
     assert buffer is not None
     start = time.monotonic()
+    verifier = StreamVerifier(buffer.tensor, record.metas)
+
+    def progress(end: int) -> None:
+        buffer.advance(end)  # first unblock the forwarders, then checksum what arrived
+        verifier.advance(end)
+
     group = TransferGroup.join(rendezvous, host_store=True)
     try:
-        group.recv_packed(record.metas, record.bucket_bytes, out=buffer.tensor, progress=buffer.advance)
+        group.recv_packed(record.metas, record.bucket_bytes, out=buffer.tensor, progress=progress)
     finally:
         group.close()
     received = time.monotonic()
     attrs = {"parity.weight_version": record.version, "bytes": record.layout.total_bytes}
     with tracing.span("verify", attrs):
-        bad = checksum.mismatched(record.metas, views(buffer.tensor, record.metas, record.layout))
+        bad = verifier.mismatched()  # most tensors were checksummed while later buckets arrived
     verify_s = time.monotonic() - received
     log.info(
         "v%d received %.1f MB in %.2fs, verified in %.3fs%s",

@@ -57,37 +57,39 @@ class StandinReceiver:
     def _receive(self, plan, corrupt: str) -> tuple[object, list, list[int], list[str], float]:
         """Blocking: join, receive, (optionally corrupt), checksum.
         Returns (buffer, tensors, sums, bad names, seconds)."""
-        from parity.checksum import dtype_name, tensor_checksum
-        from parity.transport import Layout, TransferGroup, views
+        import torch
+
+        from parity.transport import Layout, StreamVerifier, TransferGroup
 
         start = time.monotonic()
-        group = TransferGroup.join(plan.rendezvous)
-        delay = self.args.bucket_delay_s
-        try:
-            spare = self.spare_buffer
-            out = (
-                spare if spare is not None and spare.numel() == Layout.of(plan.tensors).total_bytes else None
-            )
-            buffer = group.recv_packed(
-                plan.tensors,
-                plan.bucket_bytes,
-                progress=(lambda _end: time.sleep(delay)) if delay else None,
-                out=out,
-            )
-        finally:
-            group.close()
         layout = Layout.of(plan.tensors)
-        tensors = views(buffer, plan.tensors, layout)
+        spare = self.spare_buffer
+        buffer = spare if spare is not None and spare.numel() == layout.total_bytes else None
+        if buffer is None:
+            buffer = torch.empty(layout.total_bytes, dtype=torch.uint8)
+        verifier = StreamVerifier(buffer, plan.tensors)
+        corrupt_at = -1
         if corrupt:
             index = [m.name for m in plan.tensors].index(corrupt)
-            offset = layout.offsets[index]
-            buffer[offset] ^= 0xFF  # flip one byte, as a bad link or bad copy would
-        sums = [tensor_checksum(t) for t in tensors]
-        bad = [
-            m.name
-            for m, t, s in zip(plan.tensors, tensors, sums, strict=True)
-            if s != m.checksum or list(t.shape) != list(m.shape) or dtype_name(t.dtype) != m.dtype
-        ]
+            corrupt_at = layout.offsets[index]
+        delay = self.args.bucket_delay_s
+
+        def progress(end: int) -> None:
+            nonlocal corrupt_at
+            if 0 <= corrupt_at < end:
+                buffer[corrupt_at] ^= 0xFF  # flip one byte in flight, as a bad link or copy would
+                corrupt_at = -1
+            verifier.advance(end)  # checksum finished tensors while the next bucket arrives
+            if delay:
+                time.sleep(delay)
+
+        group = TransferGroup.join(plan.rendezvous)
+        try:
+            group.recv_packed(plan.tensors, plan.bucket_bytes, out=buffer, progress=progress)
+        finally:
+            group.close()
+        bad = verifier.mismatched()
+        tensors, sums = verifier.tensors, verifier.checksums
         return buffer, tensors, sums, bad, time.monotonic() - start
 
     async def UpdateWeights(self, request, context: grpc.aio.ServicerContext):
