@@ -183,3 +183,56 @@ def test_actor_publishes_scored_groups_with_backpressure(
     while queue.redis.xlen(queue.stream) < 6:
         assert time.monotonic() < deadline + 60, service.log_tail()
         time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_late_joiner_is_not_serving_until_it_has_the_latest_version(start_services, tiny_model: Path) -> None:
+    """Real broadcast service: v1 is published before the worker exists; the worker registers at v0
+    and must not serve (health, Generate) until the broadcast service has brought it to v1."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from parity import checksum
+    from parity.transport import TransferGroup
+    from parity.v1 import broadcast_pb2 as pb
+    from parity.v1 import broadcast_pb2_grpc
+
+    broadcast = start_services("broadcast", "--auth_token", TOKEN, "--heartbeat_timeout_s", "30")
+    stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(grpc.insecure_channel(broadcast.address))
+    named = list(perturbed_state_dict(tiny_model, seed=11).items())
+    plan = stub.PublishVersion(
+        pb.PublishVersionRequest(
+            version=1, model="tiny", tensors=checksum.describe(named),
+            checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64, bucket_bytes=1 << 20,
+        ),
+        metadata=bearer(TOKEN), timeout=10,
+    ).plan  # fmt: skip
+    group = TransferGroup.join(plan.rendezvous)
+    group.send([t for _, t in named], plan.bucket_bytes)
+    group.close()
+    committed = stub.WaitVersion(
+        pb.WaitVersionRequest(version=1, state=pb.VERSION_STATE_COMMITTED, timeout_s=60)
+    )
+    assert committed.reached
+
+    worker = start_services(
+        "rollout", "--engine", "reference", "--model", str(tiny_model), "--auth_token", TOKEN,
+        "--broadcast_address", broadcast.address, "--worker_id", "late", "--heartbeat_interval_s", "0.5",
+        wait=False,
+    )  # fmt: skip
+    worker.wait_ready(120)
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(worker.address))
+    rollout = _stub(worker)
+    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    assert rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).weight_version == 1
+    reply = rollout.Generate(rollout_pb2.GenerateRequest(prompt_token_ids=[5, 6], sampling=_sampling(n=1)))
+    assert set(reply.completions[0].token_weight_versions) == {1}
+    log = worker.log_path.read_text()
+    assert "health: SERVING (weight_version 0)" not in log  # never served the stale version
+    assert "registered as late" in log
+    deadline = time.monotonic() + 30
+    while True:  # the broadcast service sees the worker at v1 through the ack and the heartbeats
+        workers = stub.GetStatus(pb.WeightBroadcastServiceGetStatusRequest()).workers
+        if [(w.worker_id, w.weight_version) for w in workers] == [("late", 1)]:
+            break
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.2)
