@@ -333,7 +333,9 @@ def service_rollouts(
         for i, fut in enumerate(futures):
             for comp in fut.result().completions:
                 completions.append(RawCompletion(i, tuple(comp.token_ids), tuple(comp.logprobs)))
-    settings = MessageToDict(status.settings, preserving_proto_field_name=True)
+    settings = MessageToDict(
+        status.settings, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
     settings["weight_version"] = int(status.weight_version)
     return completions, settings
 
