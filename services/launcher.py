@@ -309,6 +309,9 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, argv: list[str]) -> int:
             evals.append(
                 run_eval(cfg, task, sup.children[rollouts[0]].address, "after", step=len(metrics.rows))
             )
+        ended = sup.stop_all()
+        how = ", ".join(f"{n} {why} ({sup.stop_seconds.get(n, 0):.1f}s)" for n, why in ended.items())
+        log(f"stopped: {how}")
     timings["wall_s"] = time.monotonic() - run_started
     _write_json(run_dir / "config.json", config)
     write_results(cfg, run_dir, metrics.rows, evals, timings)

@@ -50,6 +50,8 @@ def describe_exit(returncode: int | None) -> str:
     if returncode is None:
         return "still running"
     if returncode < 0:
+        if -returncode == signal.SIGKILL:
+            return "killed by SIGKILL: out of memory? see `dmesg`"
         try:
             return f"killed by {signal.Signals(-returncode).name}"
         except ValueError:
