@@ -49,8 +49,11 @@ def log(message: str) -> None:
     print(f"[parity run {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def rollout_args(cfg: RunConfig, index: int, broadcast_address: str, redis_url: str, token: str) -> list[str]:
+def rollout_args(
+    cfg: RunConfig, index: int, broadcast_address: str, redis_url: str, token: str, stream: str
+) -> list[str]:
     return [
+        "--stream", stream,
         "--model", cfg.model, "--engine", cfg.engine, "--dtype", cfg.dtype,
         "--logprobs_mode", cfg.logprobs_mode, "--head_dtype", cfg.head_dtype,
         "--prefix_caching", str(cfg.prefix_caching).lower(), "--reset_prefix_cache_on_update", "true",
@@ -66,9 +69,10 @@ def rollout_args(cfg: RunConfig, index: int, broadcast_address: str, redis_url: 
 
 
 def trainer_args(
-    cfg: RunConfig, run_dir: Path, broadcast_address: str, redis_url: str, token: str
+    cfg: RunConfig, run_dir: Path, broadcast_address: str, redis_url: str, token: str, stream: str
 ) -> list[str]:
     return [
+        "--stream", stream,
         "--model", cfg.model, "--redis_url", redis_url, "--broadcast_address", broadcast_address,
         "--run_dir", str(run_dir), "--steps", str(cfg.steps), "--groups_per_step", str(cfg.groups_per_step),
         "--publish_every", str(cfg.publish_every), "--objective", cfg.objective, "--lr", str(cfg.lr),
@@ -246,11 +250,14 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, argv: list[str]) -> int:
         raise RunError(f"--out: {run_dir} already holds a run (metrics.jsonl); choose another directory")
     marker = os.environ.get(MARKER_ENV) or uuid.uuid4().hex  # a caller (a test) may choose it
     token = secrets.token_hex(16)
+    # One stream per run, so that runs sharing a --redis_url never read each other's rollouts.
+    stream = f"parity:rollouts:{marker[:16]}"
     config: dict = {
         "argv": argv,
         "run": cfg.model_dump(),
         "run_dir": str(run_dir.resolve()),
         "marker": marker,
+        "stream": stream,
     }
     log(f"run directory {run_dir}  (mode {cfg.mode}, model {cfg.model}, task {cfg.task}, {cfg.steps} steps)")
     timings: dict[str, float] = {}
@@ -266,7 +273,9 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, argv: list[str]) -> int:
         log(f"broadcast service SERVING at {broadcast_address}")
         rollouts = [f"rollout{i}" for i in range(cfg.rollout_workers)]
         for index, name in enumerate(rollouts):
-            sup.start("rollout", rollout_args(cfg, index, broadcast_address, redis_url, token), name=name)
+            sup.start(
+                "rollout", rollout_args(cfg, index, broadcast_address, redis_url, token, stream), name=name
+            )
         log(
             f"starting {len(rollouts)} rollout service(s) ({cfg.engine}, {cfg.model}); engine start takes a while"
         )
@@ -278,9 +287,11 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, argv: list[str]) -> int:
             for n in rollouts
         }
         log(f"rollout services SERVING: {', '.join(sup.children[n].address for n in rollouts)}")
-        config["trainer"] = {"args": _redact(trainer_args(cfg, run_dir, broadcast_address, redis_url, token))}
+        config["trainer"] = {
+            "args": _redact(trainer_args(cfg, run_dir, broadcast_address, redis_url, token, stream))
+        }
         config["rollout_args"] = {
-            n: _redact(rollout_args(cfg, i, broadcast_address, redis_url, token))
+            n: _redact(rollout_args(cfg, i, broadcast_address, redis_url, token, stream))
             for i, n in enumerate(rollouts)
         }
         _write_json(run_dir / "config.json", config)
@@ -291,7 +302,9 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, argv: list[str]) -> int:
         if cfg.eval_size:
             evals.append(run_eval(cfg, task, sup.children[rollouts[0]].address, "before", step=0))
 
-        sup.start(TRAINER, trainer_args(cfg, run_dir, broadcast_address, redis_url, token), name=TRAINER)
+        sup.start(
+            TRAINER, trainer_args(cfg, run_dir, broadcast_address, redis_url, token, stream), name=TRAINER
+        )
         log("trainer starting")
         sup.wait_ready([TRAINER], cfg.startup_timeout_s)
         log(f"trainer SERVING at {sup.children[TRAINER].address}; training {cfg.steps} steps ({cfg.mode})")

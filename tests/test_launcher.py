@@ -139,7 +139,10 @@ def tiny_run(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> dic
             proc.send_signal(signal.SIGINT)
             proc.wait(60)
     output = log_path.read_text()
-    stream = redis.Redis.from_url(redis_server).xrange("parity:rollouts")
+    stream_name = (
+        json.loads((out / "config.json").read_text())["stream"] if (out / "config.json").exists() else ""
+    )
+    stream = redis.Redis.from_url(redis_server).xrange(stream_name) if stream_name else []
     return {
         "rc": rc,
         "out": out,
