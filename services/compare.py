@@ -46,7 +46,7 @@ IGNORED_KEYS = frozenset(
         "progress_interval_s",
     }
 )
-MAX_LABEL_KEYS = 4
+MAX_LABEL_KEYS = 6
 
 
 class CompareError(ValueError):
@@ -127,6 +127,9 @@ def label_runs(runs: Sequence[Run]) -> None:
     if len(set(r.label for r in runs)) < len(runs):  # equal settings (e.g. seeds only): add the dir
         for run, name in zip(runs, names, strict=True):
             run.label = name if run.label == name else f"{name}: {run.label}"
+    if len(set(r.label for r in runs)) < len(runs):  # the same directory twice
+        for index, run in enumerate(runs):
+            run.label = f"{run.label} #{index + 1}"
 
 
 def _fmt(value: float | None) -> str:
@@ -182,9 +185,11 @@ def plot(runs: Sequence[Run], out: Path):
             handles, labels = ax.get_legend_handles_labels()
             if handles:
                 break
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3) or 1, fontsize=9)
+    wide = max((len(label) for label in labels), default=0) > 45
+    ncol = 1 if wide else min(len(labels), 3) or 1
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9)
     fig.suptitle("parity compare: " + "  vs  ".join(r.path.name for r in runs))
-    fig.tight_layout(rect=(0, 0.07, 1, 0.96))
+    fig.tight_layout(rect=(0, 0.04 + 0.03 * (len(labels) if wide else 1), 1, 0.96))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
