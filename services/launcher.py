@@ -327,7 +327,15 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, argv: list[str]) -> int:
         log(f"stopped: {how}")
     timings["wall_s"] = time.monotonic() - run_started
     _write_json(run_dir / "config.json", config)
-    write_results(cfg, run_dir, metrics.rows, evals, timings)
+    from services.run_plots import write_results
+
+    write_results(cfg, run_dir, metrics.rows, evals, timings, argv)
+    log(f"done in {format_duration(timings['wall_s'])}; summary: {run_dir / 'summary.md'}")
+    if len(evals) == 2:
+        before, after = evals[0]["accuracy"], evals[1]["accuracy"]
+        log(
+            f"held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points)"
+        )
     return 0
 
 
@@ -339,67 +347,6 @@ def _write_json(path: Path, payload: object) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
     tmp.replace(path)
-
-
-# --- results --------------------------------------------------------------------------------------
-SUMMARY_KEYS = [
-    "reward_mean",
-    "clip_rate",
-    "kl_new_old",
-    "entropy",
-    "mismatch_k3",
-    "mismatch_max_abs",
-    "ess",
-    "lag_mean",
-    "tokens_per_s",
-]
-
-
-def write_results(cfg: RunConfig, run_dir: Path, rows: list[dict], evals: list[dict], timings: dict) -> None:
-    from services.run_plots import plot_run
-
-    by_label = {e["label"]: e for e in evals}
-    before, after = by_label.get("before"), by_label.get("after")
-    delta = after["accuracy"] - before["accuracy"] if before and after else None
-    _write_json(
-        run_dir / "eval.json", {"before": before, "after": after, "accuracy_delta": delta, "evals": evals}
-    )
-    plots = plot_run(run_dir, rows, evals)
-    final = rows[-1] if rows else {}
-    summary = {
-        "mode": cfg.mode, "model": cfg.model, "task": cfg.task, "steps": len(rows), "seed": cfg.seed,
-        "accuracy_before": before and before["accuracy"], "accuracy_after": after and after["accuracy"],
-        "accuracy_delta": delta, "final_metrics": {k: final.get(k) for k in SUMMARY_KEYS}, **timings,
-    }  # fmt: skip
-    _write_json(run_dir / "run_summary.json", summary)
-    lines = [
-        f"# parity run: {cfg.model} on {cfg.task}, {cfg.mode}, {len(rows)} steps, seed {cfg.seed}",
-        "",
-        f"- wall time: {format_duration(timings['wall_s'])} (startup {format_duration(timings['startup_s'])}, "
-        f"training {format_duration(timings['trainer_ready_to_exit_s'])})",
-    ]
-    if delta is not None:
-        lines.append(
-            f"- held-out accuracy (greedy, {before['num_prompts']} prompts): "
-            f"{100 * before['accuracy']:.1f}% -> {100 * after['accuracy']:.1f}% ({100 * delta:+.1f} points)"
-        )
-    lines += ["", "## Final step", "", "| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {_cell(final.get(k))} |" for k in SUMMARY_KEYS]
-    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
-    lines += [
-        "",
-        "Config: [config.json](config.json) · metrics: [metrics.jsonl](metrics.jsonl) · eval: [eval.json](eval.json)",
-    ]
-    (run_dir / "summary.md").write_text("\n".join(lines) + "\n")
-    log(f"done in {format_duration(timings['wall_s'])}; summary: {run_dir / 'summary.md'}")
-    if delta is not None:
-        log(
-            f"held-out accuracy {100 * before['accuracy']:.1f}% -> {100 * after['accuracy']:.1f}% ({100 * delta:+.1f} points)"
-        )
-
-
-def _cell(value: object) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 # --- entry point ----------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""PNG plots of one run: training curves from metrics.jsonl and held-out accuracy from eval.json.
+"""The report of one run: PNG plots, eval.json, run_summary.json and summary.md.
+
+Plots: training curves from metrics.jsonl and held-out accuracy from the evaluations.
 
 Invariants:
 - Uses matplotlib's Agg backend (no display needed), imported lazily so `parity run --help` is fast.
@@ -9,8 +11,15 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.supervisor import format_duration
+
+if TYPE_CHECKING:
+    from services.run_config import RunConfig
 
 # name -> (title, [(metric key, label)], y label, log scale when all values are positive)
 CURVES: dict[str, tuple[str, list[tuple[str, str]], str, bool]] = {
@@ -107,3 +116,67 @@ def plot_run(run_dir: Path, rows: list[dict], evals: list[dict]) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+# --- the report --------------------------------------------------------------------------------------
+SUMMARY_KEYS = [
+    "reward_mean",
+    "clip_rate",
+    "kl_new_old",
+    "entropy",
+    "mismatch_k3",
+    "mismatch_max_abs",
+    "ess",
+    "lag_mean",
+    "tokens_per_s",
+]
+
+
+def write_results(
+    cfg: RunConfig, run_dir: Path, rows: list[dict], evals: list[dict], timings: dict, argv: list[str]
+) -> None:
+    """eval.json, the plots, run_summary.json (for scripts) and summary.md (for people)."""
+    by_label = {e["label"]: e for e in evals}
+    before, after = by_label.get("before"), by_label.get("after")
+    delta = after["accuracy"] - before["accuracy"] if before and after else None
+    _write_json(
+        run_dir / "eval.json", {"before": before, "after": after, "accuracy_delta": delta, "evals": evals}
+    )
+    plots = plot_run(run_dir, rows, evals)
+    final = rows[-1] if rows else {}
+    summary = {
+        "mode": cfg.mode, "model": cfg.model, "task": cfg.task, "steps": len(rows), "seed": cfg.seed,
+        "accuracy_before": before and before["accuracy"], "accuracy_after": after and after["accuracy"],
+        "accuracy_delta": delta, "final_metrics": {k: final.get(k) for k in SUMMARY_KEYS}, **timings,
+    }  # fmt: skip
+    _write_json(run_dir / "run_summary.json", summary)
+    lines = [
+        f"# parity run: {cfg.model} on {cfg.task}, {cfg.mode}, {len(rows)} steps, seed {cfg.seed}",
+        "",
+        f"- command: `parity run {' '.join(argv)}`",
+        f"- wall time: {format_duration(timings['wall_s'])} (startup {format_duration(timings['startup_s'])}, "
+        f"training {format_duration(timings['trainer_ready_to_exit_s'])})",
+    ]
+    if delta is not None:
+        lines.append(
+            f"- held-out accuracy (greedy, {before['num_prompts']} prompts): "
+            f"{100 * before['accuracy']:.1f}% -> {100 * after['accuracy']:.1f}% ({100 * delta:+.1f} points)"
+        )
+    lines += ["", "## Final step", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {_cell(final.get(k))} |" for k in SUMMARY_KEYS]
+    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    lines += [
+        "",
+        "Config: [config.json](config.json) · metrics: [metrics.jsonl](metrics.jsonl) · eval: [eval.json](eval.json)",
+    ]
+    (run_dir / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def _cell(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _write_json(path: Path, payload: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.replace(path)
