@@ -111,15 +111,21 @@ class CheckConfig(BaseSettings):
 
     def rollout_config(self):
         """The RolloutConfig these switches describe (validated by the rollout service's own rules)."""
+        from pydantic import ValidationError
+
+        from parity.config import format_validation_error
         from rollout.config import RolloutConfig
 
-        return RolloutConfig(
-            model=self.model,
-            engine=self.engine,
-            max_model_len=self.max_model_len,
-            seed=self.seed,
-            **{name: getattr(self, name) for name in PARITY_SWITCHES},
-        )
+        try:
+            return RolloutConfig(
+                model=self.model,
+                engine=self.engine,
+                max_model_len=self.max_model_len,
+                seed=self.seed,
+                **{name: getattr(self, name) for name in PARITY_SWITCHES},
+            )
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc)) from None
 
 
 @dataclass

@@ -116,6 +116,7 @@ def test_gate_on_synthetic_reports(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", "no-such-model"], "model"),
         (["--ablate", "--engine", "reference"], "ablate"),
         (["--temperature", "hot"], "temperature"),
+        (["--engine", "reference", "--prefix_caching", "true"], "prefix_caching"),
     ],
 )
 def test_bad_input_is_a_clear_error(argv: list[str], field: str, capsys: pytest.CaptureFixture[str]) -> None:
