@@ -112,9 +112,14 @@ def service_round(
     return sum(counts), time.perf_counter() - start
 
 
-def hf_round(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int) -> tuple[int, float]:
+def hf_round(
+    model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int, threads: int
+) -> tuple[int, float]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -201,8 +206,8 @@ async def main_async(args: argparse.Namespace) -> dict:
     finally:
         llm.shutdown()
         service.stop()
-    log("HF generate (same prompts, batch of all sequences)")
-    hf_tokens, hf_elapsed = hf_round(model_dir, prompts, args.n, args.max_tokens)
+    log(f"HF generate (same prompts, batch of all sequences, torch threads {args.hf_threads or 'default'})")
+    hf_tokens, hf_elapsed = hf_round(model_dir, prompts, args.n, args.max_tokens, args.hf_threads)
     hf_rate = hf_tokens / hf_elapsed
     log(f"HF generate: {hf_tokens} tokens in {hf_elapsed:.2f}s = {hf_rate:.1f} tok/s")
     raw_rate, service_rate = statistics.median(raw_rates), statistics.median(service_rates)
@@ -217,6 +222,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         "raw_tokens_per_s": round(raw_rate, 1),
         "service_tokens_per_s": round(service_rate, 1),
         "hf_tokens_per_s": round(hf_rate, 1),
+        "hf_threads": args.hf_threads or None,
         "service_over_raw": round(pair_ratio, 3),
         "service_over_raw_of_medians": round(service_rate / raw_rate, 3),
         "raw_rounds_tokens_per_s": [round(x, 1) for x in raw_rates],
@@ -239,6 +245,7 @@ def main() -> int:
     parser.add_argument("--max_tokens", type=int, default=64)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hf_threads", type=int, default=0, help="torch threads for HF (0: torch default)")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     print(json.dumps(result), flush=True)

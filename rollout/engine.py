@@ -92,7 +92,11 @@ class RolloutEngine(Protocol):
     async def resume(self) -> None: ...
 
     async def update_weights(
-        self, plan, mode: Literal["keep", "recompute"], fault_corrupt_tensor: str = ""
+        self,
+        plan,
+        mode: Literal["keep", "recompute"],
+        fault_corrupt_tensor: str = "",
+        keep_paused: bool = False,
     ) -> UpdateResult:
         """Receive, verify and swap in `plan` (a parity.v1.TransferPlan); see the module docstring."""
 

@@ -185,7 +185,11 @@ class ReferenceEngine:
         self._unpaused.set()
 
     async def update_weights(
-        self, plan, mode: Literal["keep", "recompute"], fault_corrupt_tensor: str = ""
+        self,
+        plan,
+        mode: Literal["keep", "recompute"],
+        fault_corrupt_tensor: str = "",
+        keep_paused: bool = False,
     ) -> UpdateResult:
         async with self._update_lock:
             staged = await asyncio.to_thread(receive_and_verify, plan, "cpu", fault_corrupt_tensor)
@@ -215,7 +219,8 @@ class ReferenceEngine:
                 result.outcome = "applied"
                 result.weight_version = self.weight_version
             finally:
-                await self.resume()
+                if not keep_paused:  # a client's PauseGeneration stays in force until its Resume
+                    await self.resume()
                 result.paused_s = time.perf_counter() - paused_at
             return result
 

@@ -257,7 +257,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             )
         mode = _MODES.get(request.update_mode, self.config.update_mode)
         with tracing.span("swap", {"parity.weight_version": version, "update_mode": mode}) as span:
-            result = await self.engine.update_weights(request.plan, mode, request.fault_corrupt_tensor)
+            result = await self.engine.update_weights(
+                request.plan, mode, request.fault_corrupt_tensor, keep_paused=self.paused
+            )
             span.set_attribute("outcome", result.outcome)
         self.paused_seconds_total += result.paused_s
         metrics.PAUSE_SECONDS.inc(result.paused_s)

@@ -174,7 +174,11 @@ class VllmEngine:
         return replies[0]
 
     async def update_weights(
-        self, plan, mode: Literal["keep", "recompute"], fault_corrupt_tensor: str = ""
+        self,
+        plan,
+        mode: Literal["keep", "recompute"],
+        fault_corrupt_tensor: str = "",
+        keep_paused: bool = False,
     ) -> UpdateResult:
         async with self._update_lock:
             staged = await self._rpc_one(
@@ -207,7 +211,8 @@ class VllmEngine:
                 result.outcome = "applied"
                 result.weight_version = self.weight_version
             finally:
-                await self.resume()
+                if not keep_paused:  # a client's PauseGeneration stays in force until its Resume
+                    await self.resume()
                 result.paused_s = time.perf_counter() - paused_at
             return result
 

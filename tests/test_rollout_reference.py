@@ -236,3 +236,29 @@ def test_late_joiner_is_not_serving_until_it_has_the_latest_version(start_servic
             break
         assert time.monotonic() < deadline, workers
         time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_sync_actor_generates_one_step_per_version(start_services, tiny_model: Path, redis_url: str) -> None:
+    from parity.rollout_queue import RolloutQueue
+
+    service = start_services(
+        "rollout", "--engine", "reference", "--model", str(tiny_model), "--actor", "true",
+        "--redis_url", redis_url, "--group_size", "2", "--max_tokens", "4", "--groups_per_step", "3",
+        "--actor_mode", "sync", "--auth_token", TOKEN,
+    )  # fmt: skip
+    queue = RolloutQueue(redis_url)
+    deadline = time.monotonic() + 60
+    while queue.redis.xlen(queue.stream) < 3:
+        assert time.monotonic() < deadline, service.log_tail()
+        time.sleep(0.1)
+    time.sleep(1.0)
+    assert queue.redis.xlen(queue.stream) == 3  # waits for the next version, consumed or not
+    push_weights(_stub(service), perturbed_state_dict(tiny_model, seed=5), 1, metadata=bearer(TOKEN))
+    while queue.redis.xlen(queue.stream) < 6:
+        assert time.monotonic() < deadline + 60, service.log_tail()
+        time.sleep(0.1)
+    time.sleep(1.0)
+    groups = [rollouts_pb2.RolloutGroup.FromString(f[b"group"]) for _, f in queue.redis.xrange(queue.stream)]
+    assert [g.max_weight_version for g in groups] == [0, 0, 0, 1, 1, 1]
+    assert [g.min_weight_version for g in groups] == [0, 0, 0, 1, 1, 1]

@@ -245,7 +245,7 @@ def test_inflight_update_in_keep_mode_switches_versions_exactly(
     served.stub.PauseGeneration(
         rollout_pb2.PauseGenerationRequest(mode=common_pb2.UPDATE_MODE_KEEP), metadata=AUTH
     )
-    update = served.update(new_state)  # pauses (already paused), swaps, resumes
+    update = served.update(new_state)  # swaps; stays paused until ResumeGeneration
     served.stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), metadata=AUTH)
     assert update.outcome == rollout_pb2.UPDATE_OUTCOME_APPLIED, update.error
     worker.join(120)
@@ -262,6 +262,41 @@ def test_inflight_update_in_keep_mode_switches_versions_exactly(
             prompt, comp.token_ids, switch_at, old_state, new_state, SamplingTransform()
         )
         assert max_abs_diff(comp.logprobs, expected) < TOL
+
+
+def test_inflight_update_in_recompute_mode_recomputes_kv_under_new_weights(
+    services, scorer: HfScorer, tiny_model: Path
+) -> None:
+    served = services["guarded"]
+    old_version, old_state = served.version, served.state()
+    prompt = prompt_ids(8, 12)
+    new_state = perturbed_state_dict(tiny_model, seed=250)
+    replies: list = []
+    worker = threading.Thread(
+        target=lambda: replies.append(generate(served.stub, prompt, 1.0, 0, 1.0, n=2, max_tokens=400)),
+    )
+    worker.start()
+    deadline = time.monotonic() + 60
+    while served.stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).num_running_requests == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.1)
+    recompute = common_pb2.UPDATE_MODE_RECOMPUTE
+    served.stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=recompute), metadata=AUTH)
+    update = served.update(new_state, update_mode=recompute)
+    served.stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), metadata=AUTH)
+    assert update.outcome == rollout_pb2.UPDATE_OUTCOME_APPLIED, update.error
+    worker.join(120)
+    for comp in replies[0].completions:
+        versions = list(comp.token_weight_versions)
+        switch_at = versions.index(update.weight_version)
+        assert 0 < switch_at < len(versions)
+        assert versions == [old_version] * switch_at + [update.weight_version] * (len(versions) - switch_at)
+        scorer.load(old_state)
+        before = scorer.score(prompt, comp.token_ids, SamplingTransform())[:switch_at]
+        scorer.load(new_state)  # after the switch: the new weights over the whole context (KV recomputed)
+        after = scorer.score(prompt, comp.token_ids, SamplingTransform())[switch_at:]
+        assert max_abs_diff(comp.logprobs, before + after) < TOL
 
 
 def test_corrupted_transfer_fails_and_old_weights_keep_serving(
