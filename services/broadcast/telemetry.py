@@ -17,7 +17,7 @@ BYTES = Counter(
 FAILURES = Counter(
     "parity_broadcast_update_failures",
     "Failed transfers by reason: trainer_transfer, trainer_checksum, checksum, transfer, timeout, "
-    "unreachable, rpc.",
+    "unreachable, rpc, internal.",
     ["reason"],
 )
 LATEST_VERSION = Gauge("parity_broadcast_latest_version", "Latest version received and verified.")
