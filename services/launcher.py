@@ -93,7 +93,7 @@ def validate_inputs(cfg: RunConfig) -> object:
     try:
         return get_task(cfg.task, seed=cfg.seed)
     except ValueError as exc:
-        raise RunConfigError(f"--task: {exc}") from None
+        raise RunConfigError(f"--task: {str(exc).removeprefix('task: ')}") from None
 
 
 # --- gRPC helpers ---------------------------------------------------------------------------------
