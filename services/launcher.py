@@ -81,19 +81,20 @@ def trainer_args(
 
 
 def validate_inputs(cfg: RunConfig) -> object:
-    """Resolve the model and the task before any process starts; return the task."""
+    """Resolve the task, then the model (preparing it if needed), before any process starts."""
+    from rollout.tasks import get_task
+
+    try:
+        task = get_task(cfg.task, seed=cfg.seed)
+    except ValueError as exc:
+        raise RunConfigError(f"--task: {str(exc).removeprefix('task: ')}") from None
     from parity import models
 
     try:
         models.resolve(cfg.model)
     except models.ModelError as exc:
         raise RunConfigError(f"--{exc}") from None
-    from rollout.tasks import get_task
-
-    try:
-        return get_task(cfg.task, seed=cfg.seed)
-    except ValueError as exc:
-        raise RunConfigError(f"--task: {str(exc).removeprefix('task: ')}") from None
+    return task
 
 
 # --- gRPC helpers ---------------------------------------------------------------------------------
