@@ -41,7 +41,13 @@ def _arithmetic(seed: int) -> Task:
     return ArithmeticTask(seed=seed)
 
 
-TASKS: dict[str, Callable[[int], Task]] = {"arithmetic": _arithmetic}
+def _arithmetic_final(seed: int) -> Task:
+    from rollout.tasks.arithmetic import FinalAnswerArithmeticTask
+
+    return FinalAnswerArithmeticTask(seed=seed)
+
+
+TASKS: dict[str, Callable[[int], Task]] = {"arithmetic": _arithmetic, "arithmetic_final": _arithmetic_final}
 
 
 def get_task(name: str, seed: int = 0) -> Task:

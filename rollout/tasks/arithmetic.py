@@ -65,3 +65,20 @@ class ArithmeticTask:
     def reward(self, prompt: Prompt, completion_text: str) -> float:
         match = _FIRST_INTEGER.search(completion_text)
         return 1.0 if match is not None and match.group(0) == prompt.answer else 0.0
+
+
+class FinalAnswerArithmeticTask(ArithmeticTask):
+    """The same additions and split, scored on the completion's last integer (its final answer).
+
+    SmolLM2-135M-Instruct answers "What is 7 + 12? Answer with just the number." with "7 + 12 = 19":
+    the first integer is an operand, so the first-integer reward is 0 for nearly every sample and GRPO
+    gets no signal (measured on operands 1..30: 0 correct of ~1,000 samples at temperatures 0.3 to
+    1.0, 0 of 100 greedy). The last integer is the model's stated answer: 28 of 100 greedy, about 23 %
+    of samples at temperature 0.5, so groups carry reward variance. `parity run` trains on this one.
+    """
+
+    name = "arithmetic_final"
+
+    def reward(self, prompt: Prompt, completion_text: str) -> float:
+        integers = _FIRST_INTEGER.findall(completion_text)
+        return 1.0 if integers and integers[-1] == prompt.answer else 0.0
