@@ -35,8 +35,11 @@ class RunConfig(BaseModel):
 
     # What to train.
     model: str = Field("smollm2-135m", description="Model: tiny, smollm2-135m, or an HF model directory.")
-    task: str = Field("arithmetic", description="Task with a verifiable reward (rollout/tasks).")
-    steps: int = Field(20, ge=1, le=100_000, description="Optimizer steps the trainer takes before stopping.")
+    task: str = Field(
+        "arithmetic_final",
+        description="Task with a verifiable reward (rollout/tasks); arithmetic_final scores the last integer.",
+    )
+    steps: int = Field(16, ge=1, le=100_000, description="Optimizer steps the trainer takes before stopping.")
     mode: RunMode = Field(
         "async",
         description="async: generation overlaps training (PipelineRL). sync: generate -> train -> update.",
@@ -46,13 +49,13 @@ class RunConfig(BaseModel):
 
     # Scale.
     rollout_workers: int = Field(1, ge=1, le=16, description="Rollout services (one vLLM engine each).")
-    groups_per_step: int = Field(8, ge=1, le=1024, description="GRPO groups consumed per optimizer step.")
+    groups_per_step: int = Field(4, ge=1, le=1024, description="GRPO groups consumed per optimizer step.")
     group_size: int = Field(8, ge=2, le=64, description="Completions per prompt (one GRPO group).")
     max_tokens: int = Field(12, ge=1, le=4096, description="Maximum generated tokens per completion.")
     temperature: float = Field(
-        1.0, gt=0.0, le=10.0, description="Sampling temperature for training rollouts."
+        0.5, gt=0.0, le=10.0, description="Sampling temperature for training rollouts."
     )
-    lr: float = Field(2e-5, gt=0.0, le=1.0, description="Trainer learning rate.")
+    lr: float = Field(3e-5, gt=0.0, le=1.0, description="Trainer learning rate.")
     publish_every: int = Field(1, ge=1, le=10_000, description="Publish new weights every N steps.")
     max_lag: int = Field(
         2, ge=0, le=1000, description="Staleness bound in versions; the actor pauses beyond it."

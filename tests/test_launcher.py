@@ -87,6 +87,7 @@ def test_bad_flag_exits_2_with_a_clear_error() -> None:
         (["--steps", "zero"], "--steps"),
         (["--engine=tensorrt"], "--engine"),
         (["--bogus", "1"], "--bogus"),
+        (["--task", "chess"], "--task"),
     ):
         proc = subprocess.run(
             [sys.executable, "-m", "parity.cli", "run", *flags], capture_output=True, text=True, timeout=60
@@ -262,3 +263,25 @@ def test_sigint_mid_run_leaves_no_process_behind(redis_url: str, tmp_path: Path)
     assert rc == 130, log_path.read_text()[-4000:]
     assert "interrupted" in log_path.read_text()
     assert _wait_gone(marker) == []
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [
+        ("19", 1.0),
+        ("7 + 12 = 19", 1.0),
+        ("7 + 12 = 19.", 1.0),
+        ("19, no: 20", 0.0),
+        ("7 + 12", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_default_task_scores_the_final_integer(completion: str, reward: float) -> None:
+    from rollout.tasks import Prompt, get_task
+
+    task = get_task(parse_run_config([]).task)
+    assert task.name == "arithmetic_final"
+    assert (
+        task.reward(Prompt("p", "What is 7 + 12? Answer with just the number.", "19"), completion) == reward
+    )
+    assert task.eval_prompts(5) == get_task("arithmetic").eval_prompts(5)  # same held-out split
