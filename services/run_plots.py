@@ -28,12 +28,12 @@ CURVES: dict[str, tuple[str, list[tuple[str, str]], str, bool]] = {
     "kl_new_old": ("KL(new || old)", [("kl_new_old", "kl_new_old")], "nats / token", False),
     "entropy": ("Policy entropy", [("entropy", "entropy")], "nats / token", False),
     "mismatch": (
-        "Rollout vs trainer logprob mismatch (lag-0 tokens)",
+        "Rollout vs trainer logprob mismatch, lag-0 tokens",
         [
-            ("mismatch_k1", "k1"),
             ("mismatch_k2", "k2"),
             ("mismatch_k3", "k3"),
             ("mismatch_max_abs", "max |Δ|"),
+            ("mismatch_k3_all", "k3, all tokens (incl. stale)"),
         ],
         "nats",
         True,
@@ -52,7 +52,10 @@ def _finite(value: object) -> float | None:
 
 def _curve(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     xs, ys = [], []
+    lag0_only = key.startswith("mismatch_") and not key.endswith("_all")
     for index, row in enumerate(rows):
+        if lag0_only and row.get("lag0_token_frac", 1) == 0:
+            continue  # the trainer writes 0 when the step had no lag-0 tokens: no measurement
         y = _finite(row.get(key))
         if y is not None:
             xs.append(float(row.get("step", index)))
