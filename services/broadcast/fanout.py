@@ -167,7 +167,7 @@ class FanOut:
         }
         start = time.monotonic()
         error, code, reply = "", None, None
-        with tracing.span("broadcast_transfer", attrs, kind="client"):
+        with tracing.span("broadcast_transfer", attrs, kind="client", parent_traceparent=record.traceparent):
             buffer.leases += 1  # the registry reuses a retired buffer only with no lease on it
             sender = asyncio.ensure_future(
                 asyncio.to_thread(_send_to_worker, send_rdv, record, buffer, timeout_s)

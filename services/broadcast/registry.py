@@ -92,6 +92,7 @@ class VersionRecord:
     receive_seconds: float = 0.0
     error: str = ""
     started_workers: set[str] = field(default_factory=set)
+    traceparent: str = ""  # of the publish_version span: parent of every transfer of this version
 
     def info(self) -> pb.VersionInfo:
         return pb.VersionInfo(

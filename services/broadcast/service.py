@@ -118,6 +118,7 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
                 await context.abort(exc.code, exc.details)
             bucket_bytes = request.bucket_bytes or self.config.bucket_bytes
             record = self.registry.begin(request, bucket_bytes, self.config.device)
+            record.traceparent = tracing.current_traceparent()
             rendezvous = common_pb2.Rendezvous(
                 host=self.config.data_host,
                 port=self.store_port,
