@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -64,7 +65,9 @@ class Publisher:
         self.wait_committed_s = wait_committed_s
         self.rpc_timeout_s = rpc_timeout_s
         self._channel = (
-            grpc.insecure_channel(broadcast_address, options=GRPC_OPTIONS) if broadcast_address else None
+            tracing.instrument_channel(grpc.insecure_channel(broadcast_address, options=GRPC_OPTIONS))
+            if broadcast_address
+            else None
         )
         self._stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(self._channel) if self._channel else None
 
@@ -84,10 +87,13 @@ class Publisher:
         )
         return int(reply.latest_version)
 
-    def publish(self, model, version: int) -> PublishResult:
-        """Send the parameters as `version`; raise PublishError (version unchanged) on failure."""
+    def publish(self, model, version: int, links_from: Sequence[str] = ()) -> PublishResult:
+        """Send the parameters as `version`; raise PublishError (version unchanged) on failure.
+
+        `links_from`: traceparents of the train_step spans this version contains (span links)."""
         start = time.perf_counter()
-        with tracing.span("publish_version", {tracing.ATTR_WEIGHT_VERSION: version}) as span:
+        attrs = {tracing.ATTR_WEIGHT_VERSION: version}
+        with tracing.span("publish_version", attrs, links_from=links_from) as span:
             if self._stub is None:
                 return PublishResult(version, 0, time.perf_counter() - start, committed=True)
             from parity.checksum import describe
