@@ -30,6 +30,7 @@ class Batch:
     groups: list[rollouts_pb2.RolloutGroup] = field(default_factory=list)
     entry_ids: list[str] = field(default_factory=list)
     skipped_entry_ids: list[str] = field(default_factory=list)
+    traceparents: list[str] = field(default_factory=list)  # of the admitted groups' publish spans
     dropped_stale: int = 0
     duplicates: int = 0
     malformed: int = 0
@@ -162,4 +163,5 @@ class RolloutConsumer:
             batch_ids.update(ids)
             batch.groups.append(group)
             batch.entry_ids.append(entry.entry_id)
+            batch.traceparents.append(entry.traceparent)
             span.set_attribute("parity.outcome", "admitted")
