@@ -70,6 +70,7 @@ class Trainer:
         self.ready = False
         self.finished = False
         self._unpublished_steps = 0
+        self._step_traceparents: list[str] = []  # train_step spans since the last publish
         self._snapshots: dict[int, dict[str, Any]] = {}
         self._checkpointed: tuple[int, int] | None = None
         self.in_step = False  # between taking a batch and finishing its publish
@@ -209,7 +210,9 @@ class Trainer:
                 tracing.ATTR_TOKENS: sum(len(s.rollout_logprobs) for s in sequences),
                 "parity.groups": len(batch.groups),
             },
+            links_from=batch.traceparents,
         ) as span:
+            self._step_traceparents.append(tracing.current_traceparent())
             self.optimizer.zero_grad(set_to_none=True)
             totals = self._micro_batches(sequences)
             grad_norm = float(
@@ -492,7 +495,8 @@ class Trainer:
         for attempt in range(1, attempts + 1):
             version = self.state.published_version + 1
             try:
-                result = self.publisher.publish(self.model, version)
+                result = self.publisher.publish(self.model, version, links_from=self._step_traceparents)
+        self._step_traceparents = []
                 break
             except PublishError as exc:
                 if attempt == attempts:
