@@ -69,6 +69,13 @@ EXTRA_GAUGES = (
 COUNTERS = ("rollouts_trained", "dropped_stale", "duplicates_skipped")
 
 
+def prometheus_name(name: str) -> str:
+    """Prometheus spells units out: step_time_s -> step_time_seconds, tokens_per_s -> ..._per_second."""
+    if name.endswith("_per_s"):
+        return name[: -len("s")] + "second"
+    return name[: -len("_s")] + "_seconds" if name.endswith("_s") else name
+
+
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -117,7 +124,7 @@ class Telemetry:
         for name in (*REQUIRED_METRICS, *EXTRA_GAUGES):
             if name == "lag_hist" or name in COUNTERS:
                 continue
-            full = f"parity_trainer_{name}"
+            full = f"parity_trainer_{prometheus_name(name)}"
             existing = REGISTRY._names_to_collectors.get(full)  # re-created in-process by tests
             self._gauges[name] = existing or Gauge(full, f"Trainer metric {name} (see docs/trainer.md)")
         for name in COUNTERS:
