@@ -50,6 +50,7 @@ class Actor:
         self.groups_published = 0
         self.backpressure_wait_s = 0.0
         self.queue = None
+        self._group_traceparents: dict[str, str] = {}  # group_id -> its rollout_group span
         self._in_flight = 0
         self._admission = asyncio.Lock()
 
@@ -98,9 +99,12 @@ class Actor:
             top_k=self.config.top_k,
             top_p=self.config.top_p,
         )
-        results = sorted([r async for r in self.servicer.run_group(spec)], key=lambda r: r.index)
-        with tracing.span("score", {"parity.group_id": group_id, "task": self.task.name}):
-            rewards = [float(self.task.reward(prompt, r.text)) for r in results]
+        group_attrs = {"parity.group_id": group_id, "parity.weight_version": self.engine.weight_version}
+        with tracing.span("rollout_group", group_attrs):  # parent of generate, score and publish
+            self._group_traceparents[group_id] = tracing.current_traceparent()
+            results = sorted([r async for r in self.servicer.run_group(spec)], key=lambda r: r.index)
+            with tracing.span("score", {"parity.group_id": group_id, "task": self.task.name}):
+                rewards = [float(self.task.reward(prompt, r.text)) for r in results]
         versions = [v for r in results for v in r.token_weight_versions] or [self.engine.weight_version]
         return rollouts_pb2.RolloutGroup(
             group_id=group_id,
@@ -136,7 +140,8 @@ class Actor:
             "parity.weight_version": group.max_weight_version,
             "completion_tokens": sum(len(s.token_ids) for s in group.samples),
         }
-        with tracing.span("publish", attrs, kind="producer"):
+        parent = self._group_traceparents.pop(group.group_id, "")
+        with tracing.span("publish", attrs, kind="producer", parent_traceparent=parent):
             traceparent = tracing.current_traceparent()
             entry_id = await asyncio.to_thread(self.queue.publish, group, traceparent)
         self.groups_published += 1
