@@ -496,7 +496,6 @@ class Trainer:
             version = self.state.published_version + 1
             try:
                 result = self.publisher.publish(self.model, version, links_from=self._step_traceparents)
-        self._step_traceparents = []
                 break
             except PublishError as exc:
                 if attempt == attempts:
@@ -507,6 +506,7 @@ class Trainer:
                 self.state.published_version = max(
                     self.state.published_version, self.publisher.latest_version()
                 )
+        self._step_traceparents = []
         atomic_write_text(self.run_dir / PUBLISHED_VERSION_FILE, str(version))
         with self.lock:
             self.state.published_version = version
