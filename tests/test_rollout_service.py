@@ -252,12 +252,21 @@ def _inflight_update(served: Served, scorer: HfScorer, tiny_model: Path, mode: i
     prompt = prompt_ids(seed, 12)
     new_state = perturbed_state_dict(tiny_model, seed=seed + 1000)
     replies: list = []
-    worker = threading.Thread(
-        target=lambda: replies.append(generate(served.stub, prompt, 1.0, 0, 1.0, n=4, max_tokens=480)),
-    )
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            replies.append(generate(served.stub, prompt, 1.0, 0, 1.0, n=4, max_tokens=480))
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=run)
     worker.start()
     deadline = time.monotonic() + 60
     while served.stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).num_running_requests == 0:
+        assert not errors, errors[0]
+        if not worker.is_alive():
+            return 0  # the whole group ended before we saw it running: try again
         assert time.monotonic() < deadline
         time.sleep(0.02)
     time.sleep(0.1)
@@ -267,6 +276,7 @@ def _inflight_update(served: Served, scorer: HfScorer, tiny_model: Path, mode: i
     served.stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), metadata=AUTH)
     assert update.outcome == rollout_pb2.UPDATE_OUTCOME_APPLIED, update.error
     worker.join(120)
+    assert not errors, errors[0]
     assert replies, "generation did not finish"
     new_version, switched = update.weight_version, 0
     for comp in replies[0].completions:
