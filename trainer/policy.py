@@ -100,7 +100,9 @@ def token_logprobs(
     indices, values = [], []
     for transform, index in token_ranges.items():
         index_t = torch.tensor(index, dtype=torch.long, device=device)
-        lp_tV = processed_logprobs(logits_TV[index_t], transform)
+        # One transform for the whole micro-batch (the usual case): no gather, whose backward is a
+        # [T, V] scatter-add.
+        lp_tV = processed_logprobs(logits_TV if len(token_ranges) == 1 else logits_TV[index_t], transform)
         indices.append(index_t)
         values.append(lp_tV.gather(-1, targets_T[index_t].unsqueeze(-1)).squeeze(-1))
         if with_entropy:
