@@ -9,7 +9,12 @@ Two steps, so that a bad transfer never touches the serving weights:
      verify checksums. Generation may continue meanwhile (the engine loop is blocked only for the
      duration of the RPC itself). The staged tensors are kept only if every checksum matched.
   2. `parity_apply_staged(version)`: called while generation is paused; loads the staged tensors
-     with vLLM's in-place `reload_weights` and drops them.
+     with vLLM's in-place `reload_weights`, refreshes what vLLM derived from them, and drops them.
+
+`reload_weights` re-processes only the modules that received tensors. A tied lm_head receives none
+(its weight *is* the embedding, and the trainer publishes tied weights once), but on CPU vLLM keeps
+a prepacked GEMM copy of it: without a refresh, rollouts would sample from the old head while the
+trainer scores with the new one (a 4.4-nat logprob gap on the tiny model).
 Only a single worker (tensor parallel size 1) is supported: every worker would need its own rank.
 """
 
@@ -38,6 +43,7 @@ class ParityWorkerExtension:
         start = time.perf_counter()
         named = staged[1]
         self.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
+        _refresh_embedding_derived_weights(self.model_runner.model)  # type: ignore[attr-defined]
         self._parity_staged = None
         return {"error": "", "swap_s": time.perf_counter() - start, "num_tensors": len(named)}
 
@@ -50,3 +56,16 @@ class ParityWorkerExtension:
 
         params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
         return {name: tensor_checksum(params[name].detach()) for name in names if name in params}
+
+
+def _refresh_embedding_derived_weights(model) -> int:
+    """Re-derive every embedding/lm_head module's cached copies (CPU prepacked GEMM) from its weight."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    refreshed = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, UnquantizedEmbeddingMethod):
+            method.process_weights_after_loading(module)
+            refreshed += 1
+    return refreshed

