@@ -43,6 +43,8 @@ IGNORED_KEYS = frozenset(
         "marker",
         "startup_timeout_s",
         "step_timeout_s",
+        "i_know_the_mismatch_is_high",
+        "skip_preflight",
         "progress_interval_s",
     }
 )
