@@ -367,7 +367,7 @@ def main(argv: list[str]) -> int:
         signal.SIGTERM: signal.signal(signal.SIGTERM, _sigterm_as_interrupt),
         signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
     }
-    run_dir = cfg.run_dir()
+    run_dir = cfg.run_dir().resolve()  # children (redis) chdir; relative paths would break
     started = time.monotonic()
     try:
         return run_pipeline(cfg, run_dir, list(argv))

@@ -87,6 +87,7 @@ class Supervisor:
     stop_seconds: dict[str, float] = field(default_factory=dict)
 
     def __enter__(self) -> Supervisor:
+        self.log_dir = self.log_dir.resolve()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self
 
