@@ -66,7 +66,9 @@ class VllmEngine:
             max_model_len=cfg.max_model_len,
             enable_prefix_caching=cfg.prefix_caching,
             logprobs_mode="processed_logprobs" if cfg.logprobs_mode == "processed" else "raw_logprobs",
-            hf_overrides={"head_dtype": "float32"} if cfg.head_dtype == "float32" else None,
+            hf_overrides={
+                "head_dtype": cfg.head_dtype
+            },  # "float32" or "model"; None fails ModelConfig validation
             generation_config=cfg.generation_config,
             async_scheduling=cfg.async_scheduling,
             seed=cfg.seed,

@@ -1,0 +1,25 @@
+"""Every parity switch yields engine arguments vLLM accepts, with the head dtype always explicit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from parity.config import load_config
+from rollout.config import RolloutConfig
+from rollout.vllm_engine import VllmEngine
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dtype"), [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "model")]
+)
+def test_head_dtype_reaches_vllm_model_config(tiny_model: Path, dtype: str, head_dtype: str) -> None:
+    import torch
+
+    config = load_config(RolloutConfig, ["--model", "tiny", "--dtype", dtype, "--head_dtype", head_dtype])
+    args = VllmEngine(config, tiny_model).engine_args()
+    assert args.hf_overrides == {"head_dtype": head_dtype}
+    model_config = args.create_model_config()  # what failed for head_dtype=model before the fix
+    expected = torch.float32 if head_dtype == "float32" else getattr(torch, dtype)
+    assert model_config.head_dtype == expected
