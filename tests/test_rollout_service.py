@@ -241,7 +241,9 @@ def test_stale_kv_after_update(services, scorer: HfScorer, tiny_model: Path, nam
         assert worst > 1e-2, "with the guard off, stale prefix KV should have been reused"
 
 
-def _inflight_update(served: Served, scorer: HfScorer, tiny_model: Path, mode: int, seed: int) -> int:
+def _inflight_update(
+    served: Served, scorer: HfScorer, tiny_model: Path, mode: int, seed: int, settle_s: float = 0.1
+) -> int:
     """Start a long group, freeze it mid-generation, update, resume; check every completion.
 
     Returns how many completions switched versions mid-generation. A completion can also end (EOS)
@@ -269,7 +271,7 @@ def _inflight_update(served: Served, scorer: HfScorer, tiny_model: Path, mode: i
             return 0  # the whole group ended before we saw it running: try again
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    time.sleep(0.1)
+    time.sleep(settle_s)  # past prefill, into decode; longer on a loaded machine (see the caller)
     # Freeze the group so that the update lands between two decode steps for sure.
     served.stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=mode), metadata=AUTH)
     update = served.update(new_state, update_mode=mode)  # swaps; stays paused until ResumeGeneration
@@ -311,10 +313,15 @@ def _inflight_update(served: Served, scorer: HfScorer, tiny_model: Path, mode: i
 def test_inflight_update_switches_versions_exactly(
     services, scorer: HfScorer, tiny_model: Path, mode: int
 ) -> None:
-    for attempt in range(3):  # the pause must land mid-generation at least once; usually the first time
-        if _inflight_update(services["guarded"], scorer, tiny_model, mode, seed=50 + 10 * mode + attempt):
+    # The pause must land mid-generation at least once; usually the first time. On a loaded machine the
+    # prefill can outlast a short wait, so each attempt waits longer before pausing.
+    for attempt in range(5):
+        settle_s = 0.1 * 2**attempt
+        if _inflight_update(
+            services["guarded"], scorer, tiny_model, mode, 50 + 10 * mode + attempt, settle_s
+        ):
             return
-    pytest.fail("no completion was mid-generation at the update in 3 attempts")
+    pytest.fail("no completion was mid-generation at the update in 5 attempts")
 
 
 def test_corrupted_transfer_fails_and_old_weights_keep_serving(
