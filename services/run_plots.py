@@ -166,7 +166,13 @@ def write_results(
             f"{100 * before['accuracy']:.1f}% -> {100 * after['accuracy']:.1f}% ({100 * delta:+.1f} points)"
         )
     lines += ["", "## Final step", "", "| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {_cell(final.get(k))} |" for k in SUMMARY_KEYS]
+    no_lag0 = final.get("lag0_token_frac", 1) == 0  # lag-0 fields are placeholders then, not parity
+    lines += [
+        f"| {k} | {'n/a (no lag-0 tokens in this step)' if no_lag0 and k.startswith('mismatch_') else _cell(final.get(k))} |"
+        for k in SUMMARY_KEYS
+    ]
+    if "mismatch_k3_all" in final:
+        lines.append(f"| mismatch_k3_all (incl. stale tokens) | {_cell(final.get('mismatch_k3_all'))} |")
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     lines += [
         "",

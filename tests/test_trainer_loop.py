@@ -229,10 +229,15 @@ def test_recomputed_old_logprobs_use_the_tokens_own_version(
     old_group = group(reference_model, "r1", version=0, seed=5)  # sampled by version 0
     seqs, _, _ = trainer._prepare(type("B", (), {"groups": [old_group]})())
     behaviour = torch.tensor([lp for s in seqs for lp in s.rollout_logprobs])
-    recomputed = trainer._recompute_old(seqs, behaviour)
+    recomputed, known = trainer._recompute_old(seqs, behaviour)
+    assert bool(known.all())  # version 0 is kept: every token was rescored at its own version
     assert torch.allclose(recomputed, behaviour, atol=1e-4)  # version-0 weights, not the current ones
     current, _ = token_logprobs(trainer.model, [s.inputs for s in seqs])
     assert (current.detach() - behaviour).abs().max() > 1e-3  # ... which do differ
+    # The step reported backend mismatch at each token's own version, on every token.
+    (row,) = metrics(tmp_path)
+    assert row["at_version_token_frac"] == 1.0
+    assert 0.0 <= row["mismatch_k3_at_version"] < 1e-8 and row["mismatch_max_abs_at_version"] < 1e-4
 
 
 def test_consume_train_and_publish_spans_link_to_the_producer(

@@ -315,6 +315,8 @@ class Trainer:
             "is_w": [],
             "is_corr": [],
             "kl_ref": [],
+            "at_version_trainer_lp": [],
+            "at_version_rollout_lp": [],
             "nonfinite": 0,
         }
         size = cfg.micro_batch_size
@@ -358,7 +360,10 @@ class Trainer:
         # A token the trainer's mask excludes (-inf) cannot be trained on; it gets zero loss.
         new_safe_T = torch.where(finite_T, new_T, behaviour_T)
         if self.old_model is not None:
-            old_T = self._recompute_old(chunk, behaviour_T)
+            old_T, known_T = self._recompute_old(chunk, behaviour_T)
+            # Backend mismatch on every token, stale or not: trainer vs rollout at the same weights.
+            totals["at_version_trainer_lp"].append(old_T[known_T].float().cpu())
+            totals["at_version_rollout_lp"].append(behaviour_T[known_T].float().cpu())
         elif cfg.is_correction != "none":
             old_T = new_safe_T.detach()  # decoupled PPO: the proximal policy is the current one
         else:
@@ -410,11 +415,15 @@ class Trainer:
             del self._snapshots[old]
 
     def _recompute_old(self, chunk: list[ScoredSequence], behaviour_T):
-        """Trainer logprobs at each token's own version (behaviour logprobs where none is kept)."""
+        """(Trainer logprobs at each token's own version, mask of tokens whose version is kept).
+
+        Tokens whose version has no snapshot keep their behaviour logprobs and are outside the mask.
+        """
         import torch
 
         versions_T = torch.tensor([v for s in chunk for v in s.versions])
         old_T = behaviour_T.clone()
+        known_T = torch.zeros_like(versions_T, dtype=torch.bool)
         params = dict(self.old_model.named_parameters())
         with torch.no_grad():
             for version in sorted(set(versions_T.tolist())):
@@ -426,7 +435,8 @@ class Trainer:
                 lp_T, _ = token_logprobs(self.old_model, [s.inputs for s in chunk], with_entropy=False)
                 use_T = versions_T == version
                 old_T[use_T] = lp_T[use_T]
-        return old_T
+                known_T |= use_T
+        return old_T, known_T
 
     # ---- metrics ---------------------------------------------------------------------------------
     def _metrics(
@@ -458,6 +468,12 @@ class Trainer:
         for suffix, values in (("", on_lag0), ("_all", on_all)):
             for key in ("k1", "k2", "k3", "max_abs", "ratio_p05", "ratio_p50", "ratio_p95"):
                 metrics[f"mismatch_{key}{suffix}"] = values[key]
+        if totals["at_version_trainer_lp"]:  # only with --old_logprobs recompute
+            at_version_T = cat("at_version_trainer_lp")
+            on_version = mismatch.mismatch_metrics(at_version_T, cat("at_version_rollout_lp"))
+            for key in ("k1", "k2", "k3", "max_abs"):
+                metrics[f"mismatch_{key}_at_version"] = on_version[key]
+            metrics["at_version_token_frac"] = at_version_T.numel() / max(1, num_tokens)
         metrics.update(
             {
                 "ess": on_all["ess"],
