@@ -41,6 +41,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _restore_environment() -> Iterator[None]:
+    """Undo environment changes a test module leaves behind.
+
+    vLLM engines run in the pytest process (the check's ablation) write LD_PRELOAD, LOCAL_WORLD_SIZE,
+    VLLM_DIST_IDENT, OMP_NUM_THREADS and more into os.environ; every service a later module starts
+    would inherit them and run a different configuration from the one it was started with.
+    """
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[str]:
     """A private redis-server on a free port; yields its URL and removes it afterwards."""
