@@ -115,7 +115,9 @@ class Membership:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "weight_version: must be >= 0")
         record.last_seen_monotonic = time.monotonic()
         record.last_heartbeat_unix = time.time()
-        if not record.updating and request.weight_version != record.weight_version:
+        # Only upwards: a heartbeat sent before a swap can arrive after its ack. A worker's version
+        # goes down only by restarting, and a restart re-registers.
+        if not record.updating and request.weight_version > record.weight_version:
             record.weight_version = request.weight_version  # the worker knows what it serves
             record.attempted_version = max(record.attempted_version, request.weight_version)
             record.kick.set()
