@@ -14,6 +14,10 @@ Invariants:
     waiting is counted (`parity_rollout_backpressure_wait_seconds_total`).
   - sync mode: generate `groups_per_step` groups at the serving version, publish them, then wait
     until the serving version increases (generate -> train -> update).
+  - skip_zero_variance (dynamic sampling): a group whose rewards are all equal carries no GRPO
+    advantage; it is counted and not published, and another prompt takes its place (in sync mode,
+    within the same version). After `4 * groups_per_step` such drops in a row the next group is
+    published anyway, so a task the model always fails (or always solves) still trains and reports.
   - Nothing is generated while the service is not caught up with the broadcast service.
 """
 
@@ -48,6 +52,8 @@ class Actor:
         self._run_id = uuid.uuid4().hex[:8]
         self._counter = itertools.count()
         self.groups_published = 0
+        self.zero_variance_dropped = 0
+        self._dropped_in_a_row = 0
         self.backpressure_wait_s = 0.0
         self.queue = None
         self._group_traceparents: dict[str, str] = {}  # group_id -> its rollout_group span
@@ -147,6 +153,24 @@ class Actor:
         self.groups_published += 1
         return entry_id
 
+    async def offer(self, group: rollouts_pb2.RolloutGroup) -> bool:
+        """Publish `group` unless dynamic sampling drops it; True when it was published."""
+        rewards = [s.reward for s in group.samples]
+        flat = not rewards or max(rewards) - min(rewards) <= 1e-9
+        if self.config.skip_zero_variance and flat and self._dropped_in_a_row < self.drop_limit:
+            self._dropped_in_a_row += 1
+            self.zero_variance_dropped += 1
+            metrics.ZERO_VARIANCE_DROPPED.inc()
+            self._group_traceparents.pop(group.group_id, None)
+            return False
+        self._dropped_in_a_row = 0
+        await self.publish(group)
+        return True
+
+    @property
+    def drop_limit(self) -> int:
+        return 4 * self.config.groups_per_step
+
     def _done(self) -> bool:
         return bool(self.config.max_groups) and self.groups_published >= self.config.max_groups
 
@@ -158,7 +182,7 @@ class Actor:
                 group = await self.one_group(self._next_prompt())
                 if self._done():
                     return
-                await self.publish(group)
+                await self.offer(group)
             finally:
                 self._in_flight -= 1
 
@@ -172,12 +196,18 @@ class Actor:
         while not self._done() and not self.servicer.shutting_down:
             await self._ready()
             version = self.engine.weight_version
-            prompts = [self._next_prompt() for _ in range(self.config.groups_per_step)]
-            groups = await asyncio.gather(*(bounded(p) for p in prompts))
-            for group in groups:
-                await self.publish(group)
+            published = 0
+            while published < self.config.groups_per_step and not self.servicer.shutting_down:
+                need = self.config.groups_per_step - published
+                groups = await asyncio.gather(*(bounded(self._next_prompt()) for _ in range(need)))
+                for group in groups:
+                    published += await self.offer(group)
             log.info(
-                "sync step at v%d: published %d groups; waiting for v%d", version, len(groups), version + 1
+                "sync step at v%d: published %d groups (%d dropped for zero variance so far); waiting for v%d",
+                version,
+                published,
+                self.zero_variance_dropped,
+                version + 1,
             )
             start = time.monotonic()
             while (
@@ -213,8 +243,9 @@ class Actor:
             raise
         finally:
             log.info(
-                "actor stopped after %d groups (backpressure wait %.1fs)",
+                "actor stopped after %d groups (%d dropped for zero variance, backpressure wait %.1fs)",
                 self.groups_published,
+                self.zero_variance_dropped,
                 self.backpressure_wait_s,
             )
 

@@ -108,6 +108,11 @@ class RolloutConfig(ServiceConfig):
     )
     concurrency: int = Field(4, gt=0, description="Groups the actor generates concurrently.")
     max_groups: int = Field(0, ge=0, description="Stop the actor after this many groups (0 = no limit).")
+    skip_zero_variance: bool = Field(
+        False,
+        description="Dynamic sampling: do not publish a group whose rewards are all equal (no GRPO signal); "
+        "after 4 * groups_per_step such drops in a row the next group is published anyway.",
+    )
 
     @model_validator(mode="after")
     def _limits(self) -> RolloutConfig:

@@ -23,6 +23,10 @@ WEIGHT_VERSION = Gauge("parity_rollout_weight_version", "Weight version this ser
 BACKPRESSURE_SECONDS = Counter(
     "parity_rollout_backpressure_wait_seconds", "Seconds the actor waited for the trainer (max_lag)."
 )
+ZERO_VARIANCE_DROPPED = Counter(
+    "parity_rollout_zero_variance_dropped_groups",
+    "Groups not published because every sample had the same reward (--skip_zero_variance).",
+)
 UPDATES = Counter("parity_rollout_weight_updates", "Weight updates by outcome.", ["outcome"])
 
 

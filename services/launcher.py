@@ -65,6 +65,7 @@ def rollout_args(
         "--max_tokens", str(cfg.max_tokens), "--max_lag", str(cfg.max_lag),
         "--groups_per_step", str(cfg.worker_groups_per_step()), "--actor_mode", cfg.mode,
         "--concurrency", str(cfg.actor_concurrency),
+        "--skip_zero_variance", str(cfg.skip_zero_variance).lower(),
     ]  # fmt: skip
 
 

@@ -64,6 +64,11 @@ class RunConfig(BaseModel):
         8, ge=1, le=256, description="Groups each rollout service's actor generates concurrently."
     )
     objective: Literal["grpo", "ppo", "gspo"] = Field("grpo", description="Policy-gradient objective.")
+    skip_zero_variance: bool = Field(
+        True,
+        description="Dynamic sampling: the actors do not publish groups whose rewards are all equal "
+        "(no GRPO signal) and generate another prompt instead.",
+    )
     redis_url: str = Field("", description="Use this Redis instead of starting a private redis-server.")
 
     # Train-inference parity switches (the correctness defaults).

@@ -262,3 +262,69 @@ def test_sync_actor_generates_one_step_per_version(start_services, tiny_model: P
     groups = [rollouts_pb2.RolloutGroup.FromString(f[b"group"]) for _, f in queue.redis.xrange(queue.stream)]
     assert [g.max_weight_version for g in groups] == [0, 0, 0, 1, 1, 1]
     assert [g.min_weight_version for g in groups] == [0, 0, 0, 1, 1, 1]
+
+
+def test_dynamic_sampling_drops_flat_groups_and_never_starves_the_trainer() -> None:
+    """`Actor.offer`: a group with reward variance is published; a flat one is dropped and counted,
+    up to 4 * groups_per_step in a row, after which the next one goes through anyway."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rollout.actor import Actor
+
+    actor = Actor.__new__(Actor)  # only the dynamic-sampling state; no engine or queue needed
+    actor.config = SimpleNamespace(skip_zero_variance=True, groups_per_step=2)
+    actor.zero_variance_dropped, actor._dropped_in_a_row, actor._group_traceparents = 0, 0, {}
+    published: list[str] = []
+
+    async def publish(group) -> str:
+        published.append(group.group_id)
+        return group.group_id
+
+    actor.publish = publish
+
+    def group(name: str, *rewards: float) -> rollouts_pb2.RolloutGroup:
+        return rollouts_pb2.RolloutGroup(
+            group_id=name, samples=[rollouts_pb2.RolloutSample(reward=r) for r in rewards]
+        )
+
+    async def offer_all() -> list[bool]:
+        offers = [group("mixed", 0, 1, 0)] + [group(f"flat{i}", 0, 0, 0) for i in range(9)]
+        offers.append(group("all-right", 1, 1, 1))
+        return [await actor.offer(g) for g in offers]
+
+    outcomes = asyncio.run(offer_all())
+    # limit 8: flat0..flat7 dropped, flat8 forced through (resets the run), all-right dropped again.
+    assert outcomes == [True] + [False] * 8 + [True, False]
+    assert published == ["mixed", "flat8"]
+    assert actor.zero_variance_dropped == 9
+    actor.config.skip_zero_variance = False
+    assert asyncio.run(actor.offer(group("flat-off", 0, 0))) and published[-1] == "flat-off"
+
+
+@pytest.mark.slow
+def test_sync_actor_with_dynamic_sampling_still_publishes_each_step(
+    start_services, tiny_model: Path, redis_url: str
+) -> None:
+    """The tiny model never answers arithmetic: every group is flat. The sync actor drops 4 per
+    version (limit 4 * groups_per_step), then publishes one, and waits for the next version."""
+    from parity.rollout_queue import RolloutQueue
+
+    service = start_services(
+        "rollout", "--engine", "reference", "--model", str(tiny_model), "--actor", "true",
+        "--redis_url", redis_url, "--group_size", "2", "--max_tokens", "3", "--groups_per_step", "1",
+        "--actor_mode", "sync", "--skip_zero_variance", "true", "--auth_token", TOKEN,
+    )  # fmt: skip
+    queue = RolloutQueue(redis_url)
+    deadline = time.monotonic() + 60
+    while queue.redis.xlen(queue.stream) < 1:
+        assert time.monotonic() < deadline, service.log_tail()
+        time.sleep(0.1)
+    time.sleep(1.0)
+    assert queue.redis.xlen(queue.stream) == 1
+    assert (
+        "published 1 groups (4 dropped for zero variance so far); waiting for v1"
+        in service.log_path.read_text()
+    )
+    group = rollouts_pb2.RolloutGroup.FromString(queue.redis.xrange(queue.stream)[0][1][b"group"])
+    assert {s.reward for s in group.samples} == {0.0}
