@@ -35,7 +35,7 @@ import grpc
 
 from parity import checksum
 from parity.procs import ServiceProcess, start_service
-from parity.transport import Layout, TransferGroup, free_port
+from parity.transport import DEFAULT_BUCKET_BYTES, Layout, TransferGroup, free_port
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2
 
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--receivers", type=int, default=2, help="stand-in rollout workers")
     parser.add_argument("--repeats", type=int, default=5, help="measured rounds per model (after warm-up)")
-    parser.add_argument("--bucket_bytes", type=int, default=64 * 1024 * 1024)
+    parser.add_argument("--bucket_bytes", type=int, default=DEFAULT_BUCKET_BYTES)
     parser.add_argument("--large_mb", type=int, default=1024, help="random model size; 0 skips it")
     args = parser.parse_args(argv)
 

@@ -78,6 +78,7 @@ def trainer_args(
         "--run_dir", str(run_dir), "--steps", str(cfg.steps), "--groups_per_step", str(cfg.groups_per_step),
         "--publish_every", str(cfg.publish_every), "--objective", cfg.objective, "--lr", str(cfg.lr),
         "--max_lag", str(cfg.max_lag), "--seed", str(cfg.seed), "--auth_token", token,
+        "--torch_threads", str(cfg.trainer_threads),
     ]  # fmt: skip
 
 

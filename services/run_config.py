@@ -64,6 +64,12 @@ class RunConfig(BaseModel):
         8, ge=1, le=256, description="Groups each rollout service's actor generates concurrently."
     )
     objective: Literal["grpo", "ppo", "gspo"] = Field("grpo", description="Policy-gradient objective.")
+    trainer_threads: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="torch intra-op threads of the trainer; 0 leaves torch's default (one per core).",
+    )
     skip_zero_variance: bool = Field(
         True,
         description="Dynamic sampling: the actors do not publish groups whose rewards are all equal "

@@ -15,6 +15,7 @@ from pydantic_settings import SettingsConfigDict
 
 from parity.config import ServiceConfig
 from parity.rollout_queue import DEFAULT_STREAM
+from parity.transport import DEFAULT_BUCKET_BYTES
 
 Objective = Literal["grpo", "ppo", "gspo"]
 LossAgg = Literal["token", "sequence"]
@@ -78,7 +79,7 @@ class TrainerConfig(ServiceConfig):
         0, ge=0, description="Checkpoint every N steps; 0 = only at the end/on request."
     )
     keep_checkpoints: int = Field(2, gt=0, description="Checkpoints kept on disk (oldest removed).")
-    bucket_bytes: int = Field(64 * 1024 * 1024, gt=0, description="Transfer bucket size for publishing.")
+    bucket_bytes: int = Field(DEFAULT_BUCKET_BYTES, gt=0, description="Transfer bucket size for publishing.")
     wait_committed_s: float = Field(
         30.0, ge=0, description="Wait this long for the broadcast to commit each version; 0 skips waiting."
     )

@@ -24,6 +24,7 @@ import grpc
 
 from parity import tracing
 from parity.server import bearer
+from parity.transport import DEFAULT_BUCKET_BYTES
 from parity.v1 import broadcast_pb2, broadcast_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class Publisher:
         broadcast_address: str,
         model_name: str,
         auth_token: str = "",
-        bucket_bytes: int = 64 * 1024 * 1024,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         wait_committed_s: float = 30.0,
         rpc_timeout_s: float = 60.0,
     ) -> None:

@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from parity.config import ServiceConfig
+from parity.transport import DEFAULT_BUCKET_BYTES
 
 
 class BroadcastConfig(ServiceConfig):
@@ -50,7 +51,7 @@ class BroadcastConfig(ServiceConfig):
         30.0, gt=0, le=86400, description="A worker whose update failed is retried on the latest after this."
     )
     bucket_bytes: int = Field(
-        64 * 1024 * 1024,
+        DEFAULT_BUCKET_BYTES,
         ge=4096,
         le=4 * 1024**3,
         description="Bucket size of packed transfers when the publisher leaves it 0.",
