@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -72,7 +73,9 @@ def bump(named: list[tuple[str, object]], version: int) -> None:
 
 
 # -- raw baseline ------------------------------------------------------------------------------
-def _raw_receiver(rank: int, world: int, port: int, total: int, bucket: int, rounds: int, q) -> None:
+def _raw_receiver(
+    rank: int, world: int, port: int, total: int, bucket: int, rounds: int, q, group_name: str = "raw"
+) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -83,7 +86,7 @@ def _raw_receiver(rank: int, world: int, port: int, total: int, bucket: int, rou
         rank=rank,
         world_size=world,
         backend="gloo",
-        group_name="raw",
+        group_name=group_name,
         timeout_s=600,
     )
     group = TransferGroup.join(rdv)
@@ -137,6 +140,92 @@ class RawBaseline:
             proc.join(30)
         self.group.close()
         del self.buffer
+
+
+# -- bare relay: the relay topology without the protocol ------------------------------------------
+class _Watermark:
+    def __init__(self) -> None:
+        self.end = 0
+        self.cond = threading.Condition()
+
+    def advance(self, end: int) -> None:
+        with self.cond:
+            self.end = end
+            self.cond.notify_all()
+
+    def wait_for(self, end: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.end >= end)
+
+
+def _bare_relay(port_in: int, port_out: int, receivers: int, total: int, bucket: int, rounds: int) -> None:
+    """Rank 1 of a pairwise group with the sender; rank 0 of a broadcast to the receivers. Forwards
+    each bucket as soon as it has arrived (cut-through, as the broadcast service does)."""
+    import torch
+
+    torch.set_num_threads(1)
+    metas = [common_pb2.TensorMeta(name="flat", shape=[total], dtype="uint8")]
+    rdv_in = common_pb2.Rendezvous(
+        host="127.0.0.1", port=port_in, rank=1, world_size=2, backend="gloo", group_name="relay-in",
+        timeout_s=600,
+    )  # fmt: skip
+    rdv_out = common_pb2.Rendezvous(
+        host="127.0.0.1", port=port_out, rank=0, world_size=receivers + 1, backend="gloo",
+        group_name="relay-out", timeout_s=600,
+    )  # fmt: skip
+    group_in = TransferGroup.join(rdv_in)
+    group_out = TransferGroup.join(rdv_out, host_store=True)
+    buffer = torch.empty(total, dtype=torch.uint8)
+    buffer.fill_(0)
+    for _ in range(rounds):
+        mark = _Watermark()
+        forward = threading.Thread(target=group_out.send_packed, args=(buffer, bucket, mark.wait_for))
+        forward.start()
+        group_in.recv_packed(metas, bucket, out=buffer, progress=mark.advance)
+        forward.join()
+    group_in.close()
+    group_out.close()
+
+
+class BareRelay:
+    """This process -> one relay process -> `receivers` processes, raw gloo with cut-through and no
+    registry, RPCs, checksums or swaps: what the relay topology alone costs on this host."""
+
+    def __init__(self, total: int, receivers: int, bucket: int, rounds: int) -> None:
+        import torch
+
+        ctx = mp.get_context("spawn")
+        self.q = ctx.Queue()
+        port_in, port_out = free_port(), free_port()
+        self.procs = [
+            ctx.Process(target=_bare_relay, args=(port_in, port_out, receivers, total, bucket, rounds))
+        ]
+        self.procs += [
+            ctx.Process(
+                target=_raw_receiver,
+                args=(r, receivers + 1, port_out, total, bucket, rounds, self.q, "relay-out"),
+            )
+            for r in range(1, receivers + 1)
+        ]
+        for proc in self.procs:
+            proc.start()
+        rdv = common_pb2.Rendezvous(
+            host="127.0.0.1", port=port_in, rank=0, world_size=2, backend="gloo", group_name="relay-in",
+            timeout_s=600,
+        )  # fmt: skip
+        self.group = TransferGroup.join(rdv, host_store=True)
+        self.buffer = torch.ones(total, dtype=torch.uint8)
+        self.bucket = bucket
+        self.receivers = receivers
+
+    def round(self) -> float:
+        start = time.perf_counter()
+        self.group.send_packed(self.buffer, self.bucket)
+        for _ in range(self.receivers):
+            self.q.get(timeout=600)
+        return time.perf_counter() - start
+
+    close = RawBaseline.close
 
 
 # -- end to end --------------------------------------------------------------------------------
@@ -247,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{model_name}: starting raw receivers, broadcast service and {args.receivers} stand-in receivers"
         )
         raw = RawBaseline(total, args.receivers, args.bucket_bytes, warmup + args.repeats)
+        bare = BareRelay(total, args.receivers, args.bucket_bytes, warmup + args.repeats)
         broadcast = start_service(
             "broadcast",
             [
@@ -272,10 +362,12 @@ def main(argv: list[str] | None = None) -> int:
                 # raw and e2e rounds alternate, so both see the same background load
                 for i in range(warmup + args.repeats):
                     raw_round = raw.round()
+                    bare_round = bare.round()
                     row = update_round(stub, model_name, named, i + 1, args.bucket_bytes)
-                    row["raw_s"] = raw_round
+                    row["raw_s"], row["bare_s"] = raw_round, bare_round
                     log(
                         f"  round {i + 1}: raw {raw_round:.3f}s ({total / raw_round / 1e9:.2f} GB/s) | "
+                        f"bare relay {bare_round:.3f}s | "
                         f"e2e {row['e2e_s']:.3f}s ({total / row['e2e_s'] / 1e9:.2f} GB/s), ratio "
                         f"{row['e2e_s'] / raw_round:.2f}, trainer busy {row['trainer_s']:.3f}s, "
                         f"stall {row['stall_s']:.3f}s" + (" (warm-up, not counted)" if i < warmup else "")
@@ -284,11 +376,14 @@ def main(argv: list[str] | None = None) -> int:
                         rounds.append(row)
         finally:
             raw.close()
+            bare.close()
             for standin in standins:
                 standin.stop(10)
             broadcast.stop(10)
         raw_s = statistics.median(r["raw_s"] for r in rounds)
         ratio = statistics.median(r["e2e_s"] / r["raw_s"] for r in rounds)
+        bare_ratio = statistics.median(r["bare_s"] / r["raw_s"] for r in rounds)
+        protocol = statistics.median(r["e2e_s"] / r["bare_s"] for r in rounds)
         e2e = statistics.median(r["e2e_s"] for r in rounds)
         trainer = statistics.median(r["trainer_s"] for r in rounds)
         stall = statistics.median(r["stall_s"] for r in rounds)
@@ -302,12 +397,15 @@ def main(argv: list[str] | None = None) -> int:
             "raw_bytes_per_s": round(total / raw_s),
             "e2e_bytes_per_s": round(total / e2e),
             "e2e_over_raw": round(ratio, 3),  # median of per-round ratios (paired)
+            "bare_relay_over_raw": round(bare_ratio, 3),  # the relay topology alone
+            "e2e_over_bare_relay": round(protocol, 3),  # what the protocol adds on top of it
             "trainer_over_raw": round(trainer / raw_s, 3),
             "checksum_ms_per_100mb": round(ms, 2),
         }
         log(
-            f"{model_name}: e2e/raw = {ratio:.2f} (median of paired rounds; goal <= 1.5), trainer busy/raw = {trainer / raw_s:.2f}, "
-            f"stall {stall:.3f}s"
+            f"{model_name}: e2e/raw = {ratio:.2f} (median of paired rounds; goal <= 1.5), "
+            f"bare relay/raw = {bare_ratio:.2f}, e2e/bare relay = {protocol:.2f}, "
+            f"trainer busy/raw = {trainer / raw_s:.2f}, stall {stall:.3f}s"
         )
         del named
     summary = {
