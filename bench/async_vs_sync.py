@@ -44,12 +44,17 @@ def _role(cmdline: str) -> str:
 
 
 class CpuSampler(threading.Thread):
-    """Sums utime+stime (last seen) of every process carrying the run marker, by component."""
+    """Sums utime+stime (last seen) of every process of the run, by component.
+
+    A process belongs to the run if it carries the run marker in its environment or command line,
+    or shares a session with one that does: vLLM's EngineCore and Worker processes are started
+    with an environment that drops the marker, but stay in their rollout service's session."""
 
     def __init__(self, marker: str) -> None:
         super().__init__(daemon=True)
         self.needle = f"{MARKER_ENV}={marker}".encode()
         self.last_cpu_s: dict[int, tuple[str, float]] = {}
+        self.session_roles: dict[int, str] = {}  # session id -> role of its marked leader
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -57,27 +62,28 @@ class CpuSampler(threading.Thread):
             self.sample()
 
     def sample(self) -> None:
-        sessions: dict[int, str] = {}
+        unmarked: list[tuple[int, int, float]] = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
             try:
-                environ = (entry / "environ").read_bytes()
-                cmdline = (entry / "cmdline").read_bytes()
-                if self.needle not in environ and self.needle not in cmdline:
-                    continue
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
+                pid, session = int(entry.name), int(fields[3])
+                cpu_s = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+                cmdline = (entry / "cmdline").read_bytes()
+                marked = self.needle in cmdline or self.needle in (entry / "environ").read_bytes()
+            except (OSError, IndexError, ValueError):
                 continue
-            pid, session = int(entry.name), int(fields[3])
+            if not marked:
+                unmarked.append((pid, session, cpu_s))
+                continue
+            role = _role(cmdline.replace(b"\0", b" ").decode(errors="replace"))
             if pid == session:
-                sessions[pid] = _role(cmdline.replace(b"\0", b" ").decode(errors="replace"))
-            cpu_s = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-            role = sessions.get(session) or self.last_cpu_s.get(session, ("", 0))[0]
-            self.last_cpu_s[pid] = (
-                role or _role(cmdline.replace(b"\0", b" ").decode(errors="replace")),
-                cpu_s,
-            )
+                self.session_roles[session] = role
+            self.last_cpu_s[pid] = (self.session_roles.get(session, role), cpu_s)
+        for pid, session, cpu_s in unmarked:
+            if session in self.session_roles:
+                self.last_cpu_s[pid] = (self.session_roles[session], cpu_s)
 
     def by_role(self) -> dict[str, float]:
         totals: dict[str, float] = {}
