@@ -32,6 +32,13 @@ def _stub(service) -> rollout_pb2_grpc.RolloutServiceStub:
     return rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(service.address))
 
 
+def _wait_for_entries(queue, count: int, deadline: float, service) -> None:
+    """Until the rollout stream holds `count` entries; fails with the service's log at `deadline`."""
+    while queue.redis.xlen(queue.stream) < count:
+        assert time.monotonic() < deadline, service.log_tail()
+        time.sleep(0.1)
+
+
 def _sampling(**fields) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(**{"temperature": 1.0, "max_tokens": 12, "n": 2, **fields})
 
@@ -151,9 +158,7 @@ def test_actor_publishes_scored_groups_with_backpressure(
     )  # fmt: skip
     queue = RolloutQueue(redis_url)
     deadline = time.monotonic() + 60
-    while queue.redis.xlen(queue.stream) < 4:
-        assert time.monotonic() < deadline, service.log_tail()
-        time.sleep(0.1)
+    _wait_for_entries(queue, 4, deadline, service)
     time.sleep(1.5)  # the actor must now be blocked: backlog == max_lag * groups_per_step
     assert queue.redis.xlen(queue.stream) == 4
     entries = queue.redis.xrange(queue.stream)
@@ -180,9 +185,7 @@ def test_actor_publishes_scored_groups_with_backpressure(
     ids = [entry_id.decode() for entry_id, _ in entries]
     queue.redis.xreadgroup(queue.group, "test", {queue.stream: ">"}, count=4)
     queue.redis.xack(queue.stream, queue.group, *ids)
-    while queue.redis.xlen(queue.stream) < 6:
-        assert time.monotonic() < deadline + 60, service.log_tail()
-        time.sleep(0.1)
+    _wait_for_entries(queue, 6, deadline + 60, service)
 
 
 @pytest.mark.slow
@@ -249,15 +252,11 @@ def test_sync_actor_generates_one_step_per_version(start_services, tiny_model: P
     )  # fmt: skip
     queue = RolloutQueue(redis_url)
     deadline = time.monotonic() + 60
-    while queue.redis.xlen(queue.stream) < 3:
-        assert time.monotonic() < deadline, service.log_tail()
-        time.sleep(0.1)
+    _wait_for_entries(queue, 3, deadline, service)
     time.sleep(1.0)
     assert queue.redis.xlen(queue.stream) == 3  # waits for the next version, consumed or not
     push_weights(_stub(service), perturbed_state_dict(tiny_model, seed=5), 1, metadata=bearer(TOKEN))
-    while queue.redis.xlen(queue.stream) < 6:
-        assert time.monotonic() < deadline + 60, service.log_tail()
-        time.sleep(0.1)
+    _wait_for_entries(queue, 6, deadline + 60, service)
     time.sleep(1.0)
     groups = [rollouts_pb2.RolloutGroup.FromString(f[b"group"]) for _, f in queue.redis.xrange(queue.stream)]
     assert [g.max_weight_version for g in groups] == [0, 0, 0, 1, 1, 1]
@@ -317,9 +316,7 @@ def test_sync_actor_with_dynamic_sampling_still_publishes_each_step(
     )  # fmt: skip
     queue = RolloutQueue(redis_url)
     deadline = time.monotonic() + 60
-    while queue.redis.xlen(queue.stream) < 1:
-        assert time.monotonic() < deadline, service.log_tail()
-        time.sleep(0.1)
+    _wait_for_entries(queue, 1, deadline, service)
     time.sleep(1.0)
     assert queue.redis.xlen(queue.stream) == 1
     assert (
