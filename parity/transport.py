@@ -243,7 +243,9 @@ class TransferGroup:
     def send(self, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> int:
         """Rank 0: broadcast `tensors` (packed, bucketed) to every other rank; returns bytes sent.
 
-        Double-buffered: bucket i+1 is packed while bucket i is on the wire."""
+        Double-buffered: bucket i+1 is packed while bucket i is on the wire. A bucket that lies
+        inside one tensor is sent as a view of it, with no packing copy (on a CPU host every copy
+        competes with the transfer for the same cores)."""
         import torch
 
         if self.rank != 0:
@@ -260,6 +262,9 @@ class TransferGroup:
             bucket = staging[i % 2][: end - start]  # its last user (bucket i-2) has completed
             for flat, offset, nbytes in zip(flats, layout.offsets, layout.nbytes, strict=True):
                 lo, hi = max(start, offset), min(end, offset + nbytes)
+                if lo == start and hi == end:  # the whole bucket is inside this tensor
+                    bucket = flat[lo - offset : hi - offset]
+                    break
                 if lo < hi:
                     bucket[lo - start : hi - start] = flat[lo - offset : hi - offset]
             if device.type == "cuda":

@@ -25,6 +25,7 @@ def _tensors(seed: int) -> list:
         torch.randint(-(2**40), 2**40, (300,), generator=gen),
         torch.randn(2, 3, 4, generator=gen).to(torch.float16),
         torch.tensor(3.5),  # 0-dim
+        torch.randn(3000, generator=gen),  # 12 kB: whole buckets inside one tensor go out as views
     ]
 
 
