@@ -237,12 +237,18 @@ async def main_async(args: argparse.Namespace) -> dict:
     return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_parser(description: str) -> argparse.ArgumentParser:
+    """The workload flags every rollout benchmark shares: model, prompts x n sequences, length."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max_tokens", type=int, default=64)
+    return parser
+
+
+def main() -> int:
+    parser = workload_parser(__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hf_threads", type=int, default=0, help="torch threads for HF (0: torch default)")

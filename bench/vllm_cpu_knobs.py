@@ -14,7 +14,6 @@ Final stdout line: a JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -28,7 +27,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-BASELINE = {"temperature": 1.0, "top_p": 0.95, "logprobs": 0}
+from rollout_throughput import TEMPERATURE, TOP_P, build_prompts, log, workload_parser
+
 VARIANTS = {
     "baseline": {},
     "no_seed": {"seed": None},
@@ -41,29 +41,20 @@ ENGINE_FIELDS = (
 )  # fmt: skip
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
 def sampling(variant: dict, index: int, n: int, max_tokens: int):
     from vllm import SamplingParams
 
-    fields = {**BASELINE, "seed": 1000 + index, **variant}
+    fields = {"temperature": TEMPERATURE, "top_p": TOP_P, "logprobs": 0, "seed": 1000 + index, **variant}
     return SamplingParams(n=n, max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--max_tokens", type=int, default=64)
+    parser = workload_parser(__doc__.splitlines()[0])
     parser.add_argument(
         "--eager", type=int, default=1, help="1: enforce_eager (the service default); 0: compile"
     )
     args = parser.parse_args()
 
-    from rollout_throughput import build_prompts
     from vllm import LLM
 
     from parity import models
