@@ -1,7 +1,7 @@
 """Weight-sync benchmark: end-to-end update through the broadcast service vs a raw gloo broadcast.
 
     python bench/weight_sync.py                      # SmolLM2-135M (fp32, ~540 MB) + a 1 GiB random model
-    python bench/weight_sync.py --large_mb 0 --repeats 5
+    python bench/weight_sync.py --large_mb 0 --repeats 5 --vllm_updates 0
 
 For each model, in the same run and on the same machine:
 - raw:  one gloo broadcast (bucketed, pre-faulted buffers) of the same bytes from this process to
@@ -13,6 +13,9 @@ For each model, in the same run and on the same machine:
         (services/broadcast/standin_receiver.py): same protocol and checksums, no engine;
 - stall: the longest paused time a receiver reported for that update;
 - trainer cost: publish + send, i.e. until the trainer may train again.
+Then, for SmolLM2 only, a real vLLM rollout service (`parity serve rollout`) is the receiver while
+one client keeps it generating (`--vllm_updates`, 0 skips it): its e2e and its stall, the paused
+time of the real worker, which receives and verifies before it pauses.
 Raw and e2e rounds alternate, and the ratio is the median of per-round ratios, so background load
 on a shared host hits both alike. It also measures WSUM64 checksum cost (ms per 100 MB).
 Goal: e2e / raw <= 1.5.
@@ -286,6 +289,110 @@ def update_round(stub, model: str, named: list, version: int, bucket: int) -> di
     }
 
 
+class GenerationLoad:
+    """One client thread that keeps the rollout service generating (groups of `n`), so updates
+    land on an engine that is busy, as they do in training."""
+
+    def __init__(self, address: str, n: int = 4, max_tokens: int = 32) -> None:
+        from parity.v1 import rollout_pb2, rollout_pb2_grpc
+
+        self.stop = threading.Event()
+        self.tokens = 0
+        self.errors: list[str] = []
+        request = rollout_pb2.GenerateRequest(
+            prompt_text="Count from one to twenty in words:",
+            sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens, n=n),
+        )
+
+        def loop() -> None:
+            with grpc.insecure_channel(address) as chan:
+                stub = rollout_pb2_grpc.RolloutServiceStub(chan)
+                while not self.stop.is_set():
+                    try:
+                        reply = stub.Generate(request, timeout=300)
+                        self.tokens += sum(len(c.token_ids) for c in reply.completions)
+                    except grpc.RpcError as exc:
+                        self.errors.append(f"{exc.code().name}: {exc.details()}")
+                        return
+
+        self.thread = threading.Thread(target=loop, name="generation-load", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=300)
+
+
+def vllm_receiver_phase(args: argparse.Namespace, log_dir: Path) -> dict:
+    """SmolLM2 into one real vLLM rollout service (`parity serve rollout`) that keeps generating:
+    the real worker's stall. Unlike the stand-ins, it receives and verifies into staging while it
+    generates, and pauses only for the swap (pause(keep) -> load -> prefix-cache reset -> resume)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from parity import models
+
+    model = AutoModelForCausalLM.from_pretrained(models.resolve("smollm2-135m"), dtype=torch.float32)
+    named = [(name, param.detach()) for name, param in model.named_parameters()]  # as the trainer publishes
+    broadcast = start_service(
+        "broadcast",
+        [
+            "--transfer_timeout_s",
+            "600",
+            "--heartbeat_timeout_s",
+            "120",
+            "--bucket_bytes",
+            str(args.bucket_bytes),
+        ],
+        log_dir=log_dir,
+        name="broadcast-vllm",
+    ).wait_ready(120)
+    rollout = start_service(
+        "rollout",
+        ["--model", "smollm2-135m", "--broadcast_address", broadcast.address, "--worker_id", "vllm",
+         "--max_model_len", "512"],
+        log_dir=log_dir,
+        name="rollout-vllm",
+    )  # fmt: skip
+    rows, load = [], None
+    try:
+        log(f"real vLLM receiver: starting a SmolLM2 rollout service (log: {rollout.log_path})")
+        rollout.wait_ready(900)
+        load = GenerationLoad(rollout.address)
+        deadline = time.monotonic() + 300
+        while not load.tokens and not load.errors and time.monotonic() < deadline:
+            time.sleep(0.2)  # the engine is warm and busy before the first update
+        with grpc.insecure_channel(broadcast.address) as chan:
+            stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(chan)
+            for i in range(1 + args.vllm_updates):
+                row = update_round(stub, "smollm2-135m", named, i + 1, args.bucket_bytes)
+                worker = stub.GetStatus(pb.WeightBroadcastServiceGetStatusRequest(), timeout=10).workers[0]
+                row["update_rpc_s"] = worker.last_update_seconds
+                log(
+                    f"  vLLM update v{i + 1}: e2e {row['e2e_s']:.3f}s, worker RPC {row['update_rpc_s']:.3f}s, "
+                    f"paused {row['stall_s']:.3f}s, generated {load.tokens} tokens so far"
+                    + (" (warm-up, not counted)" if i == 0 else "")
+                )
+                if i:
+                    rows.append(row)
+        if load.errors:
+            raise RuntimeError(f"generation failed during updates: {load.errors[0]}")
+    finally:
+        if load is not None:
+            load.close()
+        rollout.stop(30)
+        broadcast.stop(10)
+    e2e, stall = statistics.median(r["e2e_s"] for r in rows), statistics.median(r["stall_s"] for r in rows)
+    log(f"real vLLM receiver: e2e {e2e:.3f}s, stall (paused) {stall:.3f}s, median of {len(rows)} updates")
+    return {
+        "bytes": rows[0]["bytes"],
+        "e2e_s": round(e2e, 4),
+        "stall_s": round(stall, 4),
+        "update_rpc_s": round(statistics.median(r["update_rpc_s"] for r in rows), 4),
+        "generating_during_updates": True,
+    }
+
+
 def available_bytes() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -307,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="measured rounds per model (after warm-up)")
     parser.add_argument("--bucket_bytes", type=int, default=DEFAULT_BUCKET_BYTES)
     parser.add_argument("--large_mb", type=int, default=1024, help="random model size; 0 skips it")
+    parser.add_argument(
+        "--vllm_updates", type=int, default=3, help="updates into a real vLLM rollout service (0 skips it)"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -408,11 +518,13 @@ def main(argv: list[str] | None = None) -> int:
             f"trainer busy/raw = {trainer / raw_s:.2f}, stall {stall:.3f}s"
         )
         del named
+    vllm = vllm_receiver_phase(args, log_dir) if args.vllm_updates else None
     summary = {
         "benchmark": "weight_sync",
         "goal_e2e_over_raw": 1.5,
         "met": all(r["e2e_over_raw"] <= 1.5 for r in results.values()),
         "models": results,
+        "vllm_receiver": vllm,
     }
     print(json.dumps(summary))
     return 0
