@@ -232,6 +232,19 @@ class BareRelay:
 
 
 # -- end to end --------------------------------------------------------------------------------
+def start_broadcast(log_dir: Path, name: str, bucket_bytes: int) -> ServiceProcess:
+    """A broadcast service with deadlines far above any transfer here (a benchmark never times out)."""
+    args = [
+        "--transfer_timeout_s",
+        "600",
+        "--heartbeat_timeout_s",
+        "120",
+        "--bucket_bytes",
+        str(bucket_bytes),
+    ]
+    return start_service("broadcast", args, log_dir=log_dir, name=name).wait_ready(120)
+
+
 def start_standin(log_dir: Path, broadcast: str, worker_id: str) -> ServiceProcess:
     port_file = log_dir / f"{worker_id}.port"
     log_path = log_dir / f"{worker_id}.log"
@@ -334,19 +347,7 @@ def vllm_receiver_phase(args: argparse.Namespace, log_dir: Path) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(models.resolve("smollm2-135m"), dtype=torch.float32)
     named = [(name, param.detach()) for name, param in model.named_parameters()]  # as the trainer publishes
-    broadcast = start_service(
-        "broadcast",
-        [
-            "--transfer_timeout_s",
-            "600",
-            "--heartbeat_timeout_s",
-            "120",
-            "--bucket_bytes",
-            str(args.bucket_bytes),
-        ],
-        log_dir=log_dir,
-        name="broadcast-vllm",
-    ).wait_ready(120)
+    broadcast = start_broadcast(log_dir, "broadcast-vllm", args.bucket_bytes)
     rollout = start_service(
         "rollout",
         ["--model", "smollm2-135m", "--broadcast_address", broadcast.address, "--worker_id", "vllm",
@@ -447,19 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         raw = RawBaseline(total, args.receivers, args.bucket_bytes, warmup + args.repeats)
         bare = BareRelay(total, args.receivers, args.bucket_bytes, warmup + args.repeats)
-        broadcast = start_service(
-            "broadcast",
-            [
-                "--transfer_timeout_s",
-                "600",
-                "--heartbeat_timeout_s",
-                "120",
-                "--bucket_bytes",
-                str(args.bucket_bytes),
-            ],
-            log_dir=log_dir,
-            name=f"broadcast-{model_name}",
-        ).wait_ready(120)
+        broadcast = start_broadcast(log_dir, f"broadcast-{model_name}", args.bucket_bytes)
         standins = [
             start_standin(log_dir, broadcast.address, f"{model_name}-w{i}") for i in range(args.receivers)
         ]
