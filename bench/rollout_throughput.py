@@ -4,7 +4,8 @@
         [--max_tokens 64] [--clients 8] [--rounds 3]
 
 Same prompts (the arithmetic task through the chat template, `prompts x n` = 32 sequences by
-default), same engine settings (RolloutConfig defaults: fp32, processed logprobs, fp32 head), same
+default), same engine settings (RolloutConfig defaults: fp32, processed logprobs, fp32 head, the
+bounded top-k/top-p masking of rollout/cpu_top_p.py, installed in the raw engine too), same
 per-request seeds, so the raw engine and the service generate the same tokens:
   1. raw: `AsyncLLM.generate` in this process, one request per group, all concurrent;
   2. service: `parity serve rollout` as a subprocess, `clients` concurrent gRPC clients sharing the
@@ -185,6 +186,8 @@ async def main_async(args: argparse.Namespace) -> dict:
     config = RolloutConfig(model=args.model, max_model_len=512)
     engine_args = VllmEngine(config, model_dir).engine_args()
     llm = AsyncLLM.from_engine_args(engine_args)
+    # the same top-k/top-p masking the service's engine installs (RolloutConfig.cpu_top_p)
+    top_p_impl = (await llm.collective_rpc("parity_install_top_p", kwargs={"mode": config.cpu_top_p}))[0]
     try:
         await asyncio.to_thread(service.wait_ready, 900)
         log("both engines up; warm-up")
@@ -231,6 +234,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         "goal_service_over_raw": 0.95,
         "goal_vllm_over_hf": 5.0,
         "settings": config.parity_settings(),
+        "raw_top_p_impl": top_p_impl,
     }
     log(f"service/raw = {result['service_over_raw']:.3f} (goal >= 0.95); "
         f"vLLM service/HF = {result['vllm_over_hf']:.2f}x (goal >= 5)")  # fmt: skip

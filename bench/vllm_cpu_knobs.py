@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/vllm_cpu_knobs.py [--eager 1] [--prompts 8] [--n 4] [--max_tokens 64]
     VLLM_CPU_OMP_THREADS_BIND=0-1 .venv/bin/python bench/vllm_cpu_knobs.py   # worker on every core
+    .venv/bin/python bench/vllm_cpu_knobs.py --cpu_top_p sort   # vLLM's own full-vocab sort
 
 One in-process `vllm.LLM` with the rollout service's engine settings (RolloutConfig defaults: fp32,
 processed logprobs, fp32 head); prompts and sampling as in bench/rollout_throughput.py. Each variant
@@ -53,6 +54,9 @@ def main() -> int:
     parser.add_argument(
         "--eager", type=int, default=1, help="1: enforce_eager (the service default); 0: compile"
     )
+    parser.add_argument(
+        "--cpu_top_p", choices=["bounded", "sort"], default="bounded", help="RolloutConfig.cpu_top_p"
+    )
     args = parser.parse_args()
 
     from vllm import LLM
@@ -68,8 +72,10 @@ def main() -> int:
     start = time.perf_counter()
     llm = LLM(**{name: getattr(engine_args, name) for name in ENGINE_FIELDS})
     startup_s = time.perf_counter() - start
+    top_p_impl = llm.collective_rpc("parity_install_top_p", kwargs={"mode": args.cpu_top_p})[0]
     log(f"engine up in {startup_s:.1f}s (enforce_eager={bool(args.eager)}, "
-        f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')})")  # fmt: skip
+        f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}, "
+        f"top-k/top-p masking {top_p_impl})")  # fmt: skip
     rates = {}
     for name, variant in VARIANTS.items():
         params = [sampling(variant, i, args.n, args.max_tokens) for i in range(len(prompts))]
@@ -87,6 +93,7 @@ def main() -> int:
         "sequences": len(prompts) * args.n,
         "enforce_eager": bool(args.eager),
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        "top_p_impl": top_p_impl,
         "startup_s": round(startup_s, 1),
         "tokens_per_s": {k: round(v, 1) for k, v in rates.items()},
         "over_baseline": {k: round(v / rates["baseline"], 2) for k, v in rates.items()},

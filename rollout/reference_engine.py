@@ -41,6 +41,7 @@ class ReferenceEngine:
         self.config = config
         self.model_dir = model_dir
         self.weight_version = 0
+        self.top_p_impl = "reference"  # parity.sampling's transform, as the trainer replays it
         self.max_model_len = config.max_model_len
         self.vocab_size = 0
         self.model = None

@@ -163,6 +163,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             max_model_len=self.engine.max_model_len,
             max_n=c.max_n,
             max_tokens_limit=c.effective_max_tokens,
+            top_p_impl=self.engine.top_p_impl,
         )
 
     # -- generation ----------------------------------------------------------------------------

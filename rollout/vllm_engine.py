@@ -50,6 +50,7 @@ class VllmEngine:
         self.weight_version = 0
         self.max_model_len = config.max_model_len
         self.vocab_size = 0
+        self.top_p_impl = "vllm"  # what the worker reports once started: "bounded" or "vllm"
         self.llm = None
         self.tokenizer = None
         self._running = 0
@@ -86,11 +87,13 @@ class VllmEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.llm = AsyncLLM.from_engine_args(self.engine_args())
         self.vocab_size = int(self.llm.model_config.get_vocab_size())
+        self.top_p_impl = await self._rpc_one("parity_install_top_p", mode=self.config.cpu_top_p)
         head = self.llm.model_config.hf_config
         log.info(
-            "vLLM engine ready: vocab=%d, hf head_dtype override=%s",
+            "vLLM engine ready: vocab=%d, hf head_dtype override=%s, top-k/top-p masking=%s",
             self.vocab_size,
             getattr(head, "head_dtype", None),
+            self.top_p_impl,
         )
 
     def encode(self, text: str, use_chat_template: bool) -> list[int]:

@@ -47,6 +47,13 @@ class ParityWorkerExtension:
         self._parity_staged = None
         return {"error": "", "swap_s": time.perf_counter() - start, "num_tensors": len(named)}
 
+    def parity_install_top_p(self, mode: str) -> str:
+        """Select the top-k/top-p masking in this worker ("bounded" or "sort"); returns what is in
+        effect: "bounded", or "vllm" (vLLM's own; always on GPU)."""
+        from rollout import cpu_top_p
+
+        return cpu_top_p.install() if mode == "bounded" else cpu_top_p.in_effect()
+
     def parity_drop_staged(self) -> None:
         self._parity_staged = None
 

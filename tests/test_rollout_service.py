@@ -84,7 +84,8 @@ def services(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, metrics
     )  # fmt: skip
     faulty = start_service(
         "rollout",
-        [*common, "--logprobs_mode", "raw", "--prefix_caching", "true", "--reset_prefix_cache_on_update", "false"],
+        [*common, "--logprobs_mode", "raw", "--prefix_caching", "true", "--reset_prefix_cache_on_update", "false",
+         "--cpu_top_p", "sort"],
         log_dir=log_dir, name="faulty",
     )  # fmt: skip
     reference = start_service(
@@ -137,10 +138,17 @@ def test_status_reports_every_parity_setting(services) -> None:
     )  # fmt: skip
     assert (s.prefix_caching, s.reset_prefix_cache_on_update, s.async_scheduling) == (True, True, False)
     assert (s.generation_config, s.update_mode, s.max_n) == ("vllm", common_pb2.UPDATE_MODE_KEEP, 8)
+    # what the worker reports it installed, not the config: the processed-logprob tests below run
+    # on the bounded top-k/top-p path (rollout/cpu_top_p.py)
+    assert s.top_p_impl == "bounded"
     raw = services["faulty"].stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).settings
     assert raw.logprobs_mode == common_pb2.LOGPROBS_MODE_RAW and not raw.reset_prefix_cache_on_update
+    assert raw.top_p_impl == "vllm"
+    reference = services["reference"].stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).settings
+    assert reference.top_p_impl == "reference"
     log = services["guarded"].proc.log_path.read_text()
     assert '"logprobs_mode": "processed"' in log and '"head_dtype": "float32"' in log
+    assert "top-k/top-p masking=bounded" in log
 
 
 def test_reference_and_vllm_engines_agree_under_fp32(services) -> None:

@@ -84,7 +84,7 @@ class RolloutServiceGetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineSettings(_message.Message):
-    __slots__ = ("engine", "model", "logprobs_mode", "head_dtype", "model_dtype", "prefix_caching", "reset_prefix_cache_on_update", "async_scheduling", "generation_config", "update_mode", "max_model_len", "max_n", "max_tokens_limit")
+    __slots__ = ("engine", "model", "logprobs_mode", "head_dtype", "model_dtype", "prefix_caching", "reset_prefix_cache_on_update", "async_scheduling", "generation_config", "update_mode", "max_model_len", "max_n", "max_tokens_limit", "top_p_impl")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class EngineSettings(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MAX_N_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_IMPL_FIELD_NUMBER: _ClassVar[int]
     engine: str
     model: str
     logprobs_mode: _common_pb2.LogprobsMode
@@ -111,7 +112,8 @@ class EngineSettings(_message.Message):
     max_model_len: int
     max_n: int
     max_tokens_limit: int
-    def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., logprobs_mode: _Optional[_Union[_common_pb2.LogprobsMode, str]] = ..., head_dtype: _Optional[str] = ..., model_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., reset_prefix_cache_on_update: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., generation_config: _Optional[str] = ..., update_mode: _Optional[_Union[_common_pb2.UpdateMode, str]] = ..., max_model_len: _Optional[int] = ..., max_n: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ...) -> None: ...
+    top_p_impl: str
+    def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., logprobs_mode: _Optional[_Union[_common_pb2.LogprobsMode, str]] = ..., head_dtype: _Optional[str] = ..., model_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., reset_prefix_cache_on_update: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., generation_config: _Optional[str] = ..., update_mode: _Optional[_Union[_common_pb2.UpdateMode, str]] = ..., max_model_len: _Optional[int] = ..., max_n: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., top_p_impl: _Optional[str] = ...) -> None: ...
 
 class RolloutServiceGetStatusResponse(_message.Message):
     __slots__ = ("settings", "weight_version", "paused", "num_running_requests", "generated_tokens_total", "paused_seconds_total", "updates_applied_total", "updates_failed_total")
