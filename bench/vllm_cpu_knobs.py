@@ -39,6 +39,7 @@ VARIANTS = {
 ENGINE_FIELDS = (
     "model", "tokenizer", "dtype", "max_model_len", "enable_prefix_caching", "logprobs_mode", "hf_overrides",
     "generation_config", "async_scheduling", "seed", "enforce_eager", "max_num_seqs", "disable_log_stats",
+    "worker_extension_cls",
 )  # fmt: skip
 
 
