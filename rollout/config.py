@@ -64,7 +64,7 @@ class RolloutConfig(ServiceConfig):
     cpu_top_p: CpuTopPName = Field(
         "bounded",
         description="vLLM on CPU only: bounded masks top-k/top-p from a bounded topk with the same kept "
-        "tokens (rollout/cpu_top_p.py; ~1.5x decode throughput here); sort keeps vLLM's full-vocab sort.",
+        "tokens (rollout/cpu_top_p.py; ~1.35x decode throughput here); sort keeps vLLM's full-vocab sort.",
     )
     max_model_len: int = Field(512, gt=0, description="Context length (prompt + completion) in tokens.")
     max_n: int = Field(16, gt=0, description="Largest allowed group size n per request.")

@@ -88,8 +88,7 @@ def install() -> str:
 
     if not current_platform.is_cpu():
         return "vllm"
-    current = sampler.apply_top_k_top_p
-    if getattr(current, "parity_bounded", False):
+    if in_effect() == "bounded":
         return "bounded"
     original = sampler.apply_top_k_top_p
 
