@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from parity import models
     from parity.rollout_queue import RolloutQueue
+    from tests.fakes.synthetic_rollouts import make_group
     from trainer.config import TrainerConfig
     from trainer.loop import Trainer
-    from trainer.synthetic import make_group
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -10,7 +10,7 @@ For each model, in the same run and on the same machine:
 - e2e:  the trainer stand-in (this process) publishes version v to a real broadcast service, sends it
         once, and the clock stops when the last receiver has verified, swapped and resumed
         (WaitVersion DISTRIBUTED). Receivers are stand-in rollout workers
-        (services/broadcast/standin_receiver.py): same protocol and checksums, no engine;
+        (tests/fakes/fake_receiver.py): same protocol and checksums, no engine;
 - stall: the longest paused time a receiver reported for that update;
 - trainer cost: publish + send, i.e. until the trainer may train again.
 Then, for SmolLM2 only, a real vLLM rollout service (`parity serve rollout`) is the receiver while
@@ -251,7 +251,7 @@ def start_standin(log_dir: Path, broadcast: str, worker_id: str) -> ServiceProce
     cmd = [
         sys.executable,
         "-m",
-        "services.broadcast.standin_receiver",
+        "tests.fakes.fake_receiver",
         "--broadcast_address",
         broadcast,
         "--worker_id",

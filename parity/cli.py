@@ -3,7 +3,7 @@
 Every subcommand lives in its own module and is imported only when chosen, so `parity --help`
 never imports torch or vllm. Each target is `module:function(argv) -> exit code`.
 
-  parity run [flags]                       the whole pipeline on one machine (services/launcher)
+  parity run [flags]                       the whole pipeline on one machine (tools/run/launcher)
   parity serve rollout|trainer|broadcast   one service as a gRPC server
   parity actor [flags]                     the rollout actor loop (generate, score, publish)
   parity check [flags]                     rollout-vs-trainer logprob parity check
@@ -25,18 +25,21 @@ SERVE_TARGETS = {
 }
 COMMAND_TARGETS = {
     "run": (
-        "services.launcher:main",
+        "tools.run.launcher:main",
         "Run the whole pipeline on this machine: redis, broadcast, trainer, rollout.",
     ),
     "actor": (
-        "rollout.actor:main",
+        "rollout.server:main_actor",
         "Run the actor loop: pull prompts, generate groups, score, publish to Redis.",
     ),
     "check": (
-        "services.check:main",
+        "tools.check.check:main",
         "Measure rollout-vs-trainer logprob mismatch; non-zero exit above threshold.",
     ),
-    "compare": ("services.compare:main", "Overlay the metric curves of run directories and print a table."),
+    "compare": (
+        "tools.check.compare:main",
+        "Overlay the metric curves of run directories and print a table.",
+    ),
 }
 
 

@@ -1,7 +1,7 @@
 """The actor loop: pull prompts from a task, generate GRPO groups, score them, publish to Redis.
 
 Runs inside the rollout service process (`parity serve rollout --actor true`, or `parity actor`,
-which is the same thing) and calls the engine directly, so rollouts and RPC clients share one
+which is the same thing; `rollout.server` is the only entrypoint) and calls the engine directly, so rollouts and RPC clients share one
 engine batch.
 
 Invariants:
@@ -28,13 +28,11 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Sequence
 
 from parity import tracing
 from parity.v1 import common_pb2, rollouts_pb2
 from rollout import metrics
-from rollout.engine import GenerationSpec
-from rollout.server import FINISH_REASONS
+from rollout.engine import FINISH_REASONS, GenerationSpec
 from rollout.tasks import Prompt, get_task
 
 log = logging.getLogger("parity.rollout.actor")
@@ -248,10 +246,3 @@ class Actor:
                 self.zero_variance_dropped,
                 self.backpressure_wait_s,
             )
-
-
-def main(argv: Sequence[str]) -> int:
-    """`parity actor FLAGS`: the rollout service with its actor loop on (same flags)."""
-    from rollout.server import main as serve_main
-
-    return serve_main(["--actor", "true", *argv])

@@ -25,8 +25,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from parity.v1 import common_pb2
+
 FinishReasonName = Literal["stop", "length", "abort"]
 UpdateOutcomeName = Literal["applied", "failed", "already_current"]
+FINISH_REASONS: dict[FinishReasonName, int] = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
 
 
 @dataclass(frozen=True)

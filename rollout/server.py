@@ -31,7 +31,7 @@ from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from parity.versions import compress_versions
 from rollout import metrics
 from rollout.config import RolloutConfig
-from rollout.engine import CompletionResult, GenerationSpec, RolloutEngine
+from rollout.engine import FINISH_REASONS, CompletionResult, GenerationSpec, RolloutEngine
 from rollout.validation import (
     Limits,
     RequestError,
@@ -48,11 +48,6 @@ SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_na
 PROTECTED_METHODS = tuple(
     f"/{SERVICE_NAME}/{name}" for name in ("UpdateWeights", "PauseGeneration", "ResumeGeneration")
 )
-FINISH_REASONS = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
 _OUTCOME = {
     "applied": rollout_pb2.UPDATE_OUTCOME_APPLIED,
     "failed": rollout_pb2.UPDATE_OUTCOME_FAILED,
@@ -405,6 +400,11 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(serve(config, model_dir))
+
+
+def main_actor(argv: Sequence[str]) -> int:
+    """`parity actor FLAGS`: the rollout service with its actor loop on (same flags)."""
+    return main(["--actor", "true", *argv])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up .venv/ (idempotent) and runs the whole test suite: ruff, then pytest.
+# Sets up .venv/ (idempotent) and runs the whole test suite: ruff, import contracts, then pytest.
 #   bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -7,6 +7,8 @@ cd "$root"
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# Layer contracts (pyproject [tool.importlinter]): core <- services <- tools, tests never imported.
+.venv/bin/lint-imports
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

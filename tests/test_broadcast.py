@@ -1,6 +1,6 @@
 """The weight-broadcast service end to end: real processes, real gRPC, real gloo.
 
-One broadcast service and two stand-in receivers (services/broadcast/standin_receiver.py: the
+One broadcast service and two stand-in receivers (tests/fakes/fake_receiver.py: the
 receiving half of the update protocol without an engine) are shared by the tests in this module, in
 order; this test process is the trainer stand-in. Versions therefore continue across tests.
 """
@@ -101,7 +101,7 @@ def start_standin(log_dir: Path, broadcast: str, worker_id: str, *extra: str) ->
     cmd = [
         sys.executable,
         "-m",
-        "services.broadcast.standin_receiver",
+        "tests.fakes.fake_receiver",
         "--broadcast_address",
         broadcast,
         "--worker_id",

@@ -27,7 +27,7 @@ PROMPT = list(range(10, 30))
 def version_weights(model_dir: Path, version: int) -> list[tuple[str, object]]:
     """The model's state dict plus seeded noise: version v. For the tied tiny model this lists
     lm_head.weight (the same tensor as the embedding) too, as the rollout service expects."""
-    from rollout.testing import perturbed_state_dict
+    from tests.fakes.rollout_helpers import perturbed_state_dict
 
     return list(perturbed_state_dict(model_dir, seed=version).items())
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.check import DEFAULT_THRESHOLD, CheckConfig, CheckReport, gate, main, make_row, run_check
-from services.check_metrics import ScoredCompletion, mismatch_stats, worst_tokens
+from tools.check.check import DEFAULT_THRESHOLD, CheckConfig, CheckReport, gate, main, make_row, run_check
+from tools.check.report import ScoredCompletion, mismatch_stats, worst_tokens
 
 CHECK_SIZES = {"num_prompts": 6, "samples_per_prompt": 2, "max_tokens": 20}
 
@@ -45,7 +45,7 @@ class ByteDecoder:
 def test_metrics_equal_the_trainers_per_step_definitions() -> None:
     import torch
 
-    from trainer.mismatch import mismatch_metrics
+    from parity.mismatch import mismatch_metrics
 
     rng = np.random.default_rng(0)
     rollout = -rng.exponential(1.5, 400)
@@ -87,7 +87,7 @@ def test_worst_tokens_are_the_largest_ratios_decoded_with_context() -> None:
 
 
 def _report(rows, threshold=DEFAULT_THRESHOLD) -> CheckReport:
-    from services.ablation import SamplingSetup
+    from tools.check.ablation import SamplingSetup
 
     return CheckReport(rows, threshold, "tiny", "test", SamplingSetup(0.7, 0.9, 0, 20, 2, 0), 6, 0.0)
 
@@ -126,7 +126,7 @@ def test_bad_input_is_a_clear_error(argv: list[str], field: str, capsys: pytest.
 
 
 def test_unreachable_rollout_service_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
-    from conftest import free_port
+    from tests.conftest import free_port
 
     assert main(["--rollout_address", f"127.0.0.1:{free_port()}", "--num_prompts", "1"]) == 2
     assert "rollout service: UNAVAILABLE" in capsys.readouterr().err

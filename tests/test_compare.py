@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.compare import METRICS, compare, main
+from tools.check.compare import METRICS, compare, main
 
 
 def make_run(

@@ -170,7 +170,7 @@ def test_parity_services_health_ipc_volumes_and_nccl(compose) -> None:
         service = compose["services"][name]
         env = service["environment"]
         test = service["healthcheck"]["test"]
-        assert test[:4] == ["CMD", "python", "-m", "parity.healthcheck"]
+        assert test[:4] == ["CMD", "python", "-m", "parity.health"]
         # Rollout services bind (and register) their own DNS name; the others bind 0.0.0.0.
         host = name if prefix == "ROLLOUT" else "0.0.0.0"
         assert env[f"PARITY_{prefix}_HOST"] == host
@@ -269,7 +269,7 @@ def test_dockerfile_uses_cuda_base_and_gpu_setup() -> None:
     assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+$", dockerfile, re.M)
     assert "FROM ${CUDA_IMAGE}" in dockerfile
     assert "PARITY_DEVICE=gpu" in dockerfile and "scripts/setup.sh" in dockerfile
-    assert 'CMD ["python", "-m", "parity.healthcheck", "127.0.0.1:50051"]' in dockerfile
+    assert 'CMD ["python", "-m", "parity.health", "127.0.0.1:50051"]' in dockerfile
     assert 'ENTRYPOINT ["parity"]' in dockerfile
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^gpu = \[.*"vllm', pyproject, re.M), "the gpu extra installs the vllm wheel"
@@ -280,13 +280,13 @@ def test_dockerfile_uses_cuda_base_and_gpu_setup() -> None:
 
 
 def test_healthcheck_probe_exit_codes() -> None:
-    """`python -m parity.healthcheck` exits 0 only for SERVING (real GrpcServer on loopback)."""
+    """`python -m parity.health` exits 0 only for SERVING (real GrpcServer on loopback)."""
     from parity.config import ServiceConfig
     from parity.server import GrpcServer
 
     def probe(address: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "parity.healthcheck", address, "--timeout_s", "2"],
+            [sys.executable, "-m", "parity.health", address, "--timeout_s", "2"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -307,7 +307,7 @@ def test_healthcheck_probe_exit_codes() -> None:
     assert (not_serving.returncode, serving.returncode, stopped.returncode) == (1, 0, 1)
     assert "NOT_SERVING" in not_serving.stdout and "SERVING" in serving.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "parity.healthcheck", "127.0.0.1:1", "--timeout_s", "0"],
+        [sys.executable, "-m", "parity.health", "127.0.0.1:1", "--timeout_s", "0"],
         capture_output=True,
         text=True,
         timeout=30,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from services.run_config import RunConfigError, parse_run_config
-from services.supervisor import MARKER_ENV, ChildDied, MetricsFollower, Supervisor, marked_pids
+from tools.run.run_config import RunConfigError, parse_run_config
+from tools.run.supervisor import MARKER_ENV, ChildDied, MetricsFollower, Supervisor, marked_pids
 
 TINY_STEPS = 4
 # The trainer's per-step metrics (CONTRACTS.md, trainer section).

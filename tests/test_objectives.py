@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from trainer import mismatch, objectives, offpolicy
+from parity import mismatch
+from trainer import objectives, offpolicy
 
 
 def test_grpo_advantages_are_group_normalised_and_zero_variance_groups_are_zero() -> None:

@@ -30,7 +30,7 @@ import pytest
 
 from parity.sampling import SamplingTransform
 from parity.versions import expand_spans, parse_version_label
-from rollout.testing import HfScorer, perturbed_state_dict, transfer_plan
+from tests.fakes.rollout_helpers import HfScorer, perturbed_state_dict, transfer_plan
 
 pytestmark = pytest.mark.slow
 

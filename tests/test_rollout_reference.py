@@ -22,7 +22,7 @@ import pytest
 from parity.sampling import SamplingTransform
 from parity.server import bearer
 from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, rollouts_pb2
-from rollout.testing import HfScorer, perturbed_state_dict, push_weights
+from tests.fakes.rollout_helpers import HfScorer, perturbed_state_dict, push_weights
 
 TOKEN = "reference-test-token"
 EXACT_TOL = 2e-4

@@ -6,7 +6,7 @@ Two services are shared by the whole module (started in parallel):
   - `faulty`: raw logprobs, prefix caching ON, guard OFF (`--reset_prefix_cache_on_update false`):
     each test on it proves that the corresponding check can fail.
 Weights are sent with the real TransferGroup by a stand-in for the broadcast service
-(`rollout.testing.push_weights`). Each service's served version is tracked so that every recompute
+(`tests.fakes.rollout_helpers.push_weights`). Each service's served version is tracked so that every recompute
 uses the weights the service holds at that moment.
 
 Tolerance for logprob agreement: both sides run the tiny model in float32 and apply the same
@@ -31,7 +31,7 @@ from parity.procs import start_service
 from parity.sampling import SamplingTransform
 from parity.server import bearer
 from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from rollout.testing import HfScorer, perturbed_state_dict, push_weights
+from tests.fakes.rollout_helpers import HfScorer, perturbed_state_dict, push_weights
 
 pytestmark = pytest.mark.slow
 
@@ -387,7 +387,7 @@ def test_bad_generate_request_is_invalid_argument(services, case: str, request_,
 
 
 def test_bad_update_requests_and_auth(services) -> None:
-    from rollout.testing import transfer_plan
+    from tests.fakes.rollout_helpers import transfer_plan
 
     stub = services["guarded"].stub
     plan, _, _ = transfer_plan({"model.norm.weight": __import__("torch").ones(128)}, version=50)

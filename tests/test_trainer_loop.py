@@ -12,10 +12,10 @@ import torch
 
 from parity.rollout_queue import RolloutQueue
 from parity.sampling import SamplingTransform
+from tests.fakes.synthetic_rollouts import make_group
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
 from trainer.policy import SequenceInput, load_model, token_logprobs
-from trainer.synthetic import make_group
 from trainer.telemetry import REQUIRED_METRICS
 
 STREAM = "test:rollouts"

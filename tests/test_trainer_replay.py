@@ -113,8 +113,8 @@ def test_trainer_logprobs_equal_vllm_processed_logprobs_on_lag0_tokens(
 ) -> None:
     import torch
 
+    from parity.mismatch import mismatch_metrics
     from parity.sampling import SamplingTransform
-    from trainer.mismatch import mismatch_metrics
     from trainer.policy import SequenceInput, load_model, token_logprobs
 
     model = load_model(tiny_model)

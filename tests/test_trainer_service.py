@@ -15,8 +15,8 @@ import torch
 from parity.rollout_queue import RolloutQueue
 from parity.server import bearer
 from parity.v1 import trainer_pb2, trainer_pb2_grpc
+from tests.fakes.synthetic_rollouts import make_group
 from trainer.policy import load_model
-from trainer.synthetic import make_group
 
 STREAM = "svc:rollouts"
 TOKEN = "s3cret"

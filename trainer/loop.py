@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parity import tracing
+from parity import mismatch, tracing
 from parity.rollout_queue import RolloutQueue
 from parity.sampling import SamplingTransform
-from trainer import mismatch, objectives, offpolicy
+from trainer import objectives, offpolicy
 from trainer.checkpoint import CheckpointStore, TrainerState, atomic_write_text
 from trainer.config import TrainerConfig
 from trainer.consumer import Batch, RolloutConsumer, token_versions

@@ -1,11 +1,11 @@
-"""A grpc.health.v1 probe for container healthchecks: `python -m parity.healthcheck HOST:PORT`.
+"""A grpc.health.v1 probe for container healthchecks: `python -m parity.health HOST:PORT`.
 
 Exit codes: 0 when the service reports SERVING, 1 when it answers anything else (NOT_SERVING,
 SERVICE_UNKNOWN) or cannot be reached within `--timeout_s`, 2 on bad arguments. It imports only
 grpc and the health stubs, so a probe every few seconds costs a fraction of a second of CPU.
 
 docker-compose uses it as
-    healthcheck: {test: ["CMD", "python", "-m", "parity.healthcheck", "127.0.0.1:50051"]}
+    healthcheck: {test: ["CMD", "python", "-m", "parity.health", "127.0.0.1:50051"]}
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def check(address: str, service: str = "", timeout_s: float = 3.0) -> tuple[bool
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parity.healthcheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m parity.health", description=__doc__.splitlines()[0])
     parser.add_argument("address", help="HOST:PORT of a Parity gRPC service")
     parser.add_argument("--service", default="", help="health service name; '' is the whole server")
     parser.add_argument("--timeout_s", type=float, default=3.0, help="deadline of the Check call")

@@ -16,10 +16,10 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.supervisor import format_duration
+from tools.run.supervisor import format_duration
 
 if TYPE_CHECKING:
-    from services.run_config import RunConfig
+    from tools.run.run_config import RunConfig
 
 # name -> (title, [(metric key, label)], y label, log scale when all values are positive)
 CURVES: dict[str, tuple[str, list[tuple[str, str]], str, bool]] = {

@@ -5,7 +5,7 @@ membership side of a rollout service (RegisterWorker at startup, heartbeats, NOT
 holds a version >= the latest). The tests and bench/weight_sync.py use it where a real vLLM rollout
 service would cost a minute to start; the real one is `rollout/`.
 
-    python -m services.broadcast.standin_receiver --broadcast_address 127.0.0.1:PORT --worker_id w0 \\
+    python -m tests.fakes.fake_receiver --broadcast_address 127.0.0.1:PORT --worker_id w0 \\
         [--state_file F] [--enable_fault_injection] [--bucket_delay_s 0.2] [--port_file F]
 
 Invariants (the same as the real worker's):

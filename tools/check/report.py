@@ -2,7 +2,7 @@
 
 Every number is over completion tokens sampled by the rollout engine (distribution q, "rollout")
 and rescored by the trainer (distribution p, "trainer"), with the same weights on both sides.
-Definitions are the trainer's per-step ones (trainer/mismatch.py), so a preflight number and the
+Definitions are the trainer's per-step ones (parity/mismatch.py), so a preflight number and the
 lag-0 `mismatch_*` curve of a run mean the same thing:
 
     r   = logp_trainer - logp_rollout          (log importance ratio p/q of each token)
@@ -13,7 +13,7 @@ Invariants:
   - The statistics are over tokens where both logprobs are finite. A non-finite logprob (a token
     the trainer's top-k/top-p mask excludes, i.e. the engine sampled outside the distribution the
     trainer replays) is counted per side, never dropped silently, and fails the gate on its own
-    (see services/check.py). The trainer's per-step metric instead clamps such a token's r to ±20;
+    (see tools/check/check.py). The trainer's per-step metric instead clamps such a token's r to ±20;
     that one token would then dominate every mean, and hide how large the numeric error is.
   - Arithmetic is float64 on numpy; inputs are the float32 logprobs the two sides reported.
 """

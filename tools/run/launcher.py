@@ -5,7 +5,7 @@ Order of events (each waits for the previous one):
   2. start redis-server (unless --redis_url), the broadcast service, then N rollout services (each
      with its in-process actor), and wait until all report SERVING;
   3. record every rollout service's parity settings (GetStatus) in config.json; run the preflight
-     mismatch gate (services.check.run_check) unless --skip_preflight;
+     mismatch gate (tools.check.check.run_check) unless --skip_preflight;
   4. evaluate greedily on held-out prompts at version 0. The trainer is not started yet, so no weight
      update can land mid-evaluation (eval.json records the versions that answered);
   5. start the trainer; follow its metrics.jsonl, printing progress, until it exits 0 after --steps;
@@ -26,8 +26,8 @@ import time
 import uuid
 from pathlib import Path
 
-from services.run_config import RunConfig, RunConfigError, parse_run_config
-from services.supervisor import (
+from tools.run.run_config import RunConfig, RunConfigError, parse_run_config
+from tools.run.supervisor import (
     MARKER_ENV,
     ChildDied,
     MetricsFollower,
@@ -142,12 +142,12 @@ def preflight(cfg: RunConfig, rollout_address: str, run_dir: Path) -> dict:
         log("preflight check SKIPPED (--skip_preflight)")
         return {"ran": False, "reason": "--skip_preflight"}
     try:
-        from services.check import run_check
+        from tools.check.check import run_check
     except ImportError as exc:
         raise RunError(
             f"preflight check unavailable ({exc}); pass --skip_preflight to train without it"
         ) from exc
-    log("preflight: measuring rollout-vs-trainer logprob mismatch (services.check)")
+    log("preflight: measuring rollout-vs-trainer logprob mismatch (tools.check.check)")
     report = run_check(
         model=cfg.model,
         rollout_address=rollout_address,
@@ -171,7 +171,7 @@ def preflight(cfg: RunConfig, rollout_address: str, run_dir: Path) -> dict:
 
 
 def run_eval(cfg: RunConfig, task: object, address: str, label: str, step: int) -> dict:
-    from services.evaluation import evaluate
+    from tools.run.evaluation import evaluate
 
     result = evaluate(
         address,
@@ -330,7 +330,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, argv: list[str]) -> int:
         log(f"stopped: {how}")
     timings["wall_s"] = time.monotonic() - run_started
     _write_json(run_dir / "config.json", config)
-    from services.run_plots import write_results
+    from tools.run.plots import write_results
 
     write_results(cfg, run_dir, metrics.rows, evals, timings, argv)
     log(f"done in {format_duration(timings['wall_s'])}; summary: {run_dir / 'summary.md'}")

@@ -35,8 +35,8 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
 
 from parity.config import ConfigError, load_config
-from services.ablation import Ablation, RawCompletion, SamplingSetup
-from services.check_metrics import (
+from tools.check.ablation import Ablation, RawCompletion, SamplingSetup
+from tools.check.report import (
     MismatchStats,
     ScoredCompletion,
     WorstToken,
@@ -445,7 +445,7 @@ def _rollout_side(config: CheckConfig, prompts, sampling) -> tuple[list[RawCompl
 def _ablation_rows(
     config, model_dir, prompts, sampling, trainer: TrainerSide, tokenizer
 ) -> tuple[list[CheckRow], str]:
-    from services.ablation import run_ablation
+    from tools.check.ablation import run_ablation
 
     def score(name: str, ablation: Ablation, rollout_cfg, completions, weights_dir: Path) -> CheckRow:
         scored = trainer.score(weights_dir, prompts, completions, sampling)

@@ -47,7 +47,7 @@ from rollout.worker_extension import ParityWorkerExtension
 # What Qwen2.5-*-Instruct ship in generation_config.json: a realistic set of hidden sampling defaults.
 GENERATION_DEFAULTS = {"repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
 PREFIX_BLOCK_SIZE = 32
-CHECK_WORKER_EXTENSION = "services.ablation.CheckWorkerExtension"
+CHECK_WORKER_EXTENSION = "tools.check.ablation.CheckWorkerExtension"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Tests. Fakes (named as such) live in tests/fakes/; product packages never import this."""

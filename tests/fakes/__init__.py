@@ -1,0 +1,1 @@
+"""Test doubles and helpers: fakes for what cannot run here, never imported by product code."""

@@ -1,0 +1,1 @@
+"""User-facing tools that drive the services from outside: `parity run` and `parity check`."""

@@ -1,0 +1,1 @@
+"""`parity check` and `parity compare`: rollout-vs-trainer mismatch, ablation, run overlays."""

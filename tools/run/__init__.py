@@ -1,0 +1,1 @@
+"""`parity run`: launcher, supervisor, held-out evaluation, plots."""
