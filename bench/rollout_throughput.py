@@ -166,8 +166,8 @@ def hf_round(
 
 async def main_async(args: argparse.Namespace) -> dict:
     from parity import models
+    from parity.config.rollout import RolloutConfig
     from parity.procs import start_service
-    from rollout.config import RolloutConfig
     from rollout.vllm_engine import VllmEngine
 
     model_dir = models.resolve(args.model)

@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from parity import models
+    from parity.config.trainer import TrainerConfig
     from parity.rollout_queue import RolloutQueue
     from tests.fakes.synthetic_rollouts import make_group
-    from trainer.config import TrainerConfig
     from trainer.loop import Trainer
 
     if args.threads:

@@ -63,7 +63,7 @@ def main() -> int:
     from vllm import LLM
 
     from parity import models
-    from rollout.config import RolloutConfig
+    from parity.config.rollout import RolloutConfig
     from rollout.vllm_engine import VllmEngine
 
     model_dir = models.resolve(args.model)

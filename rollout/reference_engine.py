@@ -23,8 +23,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
+from parity.config.rollout import RolloutConfig
 from parity.sampling import SamplingTransform, processed_logprobs
-from rollout.config import RolloutConfig
 from rollout.engine import CompletionResult, GenerationSpec, UpdateResult
 from rollout.vllm_engine import encode_prompt
 from rollout.weight_receiver import receive_and_verify

@@ -25,12 +25,12 @@ import grpc
 
 from parity import tracing
 from parity.config import ConfigError, load_config
+from parity.config.rollout import RolloutConfig
 from parity.metrics import serve_metrics
 from parity.server import GrpcServer, install_shutdown_handlers
 from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from parity.versions import compress_versions
 from rollout import metrics
-from rollout.config import RolloutConfig
 from rollout.engine import FINISH_REASONS, CompletionResult, GenerationSpec, RolloutEngine
 from rollout.validation import (
     Limits,

@@ -29,8 +29,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
+from parity.config.rollout import RolloutConfig
 from parity.versions import expand_spans, parse_version_label
-from rollout.config import RolloutConfig
 from rollout.engine import CompletionResult, GenerationSpec, UpdateResult, plan_to_bytes
 
 log = logging.getLogger(__name__)

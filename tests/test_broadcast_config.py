@@ -7,10 +7,10 @@ import pytest
 
 from parity import checksum
 from parity.config import ConfigError, load_config
+from parity.config.broadcast import BroadcastConfig
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import common_pb2
 from services.broadcast import server
-from services.broadcast.config import BroadcastConfig
 from services.broadcast.events import EventLog
 from services.broadcast.registry import Rejected, VersionRegistry, reached
 

@@ -32,9 +32,9 @@ PARITY_SERVICES = {
     "rollout-2": "ROLLOUT",
 }
 CONFIG_CLASSES = {
-    "ROLLOUT": "rollout.config:RolloutConfig",
-    "TRAINER": "trainer.config:TrainerConfig",
-    "BROADCAST": "services.broadcast.config:BroadcastConfig",
+    "ROLLOUT": "parity.config.rollout:RolloutConfig",
+    "TRAINER": "parity.config.trainer:TrainerConfig",
+    "BROADCAST": "parity.config.broadcast:BroadcastConfig",
 }
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 

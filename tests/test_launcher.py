@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.run.run_config import RunConfigError, parse_run_config
+from parity.config.run import RunConfigError, parse_run_config
 from tools.run.supervisor import MARKER_ENV, ChildDied, MetricsFollower, Supervisor, marked_pids
 
 TINY_STEPS = 4

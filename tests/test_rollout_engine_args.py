@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from parity.config import load_config
-from rollout.config import RolloutConfig
+from parity.config.rollout import RolloutConfig
 from rollout.vllm_engine import VllmEngine
 
 

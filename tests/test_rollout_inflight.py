@@ -98,7 +98,7 @@ async def _generate_with_update(engine, prompt: list[int], new_state: dict, vers
 def test_inflight_update_switches_versions_exactly_where_the_pause_landed(
     tiny_model: Path, mode: str
 ) -> None:
-    from rollout.config import RolloutConfig
+    from parity.config.rollout import RolloutConfig
     from rollout.vllm_engine import VllmEngine
 
     config = RolloutConfig(

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from parity.config.trainer import TrainerConfig
 from parity.rollout_queue import RolloutQueue
 from parity.sampling import SamplingTransform
 from tests.fakes.synthetic_rollouts import make_group
-from trainer.config import TrainerConfig
 from trainer.loop import Trainer
 from trainer.policy import SequenceInput, load_model, token_logprobs
 from trainer.telemetry import REQUIRED_METRICS

@@ -10,11 +10,11 @@ import grpc
 import pytest
 import torch
 
+from parity.config.trainer import TrainerConfig
 from parity.rollout_queue import RolloutQueue
 from parity.server import bearer
 from parity.v1 import broadcast_pb2, broadcast_pb2_grpc
 from tests.fakes.synthetic_rollouts import make_group
-from trainer.config import TrainerConfig
 from trainer.loop import Trainer
 from trainer.policy import load_model
 

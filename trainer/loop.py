@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from parity import mismatch, tracing
+from parity.config.trainer import TrainerConfig
 from parity.rollout_queue import RolloutQueue
 from parity.sampling import SamplingTransform
 from trainer import objectives, offpolicy
 from trainer.checkpoint import CheckpointStore, TrainerState, atomic_write_text
-from trainer.config import TrainerConfig
 from trainer.consumer import Batch, RolloutConsumer, token_versions
 from trainer.policy import SequenceInput, load_model, token_logprobs
 from trainer.publisher import Publisher, PublishError

@@ -21,10 +21,10 @@ import grpc
 
 from parity import tracing
 from parity.config import ConfigError, load_config
+from parity.config.trainer import TrainerConfig
 from parity.metrics import serve_metrics
 from parity.server import GrpcServer, install_shutdown_handlers
 from parity.v1 import trainer_pb2, trainer_pb2_grpc
-from trainer.config import TrainerConfig
 
 log = logging.getLogger("parity.trainer")
 

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from parity.config import ServiceConfig
+from parity.config.base import ServiceConfig
 from parity.transport import DEFAULT_BUCKET_BYTES
 
 

@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from parity.config import ServiceConfig
+from parity.config.base import ServiceConfig
 
 EngineName = Literal["vllm", "reference"]
 DtypeName = Literal["float32", "bfloat16"]

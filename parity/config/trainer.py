@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from parity.config import ServiceConfig
+from parity.config.base import ServiceConfig
 from parity.rollout_queue import DEFAULT_STREAM
 from parity.transport import DEFAULT_BUCKET_BYTES
 

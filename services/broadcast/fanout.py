@@ -38,11 +38,11 @@ from collections.abc import Callable
 import grpc
 
 from parity import tracing
+from parity.config.broadcast import BroadcastConfig
 from parity.server import bearer, channel
 from parity.transport import TransferError, TransferGroup
 from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.broadcast import telemetry
-from services.broadcast.config import BroadcastConfig
 from services.broadcast.events import Kind
 from services.broadcast.membership import WorkerRecord, WorkerState
 from services.broadcast.registry import VersionRecord, VersionRegistry

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from parity.config import ConfigError, load_config
-from services.broadcast.config import BroadcastConfig
+from parity.config.broadcast import BroadcastConfig
 
 log = logging.getLogger("parity.broadcast")
 

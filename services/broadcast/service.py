@@ -19,11 +19,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from parity import tracing
+from parity.config.broadcast import BroadcastConfig
 from parity.transport import TransferError
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2
 from services.broadcast import telemetry
-from services.broadcast.config import BroadcastConfig
 from services.broadcast.events import EventLog, Kind
 from services.broadcast.fanout import FanOut
 from services.broadcast.ingest import receive_and_verify

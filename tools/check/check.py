@@ -114,7 +114,7 @@ class CheckConfig(BaseSettings):
         from pydantic import ValidationError
 
         from parity.config import format_validation_error
-        from rollout.config import RolloutConfig
+        from parity.config.rollout import RolloutConfig
 
         try:
             return RolloutConfig(

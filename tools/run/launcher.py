@@ -26,7 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tools.run.run_config import RunConfig, RunConfigError, parse_run_config
+from parity.config.run import RunConfig, RunConfigError, parse_run_config
 from tools.run.supervisor import (
     MARKER_ENV,
     ChildDied,

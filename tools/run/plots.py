@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from tools.run.supervisor import format_duration
 
 if TYPE_CHECKING:
-    from tools.run.run_config import RunConfig
+    from parity.config.run import RunConfig
 
 # name -> (title, [(metric key, label)], y label, log scale when all values are positive)
 CURVES: dict[str, tuple[str, list[tuple[str, str]], str, bool]] = {
