@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,13 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_redis() -> tuple[subprocess.Popen, str, str]:
+    from parity.ports import free_port
+
     workdir = tempfile.mkdtemp(prefix="bench-redis-")
     port = free_port()
     proc = subprocess.Popen(

@@ -38,8 +38,9 @@ from pathlib import Path
 import grpc
 
 from parity import checksum
+from parity.ports import free_port
 from parity.procs import ServiceProcess, start_service
-from parity.transport import DEFAULT_BUCKET_BYTES, Layout, TransferGroup, free_port
+from parity.transport import DEFAULT_BUCKET_BYTES, Layout, TransferGroup
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2
 

@@ -6,6 +6,9 @@ grpc and the health stubs, so a probe every few seconds costs a fraction of a se
 
 docker-compose uses it as
     healthcheck: {test: ["CMD", "python", "-m", "parity.health", "127.0.0.1:50051"]}
+
+`check` is the one health probe in the code base: `parity.procs.wait_healthy` and the `parity run`
+supervisor poll through it.
 """
 
 from __future__ import annotations
@@ -18,13 +21,21 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def check(address: str, service: str = "", timeout_s: float = 3.0) -> tuple[bool, str]:
-    """One Check call: (serving, status name or error)."""
+def check(
+    address: str, service: str = "", timeout_s: float = 3.0, wait_for_ready: bool = True
+) -> tuple[bool, str]:
+    """One Check call: (serving, status name or error).
+
+    With `wait_for_ready` the call waits up to `timeout_s` for the server to accept connections;
+    without it, an address nobody listens on answers UNAVAILABLE at once (for callers that poll).
+    """
     with grpc.insecure_channel(address) as chan:
         stub = health_pb2_grpc.HealthStub(chan)
         try:
             reply = stub.Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, wait_for_ready=True
+                health_pb2.HealthCheckRequest(service=service),
+                timeout=timeout_s,
+                wait_for_ready=wait_for_ready,
             )
         except grpc.RpcError as exc:
             return False, f"{exc.code().name}: {exc.details()}"

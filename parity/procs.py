@@ -1,23 +1,31 @@
-"""Start services as real subprocesses and wait on their health checks.
+"""Start services (and a private redis-server) as real subprocesses, wait on them, stop them.
 
-Used by the tests and by the `parity run` launcher. A child is started in its own process group so
-that stopping it also stops everything it spawned (vLLM's engine core, for one).
+Used by the tests and by the `parity run` supervisor.
+
+Invariants:
+- A child is started in its own process group, so stopping it also stops everything it spawned
+  (vLLM's engine core, for one).
+- `stop_groups` is bounded: SIGTERM to every group at once, wait up to `grace_s` for the leaders,
+  then SIGKILL every group, also those whose leader already exited (stragglers). It never raises for
+  a child that is already gone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from parity import health
+from parity.ports import free_port
 
 
 def wait_healthy(
@@ -26,19 +34,13 @@ def wait_healthy(
     """Block until grpc.health.v1 reports SERVING at `address`; raise TimeoutError/RuntimeError."""
     deadline = time.monotonic() + timeout_s
     last_error = "no answer"
-    with grpc.insecure_channel(address) as chan:
-        stub = health_pb2_grpc.HealthStub(chan)
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"process for {address} exited with code {proc.returncode} before serving")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                last_error = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            except grpc.RpcError as exc:
-                last_error = f"{exc.code().name}: {exc.details()}"
-            time.sleep(0.2)
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {address} exited with code {proc.returncode} before serving")
+        serving, last_error = health.check(address, service, timeout_s=2.0, wait_for_ready=False)
+        if serving:
+            return
+        time.sleep(0.2)
     raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f}s (last: {last_error})")
 
 
@@ -84,17 +86,35 @@ class ServiceProcess:
             os.killpg(self.proc.pid, sig)
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
-        """SIGTERM the process group, then SIGKILL after `timeout_s`."""
-        if self.proc.poll() is None:
-            self.signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.signal(signal.SIGKILL)
-                self.proc.wait(10)
-        else:
-            self.signal(signal.SIGKILL)  # reap stragglers left in the group
+        """SIGTERM the process group, then SIGKILL it after `timeout_s` (see `stop_groups`)."""
+        stop_groups([self], grace_s=timeout_s, kill_wait_s=10.0)
         return self.proc.returncode
+
+
+def stop_groups(
+    children: Sequence[ServiceProcess], grace_s: float, kill_wait_s: float = 5.0
+) -> dict[str, float]:
+    """Stop every child's process group; returns the seconds each leader took to exit (<= grace_s).
+
+    SIGTERM goes to every live group at once, so the children shut down in parallel and the whole
+    call takes at most `grace_s + kill_wait_s` per child that ignores SIGKILL (none should). Then
+    SIGKILL goes to every group, leader alive or not: what is left in a group is a straggler.
+    """
+    started = time.monotonic()
+    for child in children:
+        if child.proc.poll() is None:
+            child.signal(signal.SIGTERM)
+    deadline = started + grace_s
+    took = {}
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        took[child.name] = time.monotonic() - started
+    for child in children:
+        child.signal(signal.SIGKILL)  # whatever is left in the group, leader or stragglers
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(kill_wait_s)
+    return took
 
 
 def start_service(
@@ -119,3 +139,57 @@ def start_service(
             cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
         )
     return ServiceProcess(name=name, proc=proc, port_file=port_file, log_path=log_path)
+
+
+def start_redis(
+    log_dir: str | Path,
+    env: dict[str, str] | None = None,
+    proc_title: str = "",
+    timeout_s: float = 15.0,
+    attempts: int = 3,
+    adopt: Callable[[ServiceProcess], None] | None = None,
+) -> tuple[ServiceProcess, str]:
+    """A private redis-server on a free loopback port, no persistence: (its process, its URL).
+
+    Its data and log (redis.log) go under `log_dir`. `proc_title` is appended to the process title
+    (redis rewrites its title over its environment, so a marker meant to be found there must be in
+    the title). `adopt` is called with each child as soon as it is spawned, before waiting on it, so
+    a caller's cleanup covers a start that is interrupted. A port lost to a race is retried on
+    another port, `attempts` times in all.
+    """
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not on PATH: install it (apt-get install redis-server)")
+    import redis
+
+    log_dir = Path(log_dir)
+    workdir = log_dir / "redis"
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / "redis.log"
+    child = None
+    for _attempt in range(attempts):
+        port = free_port()
+        cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        cmd += ["--dir", str(workdir), "--logfile", str(log_path)]
+        if proc_title:
+            cmd += ["--proc-title-template", f"{{title}} {{listen-addr}} {proc_title}"]
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+        child = ServiceProcess(name="redis", proc=proc, port_file=workdir / "unused", log_path=log_path)
+        child.port = port
+        if adopt is not None:
+            adopt(child)
+        client = redis.Redis(port=port, socket_timeout=1.0)
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                client.ping()
+                return child, f"redis://127.0.0.1:{port}/0"
+            time.sleep(0.05)
+        stop_groups([child], grace_s=2.0)  # lost the port race or too slow: try another port
+    raise RuntimeError(f"redis-server did not start:\n{child.log_tail() if child else ''}")

@@ -20,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import datetime
-import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,13 +57,6 @@ _hosted_lock = threading.Lock()
 
 class TransferError(RuntimeError):
     """A transfer failed: timeout, peer gone, or bad metadata."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def dtype_size(dtype: str) -> int:

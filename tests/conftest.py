@@ -4,27 +4,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from parity.procs import ServiceProcess, start_service
+from parity.procs import ServiceProcess, start_redis, start_service
 
 # vLLM on CPU: keep each engine's KV cache small so several can coexist on a 24 GiB machine.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -58,44 +49,13 @@ def _restore_environment() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[str]:
     """A private redis-server on a free port; yields its URL and removes it afterwards."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not on PATH (apt-get install redis-server)")
-    port = free_port()
     workdir = tempfile.mkdtemp(prefix="parity-redis-")
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import redis
-
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("redis-server did not start")
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
+    try:
+        server, url = start_redis(workdir, timeout_s=10.0)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield url
+    server.stop(10.0)
     shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -20,9 +20,10 @@ import grpc
 import pytest
 
 from parity import checksum
+from parity.ports import free_port
 from parity.procs import ServiceProcess, start_service
 from parity.server import bearer
-from parity.transport import TransferGroup, free_port
+from parity.transport import TransferGroup
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2
 

@@ -16,7 +16,6 @@ It runs until the trainer has published version 1 and the rollout service serves
 from __future__ import annotations
 
 import re
-import socket
 import threading
 import time
 import urllib.request
@@ -31,6 +30,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from parity.ports import free_port
 from parity.procs import ServiceProcess, start_service
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,12 +38,6 @@ DOC = ROOT / "docs" / "observability.md"
 SERVICES = ("rollout", "trainer", "broadcast")
 ALLOWED_LABELS = {"outcome", "reason", "direction"}
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

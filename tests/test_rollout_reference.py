@@ -192,9 +192,7 @@ def test_actor_publishes_scored_groups_with_backpressure(
 def test_late_joiner_is_not_serving_until_it_has_the_latest_version(start_services, tiny_model: Path) -> None:
     """Real broadcast service: v1 is published before the worker exists; the worker registers at v0
     and must not serve (health, Generate) until the broadcast service has brought it to v1."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from parity import checksum
+    from parity import checksum, health
     from parity.transport import TransferGroup
     from parity.v1 import broadcast_pb2 as pb
     from parity.v1 import broadcast_pb2_grpc
@@ -223,9 +221,8 @@ def test_late_joiner_is_not_serving_until_it_has_the_latest_version(start_servic
         wait=False,
     )  # fmt: skip
     worker.wait_ready(120)
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(worker.address))
     rollout = _stub(worker)
-    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    assert health.check(worker.address) == (True, "SERVING")
     assert rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).weight_version == 1
     reply = rollout.Generate(rollout_pb2.GenerateRequest(prompt_token_ids=[5, 6], sampling=_sampling(n=1)))
     assert set(reply.completions[0].token_weight_versions) == {1}

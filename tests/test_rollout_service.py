@@ -67,7 +67,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def metrics_port() -> int:
-    from parity.transport import free_port
+    from parity.ports import free_port
 
     return free_port()
 

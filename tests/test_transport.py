@@ -9,7 +9,8 @@ import traceback
 import pytest
 
 from parity import checksum
-from parity.transport import Layout, TransferError, TransferGroup, free_port
+from parity.ports import free_port
+from parity.transport import Layout, TransferError, TransferGroup
 from parity.v1 import common_pb2
 
 BUCKET_BYTES = 4096  # small, so every transfer spans many buckets and splits tensors across them

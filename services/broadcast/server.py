@@ -22,8 +22,8 @@ log = logging.getLogger("parity.broadcast")
 
 async def serve(config: BroadcastConfig) -> int:
     from parity import metrics, tracing
+    from parity.ports import free_port
     from parity.server import GrpcServer, install_shutdown_handlers
-    from parity.transport import free_port
     from parity.v1 import broadcast_pb2_grpc
     from services.broadcast.service import PROTECTED_METHODS, SERVICE, WeightBroadcastService
 

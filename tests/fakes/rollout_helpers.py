@@ -101,7 +101,7 @@ class HfScorer:
 def transfer_plan(state: dict, version: int, bucket_bytes: int = 1 << 20, timeout_s: float = 60.0):
     """(plan for the worker as rank 1, rendezvous for the sender as rank 0, tensors in plan order)."""
     from parity import checksum
-    from parity.transport import free_port
+    from parity.ports import free_port
     from parity.v1 import common_pb2
 
     names = sorted(state)

@@ -6,8 +6,9 @@ Invariants:
 - Every child's environment carries `PARITY_RUN_MARKER=<marker>`; grandchildren inherit it, so a
   test can prove that nothing survived by scanning /proc for the marker.
 - `stop_all` is idempotent and bounded: SIGTERM to every group at once, wait `grace_s`, SIGKILL what
-  is left, and SIGKILL each group again even when its leader already exited (stragglers). SIGINT and
-  SIGTERM are held off while it runs, so a second Ctrl-C cannot leave orphans behind.
+  is left, and SIGKILL each group again even when its leader already exited (stragglers); that is
+  `parity.procs.stop_groups`. SIGINT and SIGTERM are held off while it runs, so a second Ctrl-C
+  cannot leave orphans behind.
 - A child that exits when it was not expected to (`expect_exit`) raises `ChildDied`, naming the
   child, its exit code (or signal) and the last lines of its log.
 """
@@ -16,20 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import signal
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from parity.procs import ServiceProcess, start_service
+from parity import health
+from parity.procs import ServiceProcess, start_redis, start_service, stop_groups
 
 MARKER_ENV = "PARITY_RUN_MARKER"
 
@@ -57,12 +53,6 @@ def describe_exit(returncode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exit code {returncode}"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -100,46 +90,29 @@ class Supervisor:
 
     # --- starting -----------------------------------------------------------------------------
     def start_redis(self, timeout_s: float = 15.0) -> str:
-        """A private redis-server on a free loopback port, no persistence; returns its URL."""
-        binary = shutil.which("redis-server")
-        if binary is None:
+        """A private redis-server (log_dir/redis.log) on a free loopback port; returns its URL."""
+        if shutil.which("redis-server") is None:  # the launcher can do without one: say how
             raise RuntimeError(
                 "redis-server is not on PATH: install it (apt-get install redis-server) or pass --redis_url"
             )
-        import redis
 
-        for _attempt in range(3):
-            port = free_port()
-            workdir = self.log_dir / "redis"
-            workdir.mkdir(exist_ok=True)
-            log_path = self.log_dir / "redis.log"
-            cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-            cmd += ["--dir", str(workdir), "--logfile", str(log_path)]
-            # redis rewrites its process title over its environment; keep the marker visible in it.
-            cmd += ["--proc-title-template", f"{{title}} {{listen-addr}} {MARKER_ENV}={self.marker}"]
-            proc = subprocess.Popen(
-                cmd,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-                env={**os.environ, **self.env},
-            )
-            child = ServiceProcess(name="redis", proc=proc, port_file=workdir / "unused", log_path=log_path)
-            child.port = port
+        def adopt(child: ServiceProcess) -> None:  # before the wait: stop_all covers an interrupted start
             self.children["redis"] = child
-            client = redis.Redis(port=port, socket_timeout=1.0)
-            deadline = time.monotonic() + timeout_s
-            while proc.poll() is None and time.monotonic() < deadline:
-                with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
-                    client.ping()
-                    return f"redis://127.0.0.1:{port}/0"
-                time.sleep(0.05)
-            self._stop([child], grace_s=2.0)  # lost the port race or too slow: try another port
-        raise RuntimeError(f"redis-server did not start:\n{self.children['redis'].log_tail()}")
 
-    def start(self, kind: str, args: list[str], name: str) -> ServiceProcess:
-        """Start `parity serve KIND ARGS` as a child named `name` (its log: log_dir/NAME.log)."""
-        child = start_service(kind, args, log_dir=self.log_dir, env=self.env, name=name)
+        _child, url = start_redis(
+            self.log_dir,
+            env=self.env,
+            proc_title=f"{MARKER_ENV}={self.marker}",
+            timeout_s=timeout_s,
+            adopt=adopt,
+        )
+        return url
+
+    def start(self, kind: str, name: str, env: dict[str, str]) -> ServiceProcess:
+        """Start `parity serve KIND` as a child named `name` (its log: log_dir/NAME.log).
+
+        Its config comes from `env` (PARITY_CONFIG and instance values), never from argv."""
+        child = start_service(kind, [], log_dir=self.log_dir, env={**self.env, **env}, name=name)
         self.children[name] = child
         return child
 
@@ -154,7 +127,7 @@ class Supervisor:
                 if not child.port and child.port_file.exists():
                     with contextlib.suppress(ValueError):
                         child.port = int(child.port_file.read_text())
-                if child.port and _is_serving(child.address):
+                if child.port and health.check(child.address, timeout_s=1.0, wait_for_ready=False)[0]:
                     pending.remove(name)
             if pending and time.monotonic() > deadline:
                 tails = "\n".join(f"--- {n} ---\n{self.children[n].log_tail(15)}" for n in pending)
@@ -180,37 +153,13 @@ class Supervisor:
         order = sorted(self.children.values(), key=lambda c: {"redis": 2, "broadcast": 1}.get(c.name, 0))
         with signals_held():
             first = [c for c in order if c.name not in ("redis", "broadcast")]
-            took = {**self._stop(first, grace_s), **self._stop([c for c in order if c not in first], grace_s)}
+            took = {
+                **stop_groups(first, grace_s),
+                **stop_groups([c for c in order if c not in first], grace_s),
+            }
         for name, seconds in took.items():
             self.stop_seconds.setdefault(name, seconds)
         return {c.name: describe_exit(c.proc.returncode) for c in order}
-
-    @staticmethod
-    def _stop(children: list[ServiceProcess], grace_s: float) -> dict[str, float]:
-        started = time.monotonic()
-        for child in children:
-            if child.proc.poll() is None:
-                child.signal(signal.SIGTERM)
-        deadline = started + grace_s
-        took = {}
-        for child in children:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
-            took[child.name] = time.monotonic() - started
-        for child in children:
-            child.signal(signal.SIGKILL)  # whatever is left in the group, leader or stragglers
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(5.0)
-        return took
-
-
-def _is_serving(address: str) -> bool:
-    try:
-        with grpc.insecure_channel(address) as chan:
-            reply = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
 
 
 def marked_pids(marker: str) -> list[int]:
