@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.config import ConfigError, ServiceConfig, load_config
+from parity.config import ConfigError, ServiceConfig, load
 
 
 def test_help_answers_fast_without_importing_torch() -> None:
@@ -26,21 +26,16 @@ def test_help_answers_fast_without_importing_torch() -> None:
 
 
 def test_config_error_names_the_field() -> None:
-    with pytest.raises(ConfigError, match="port"):
-        load_config(ServiceConfig, ["--port", "70000"])
-    with pytest.raises(ConfigError, match="log_level"):
-        load_config(ServiceConfig, ["--log_level", "LOUD"])
+    with pytest.raises(ConfigError, match=r"^rollout\.port:"):
+        load(["--port", "70000"], home="rollout", environ={})
+    with pytest.raises(ConfigError, match=r"^observability\.log_level:"):
+        load(["--log_level", "LOUD"], home="rollout", environ={})
 
 
-def test_config_reads_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    class DemoConfig(ServiceConfig):
-        model_config = {**ServiceConfig.model_config, "env_prefix": "PARITY_DEMO_"}
-
-    monkeypatch.setenv("PARITY_DEMO_PORT", "4321")
-    assert load_config(DemoConfig, []).port == 4321
-    monkeypatch.setenv("PARITY_DEMO_PORT", "not-a-port")
-    with pytest.raises(ConfigError, match="port"):
-        load_config(DemoConfig, [])
+def test_config_reads_environment() -> None:
+    assert load([], home="trainer", environ={"PARITY_TRAINER_PORT": "4321"}).config.trainer.port == 4321
+    with pytest.raises(ConfigError, match=r"^trainer\.port: .*from env PARITY_TRAINER_PORT"):
+        load([], home="trainer", environ={"PARITY_TRAINER_PORT": "not-a-port"})
 
 
 def test_non_loopback_bind_requires_token() -> None:

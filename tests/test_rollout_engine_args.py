@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.config import load_config
-from parity.config.rollout import RolloutConfig
+from parity.config import load
 from rollout.vllm_engine import VllmEngine
 
 
@@ -17,8 +16,10 @@ from rollout.vllm_engine import VllmEngine
 def test_head_dtype_reaches_vllm_model_config(tiny_model: Path, dtype: str, head_dtype: str) -> None:
     import torch
 
-    config = load_config(RolloutConfig, ["--model", "tiny", "--dtype", dtype, "--head_dtype", head_dtype])
-    args = VllmEngine(config, tiny_model).engine_args()
+    config = load(
+        ["--model", "tiny", "--dtype", dtype, "--head_dtype", head_dtype], home="rollout", environ={}
+    )
+    args = VllmEngine(config.config, tiny_model).engine_args()
     assert args.hf_overrides == {"head_dtype": head_dtype}
     model_config = args.create_model_config()  # what failed for head_dtype=model before the fix
     expected = torch.float32 if head_dtype == "float32" else getattr(torch, dtype)

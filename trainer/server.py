@@ -1,6 +1,7 @@
 """`parity serve trainer`: the trainer loop behind parity.v1.TrainerService.
 
-Lifecycle: parse flags (bad value -> exit 2 naming the field) -> bind gRPC (NOT_SERVING) -> load
+Lifecycle: load the run config (the `trainer` section plus the shared `model` and `run`; a bad value
+-> exit 2 naming the key) -> bind gRPC (NOT_SERVING) -> load
 model, restore checkpoint, rewind the stream (in a worker thread) -> SERVING -> train `steps` steps
 -> final publish + checkpoint -> NOT_SERVING -> exit 0. SIGTERM/SIGINT and `Stop` finish the current
 step, publish, checkpoint and exit 0. A crash in the loop exits 1.
@@ -20,7 +21,8 @@ from collections.abc import Sequence
 import grpc
 
 from parity import tracing
-from parity.config import ConfigError, load_config
+from parity.config import ParityConfig
+from parity.config.entry import entrypoint
 from parity.config.trainer import TrainerConfig
 from parity.metrics import serve_metrics
 from parity.server import GrpcServer, install_shutdown_handlers
@@ -79,11 +81,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.StopResponse(step=self.trainer.state.step)
 
 
-async def serve(config: TrainerConfig) -> int:
+async def serve(run_config: ParityConfig) -> int:
     from trainer.loop import Trainer
 
     tracing.init("parity-trainer")
-    trainer = Trainer(config)
+    config = run_config.trainer
+    trainer = Trainer(run_config)
     server = GrpcServer(config, [SERVICE_NAME], protected_methods=PROTECTED_METHODS)
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(trainer, config), server.server)
     await server.start()
@@ -116,15 +119,15 @@ async def serve(config: TrainerConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        config = load_config(TrainerConfig, list(sys.argv[1:] if argv is None else argv))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(
-        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    return asyncio.run(serve(config))
+    def body(config: ParityConfig) -> int:
+        if not config.run.redis_url:
+            print(
+                "parity serve trainer: error: run.redis_url: required (the rollout stream)", file=sys.stderr
+            )
+            return 2
+        return asyncio.run(serve(config))
+
+    return entrypoint("parity serve trainer", "trainer", list(sys.argv[1:] if argv is None else argv), body)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,20 @@
-"""Typed configuration shared by every service.
+"""What every config section shares: the section base, the service base, errors, loopback rules.
 
-Each component owns a `pydantic-settings` class that reads, in order of precedence: CLI flags,
-environment variables (`PARITY_<COMPONENT>_<FIELD>`, so docker-compose can configure everything),
-then field defaults. Invalid values fail at startup with the field named (`ConfigError`).
+Invariants:
+- A section is a pydantic model with `extra="forbid"`: an unknown key is an error that names it.
+- Every field has a description (it is the `--help` text and the comment in `--print-config`).
+- A field whose `json_schema_extra` carries `secret=True` is never printed and never written to a
+  config file; it reaches a child process through its environment only.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
-from typing import TypeVar
 
-from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+SECRET = {"secret": True}
 
 
 def is_loopback(host: str) -> bool:
@@ -28,32 +28,30 @@ def is_loopback(host: str) -> bool:
 
 
 class ConfigError(ValueError):
-    """A config value is invalid. The message names the field."""
+    """A config value is invalid. The message names the key (`section.field`)."""
 
 
-class ServiceConfig(BaseSettings):
-    """Settings every gRPC service has."""
+class Section(BaseModel):
+    """One component's part of the run config."""
 
-    model_config = SettingsConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True)
+
+
+class ServiceConfig(Section):
+    """Settings every gRPC service has (each service section extends this)."""
 
     host: str = Field("127.0.0.1", description="Address to bind. Loopback unless told otherwise.")
     port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
     auth_token: str = Field(
         "",
-        description="Shared token required on weight-changing RPCs. Mandatory when host is not loopback.",
+        description="Shared token required on weight-changing RPCs. Mandatory when host is not loopback. "
+        "Secret: environment only (PARITY_<SECTION>_AUTH_TOKEN), never printed or written.",
+        json_schema_extra=SECRET,
     )
     metrics_port: int = Field(
         -1, ge=-1, le=65535, description="Prometheus /metrics port; -1 disables, 0 picks."
     )
     port_file: str = Field("", description="If set, write the bound gRPC port here once serving.")
-    log_level: str = Field("INFO", description="Python logging level.")
-
-    @field_validator("log_level")
-    @classmethod
-    def _known_level(cls, value: str) -> str:
-        if value.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-            raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR")
-        return value.upper()
 
     def check_security(self) -> None:
         """Refuse to expose weight-changing RPCs to the network without a token."""
@@ -64,24 +62,6 @@ class ServiceConfig(BaseSettings):
             )
 
 
-def format_validation_error(exc: ValidationError) -> str:
-    """One line per bad field: `field: message (got value)`."""
-    lines = []
-    for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "<config>"
-        got = err.get("input")
-        lines.append(f"{field}: {err['msg']} (got {got!r})")
-    return "; ".join(lines)
-
-
-C = TypeVar("C", bound=BaseSettings)
-
-
-def load_config(cls: type[C], argv: Sequence[str] | None = None, **overrides: object) -> C:
-    """Build `cls` from CLI flags (`--field value`), env vars and defaults; raise ConfigError."""
-    try:
-        if argv is None:
-            return cls(**overrides)
-        return CliApp.run(cls, cli_args=list(argv), **overrides)
-    except ValidationError as exc:
-        raise ConfigError(f"{cls.__name__}: {format_validation_error(exc)}") from None
+def is_secret(section: type[BaseModel], field: str) -> bool:
+    extra = section.model_fields[field].json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("secret"))

@@ -1,4 +1,4 @@
-"""Typed configuration of the weight-broadcast service (`parity serve broadcast --help`).
+"""The `broadcast` section: the weight-broadcast service (`parity serve broadcast --help`).
 
 Every field reads from `--field value` or `PARITY_BROADCAST_<FIELD>`. Bad values fail at startup
 with the field named; a non-loopback bind without `auth_token` is refused (`check_security`).
@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import SettingsConfigDict
 
 from parity.config.base import ServiceConfig
 from parity.transport import DEFAULT_BUCKET_BYTES
@@ -17,10 +16,6 @@ from parity.transport import DEFAULT_BUCKET_BYTES
 
 class BroadcastConfig(ServiceConfig):
     """Settings of `parity serve broadcast`."""
-
-    model_config = SettingsConfigDict(
-        extra="forbid", validate_default=True, env_prefix="PARITY_BROADCAST_", cli_parse_args=False
-    )
 
     backend: Literal["gloo", "nccl"] = Field(
         "gloo", description="torch.distributed backend for tensors: gloo (CPU) or nccl (GPU)."

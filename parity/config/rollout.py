@@ -1,4 +1,4 @@
-"""Typed configuration of the rollout service and its actor loop (`PARITY_ROLLOUT_*`).
+"""The `rollout` section: the rollout service and its actor loop (`PARITY_ROLLOUT_*`, `--rollout.*`).
 
 Defaults are the correctness defaults: processed logprobs, an fp32 head, prefix caching off, async
 scheduling off, `generation_config="vllm"`, the prefix cache reset at every weight update. Every one
@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import SettingsConfigDict
 
 from parity.config.base import ServiceConfig
 
@@ -26,18 +25,12 @@ HeadDtypeName = Literal["float32", "model"]
 GenerationConfigName = Literal["vllm", "auto"]
 UpdateModeName = Literal["keep", "recompute"]
 CpuTopPName = Literal["bounded", "sort"]
-ActorModeName = Literal["async", "sync"]
 
 
 class RolloutConfig(ServiceConfig):
-    """Rollout service flags: `parity serve rollout --field value`."""
-
-    model_config = SettingsConfigDict(
-        **{**ServiceConfig.model_config, "env_prefix": "PARITY_ROLLOUT_", "cli_implicit_flags": False}
-    )
+    """The rollout service: `parity serve rollout --field value` (its own fields need no prefix)."""
 
     # Engine and parity-relevant settings.
-    model: str = Field("tiny", description="Model name (tiny, smollm2-135m) or an HF model directory.")
     engine: EngineName = Field("vllm", description="vllm (AsyncLLM, fast) or reference (HF, exact, slow).")
     dtype: DtypeName = Field(
         "float32",
@@ -71,7 +64,6 @@ class RolloutConfig(ServiceConfig):
     max_tokens_limit: int = Field(
         0, ge=0, description="Largest allowed max_tokens; 0 means max_model_len - 1."
     )
-    seed: int = Field(0, ge=0, description="Engine seed (vLLM) / default generator seed (reference).")
     kv_cache_gib: float = Field(
         1.0, gt=0, description="KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."
     )
@@ -87,6 +79,12 @@ class RolloutConfig(ServiceConfig):
     # Weight updates and membership.
     broadcast_address: str = Field("", description="HOST:PORT of the weight-broadcast service; empty = none.")
     worker_id: str = Field("", description="Id registered with the broadcast service; default host:port.")
+    worker_index: int = Field(
+        0,
+        ge=0,
+        description="This service's index among the run's rollout services; the engine seed is "
+        "run.seed + worker_index, so workers sample differently.",
+    )
     heartbeat_interval_s: float = Field(
         2.0, gt=0, description="Seconds between heartbeats (if the broadcast service does not say)."
     )
@@ -97,25 +95,10 @@ class RolloutConfig(ServiceConfig):
 
     # Actor loop (runs inside the service process when --actor true).
     actor: bool = Field(False, description="Run the actor loop (generate, score, publish) in this process.")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for the rollout stream.")
-    stream: str = Field("parity:rollouts", description="Redis stream name for rollout groups.")
-    task: str = Field("arithmetic", description="Task the actor pulls prompts from.")
-    group_size: int = Field(4, gt=0, description="Completions per prompt (GRPO group size n).")
-    temperature: float = Field(1.0, ge=0, description="Actor sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Actor nucleus mass.")
-    top_k: int = Field(0, ge=0, description="Actor top-k (0 disables).")
-    max_tokens: int = Field(32, gt=0, description="Actor max completion tokens.")
-    max_lag: int = Field(
-        2, ge=0, description="Async actor: pause while backlog >= max_lag * groups_per_step."
-    )
-    groups_per_step: int = Field(8, gt=0, description="Groups the trainer consumes per optimizer step.")
-    actor_mode: ActorModeName = Field(
-        "async", description="async: generate continuously with backpressure; sync: one step per version."
-    )
-    concurrency: int = Field(4, gt=0, description="Groups the actor generates concurrently.")
+    concurrency: int = Field(8, ge=1, le=256, description="Groups the actor generates concurrently.")
     max_groups: int = Field(0, ge=0, description="Stop the actor after this many groups (0 = no limit).")
     skip_zero_variance: bool = Field(
-        False,
+        True,
         description="Dynamic sampling: do not publish a group whose rewards are all equal (no GRPO signal); "
         "after 4 * groups_per_step such drops in a row the next group is published anyway.",
     )
@@ -132,11 +115,11 @@ class RolloutConfig(ServiceConfig):
     def effective_max_tokens(self) -> int:
         return self.max_tokens_limit or self.max_model_len - 1
 
-    def parity_settings(self) -> dict[str, object]:
+    def parity_settings(self, model: str) -> dict[str, object]:
         """The settings that decide train-inference parity, for the startup log."""
         return {
             "engine": self.engine,
-            "model": self.model,
+            "model": model,
             "model_dtype": self.dtype,
             "head_dtype": "float32" if self.head_dtype == "float32" else self.dtype,
             "logprobs_mode": self.logprobs_mode,

@@ -1,7 +1,6 @@
-"""Trainer configuration: CLI flags (`--steps 10`), env vars `PARITY_TRAINER_<FIELD>`, defaults.
+"""The `trainer` section (`--trainer.lr 3e-5`, `PARITY_TRAINER_LR`); shared values are in `run`/`model`.
 
 Invariants checked at startup (a bad value fails with the field named):
-- the redis URL is set (the trainer has nothing to train on without it);
 - IS corrections are off by default (`is_correction=none`) and need `is_cap > 1` when on;
 - `max_lag >= 0`: entries whose oldest token is more than `max_lag` versions behind are dropped.
 """
@@ -11,10 +10,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import SettingsConfigDict
 
 from parity.config.base import ServiceConfig
-from parity.rollout_queue import DEFAULT_STREAM
 from parity.transport import DEFAULT_BUCKET_BYTES
 
 Objective = Literal["grpo", "ppo", "gspo"]
@@ -25,16 +22,11 @@ OldLogprobs = Literal["behaviour", "recompute"]
 
 
 class TrainerConfig(ServiceConfig):
-    """Everything `parity serve trainer` takes."""
+    """The trainer service: `parity serve trainer --field value` (its own fields need no prefix)."""
 
-    model_config = SettingsConfigDict(env_prefix="PARITY_TRAINER_", extra="forbid", validate_default=True)
-
-    model: str = Field("tiny", description="Model name (tiny, smollm2-135m) or HF directory; version 0.")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Parameter dtype; the lm_head is always computed in float32."
     )
-    redis_url: str = Field("", description="Redis URL of the rollout stream, e.g. redis://127.0.0.1:6379/0.")
-    stream: str = Field(DEFAULT_STREAM, description="Redis stream key holding RolloutGroup entries.")
     consumer_group: str = Field("trainer", description="Redis consumer group name.")
     consumer_name: str = Field(
         "trainer-0", description="Consumer name in the group; stable across restarts of the same trainer."
@@ -50,15 +42,12 @@ class TrainerConfig(ServiceConfig):
         "", description="host:port of the weight-broadcast service; empty publishes versions locally only."
     )
     run_dir: str = Field("runs/trainer", description="Directory for metrics.jsonl, checkpoints and logs.")
-    steps: int = Field(10, gt=0, description="Optimizer steps to run, counted across restarts.")
-    groups_per_step: int = Field(8, gt=0, description="Rollout groups (one stream entry each) per step.")
     micro_batch_size: int = Field(
         8, gt=0, description="Sequences per forward/backward; gradients accumulate over micro-batches."
     )
-    publish_every: int = Field(1, gt=0, description="Publish a new weight version every this many steps.")
     objective: Objective = Field("grpo", description="grpo | ppo (baseline-only advantages) | gspo.")
     loss_agg: LossAgg = Field("token", description="token: mean over all tokens; sequence: mean of means.")
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    lr: float = Field(3e-5, gt=0, le=1.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     clip_eps_low: float = Field(0.2, gt=0, description="PPO/GRPO ratio clip below 1 (1 - eps).")
@@ -66,7 +55,6 @@ class TrainerConfig(ServiceConfig):
     gspo_clip_eps_low: float = Field(3e-4, gt=0, description="GSPO sequence-ratio clip below 1.")
     gspo_clip_eps_high: float = Field(4e-4, gt=0, description="GSPO sequence-ratio clip above 1.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the initial policy.")
-    max_lag: int = Field(2, ge=0, description="Drop entries whose oldest token is more versions behind.")
     is_correction: IsCorrection = Field("none", description="Off-policy correction: none | tis | mis.")
     is_level: IsLevel = Field("token", description="IS weights per token or per sequence.")
     is_cap: float = Field(2.0, gt=0, description="TIS truncation / MIS mask threshold on the IS weight.")
@@ -83,15 +71,7 @@ class TrainerConfig(ServiceConfig):
     wait_committed_s: float = Field(
         30.0, ge=0, description="Wait this long for the broadcast to commit each version; 0 skips waiting."
     )
-    seed: int = Field(0, description="Torch seed.")
     torch_threads: int = Field(0, ge=0, description="torch.set_num_threads; 0 leaves the default.")
-
-    @field_validator("redis_url")
-    @classmethod
-    def _redis_url(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be a redis:// URL")
-        return value
 
     @field_validator("broadcast_address")
     @classmethod

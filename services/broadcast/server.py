@@ -3,7 +3,9 @@
     parity serve broadcast --host 127.0.0.1 --port 0 --backend gloo --data_host 127.0.0.1 \\
         --heartbeat_timeout_s 10 --transfer_timeout_s 60 --bucket_bytes 67108864 --metrics_port -1
 
-It binds to loopback by default; off loopback it refuses to start without --auth_token. The TCPStore
+It reads the `broadcast` section of the run config (`--field`, `--broadcast.field`,
+`PARITY_BROADCAST_<FIELD>`, or a file via `--config`/`PARITY_CONFIG`). It binds to loopback by
+default; off loopback it refuses to start without an auth token (PARITY_BROADCAST_AUTH_TOKEN). The TCPStore
 for rendezvous listens on --store_port (0 picks one) and is the only data-plane port it opens.
 """
 
@@ -14,8 +16,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from parity.config import ConfigError, load_config
+from parity.config import ParityConfig
 from parity.config.broadcast import BroadcastConfig
+from parity.config.entry import entrypoint
 
 log = logging.getLogger("parity.broadcast")
 
@@ -58,15 +61,12 @@ async def serve(config: BroadcastConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        config = load_config(BroadcastConfig, argv)
-        config.check_security()
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config))
+    def body(config: ParityConfig) -> int:
+        return asyncio.run(serve(config.broadcast))
+
+    return entrypoint(
+        "parity serve broadcast", "broadcast", list(sys.argv[1:] if argv is None else argv), body
+    )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """`parity run`: the whole pipeline on one machine, as separate processes talking gRPC on loopback.
 
 Order of events (each waits for the previous one):
-  1. parse and validate the flags (exit 2 naming the flag); resolve the model and the task;
+  1. load and validate the run config (defaults, --config FILE, PARITY_* env, flags; exit 2 naming
+     the key); resolve the model and the task;
   2. start redis-server (unless --redis_url), the broadcast service, then N rollout services (each
      with its in-process actor), and wait until all report SERVING;
+     Every child reads the same effective config, RUN_DIR/config.toml (PARITY_CONFIG), plus its own
+     instance values (worker id and index) and the run's auth token in its environment; no child's
+     argv is assembled here, and no secret is on any command line;
   3. record every rollout service's parity settings (GetStatus) in config.json; run the preflight
      mismatch gate (tools.check.check.run_check) unless --skip_preflight;
   4. evaluate greedily on held-out prompts at version 0. The trainer is not started yet, so no weight
@@ -26,7 +30,9 @@ import time
 import uuid
 from pathlib import Path
 
-from parity.config.run import RunConfig, RunConfigError, parse_run_config
+from parity.config import ParityConfig, env_for, write_config
+from parity.config.entry import entrypoint
+from parity.config.loader import CONFIG_FILE_ENV, config_env_keys
 from tools.run.supervisor import (
     MARKER_ENV,
     ChildDied,
@@ -49,53 +55,39 @@ def log(message: str) -> None:
     print(f"[parity run {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def rollout_args(
-    cfg: RunConfig, index: int, broadcast_address: str, redis_url: str, token: str, stream: str
-) -> list[str]:
-    return [
-        "--stream", stream,
-        "--model", cfg.model, "--engine", cfg.engine, "--dtype", cfg.dtype,
-        "--logprobs_mode", cfg.logprobs_mode, "--head_dtype", cfg.head_dtype,
-        "--prefix_caching", str(cfg.prefix_caching).lower(), "--reset_prefix_cache_on_update", "true",
-        "--generation_config", "vllm", "--max_model_len", str(cfg.max_model_len),
-        "--max_n", str(max(16, cfg.group_size)), "--seed", str(cfg.seed + index),
-        "--broadcast_address", broadcast_address, "--worker_id", f"rollout{index}", "--auth_token", token,
-        "--actor", "true", "--redis_url", redis_url, "--task", cfg.task,
-        "--group_size", str(cfg.group_size), "--temperature", str(cfg.temperature),
-        "--max_tokens", str(cfg.max_tokens), "--max_lag", str(cfg.max_lag),
-        "--groups_per_step", str(cfg.worker_groups_per_step()), "--actor_mode", cfg.mode,
-        "--concurrency", str(cfg.actor_concurrency),
-        "--skip_zero_variance", str(cfg.skip_zero_variance).lower(),
-    ]  # fmt: skip
+class RunConfigError(ValueError):
+    """A config value that only the launcher can judge (the task, the model); names the key."""
 
 
-def trainer_args(
-    cfg: RunConfig, run_dir: Path, broadcast_address: str, redis_url: str, token: str, stream: str
-) -> list[str]:
-    return [
-        "--stream", stream,
-        "--model", cfg.model, "--redis_url", redis_url, "--broadcast_address", broadcast_address,
-        "--run_dir", str(run_dir), "--steps", str(cfg.steps), "--groups_per_step", str(cfg.groups_per_step),
-        "--publish_every", str(cfg.publish_every), "--objective", cfg.objective, "--lr", str(cfg.lr),
-        "--max_lag", str(cfg.max_lag), "--seed", str(cfg.seed), "--auth_token", token,
-        "--torch_threads", str(cfg.trainer_threads),
-    ]  # fmt: skip
+def child_config(
+    cfg: ParityConfig, run_dir: Path, redis_url: str, broadcast_address: str, stream: str
+) -> ParityConfig:
+    """The effective config every child reads: the run's, with this run's addresses filled in."""
+    return cfg.model_copy(
+        update={
+            "run": cfg.run.model_copy(update={"redis_url": redis_url, "stream": stream}),
+            "rollout": cfg.rollout.model_copy(update={"broadcast_address": broadcast_address, "actor": True}),
+            "trainer": cfg.trainer.model_copy(
+                update={"broadcast_address": broadcast_address, "run_dir": str(run_dir)}
+            ),
+        }
+    )
 
 
-def validate_inputs(cfg: RunConfig) -> object:
+def validate_inputs(cfg: ParityConfig) -> object:
     """Resolve the task, then the model (preparing it if needed), before any process starts."""
     from rollout.tasks import get_task
 
     try:
-        task = get_task(cfg.task, seed=cfg.seed)
+        task = get_task(cfg.task.name, seed=cfg.run.seed)
     except ValueError as exc:
-        raise RunConfigError(f"--task: {str(exc).removeprefix('task: ')}") from None
+        raise RunConfigError(f"task.name: {str(exc).removeprefix('task: ')}") from None
     from parity import models
 
     try:
-        models.resolve(cfg.model)
+        models.resolve(cfg.model.name)
     except models.ModelError as exc:
-        raise RunConfigError(f"--{exc}") from None
+        raise RunConfigError(f"model.{exc}") from None
     return task
 
 
@@ -136,48 +128,51 @@ def wait_rollouts_at(sup: Supervisor, names: list[str], version: int, timeout_s:
 
 
 # --- stages ---------------------------------------------------------------------------------------
-def preflight(cfg: RunConfig, rollout_address: str, run_dir: Path) -> dict:
+def preflight(cfg: ParityConfig, rollout_address: str, run_dir: Path) -> dict:
     """The mismatch gate. Returns what config.json records about it."""
-    if cfg.skip_preflight:
-        log("preflight check SKIPPED (--skip_preflight)")
-        return {"ran": False, "reason": "--skip_preflight"}
+    if cfg.run.skip_preflight:
+        log("preflight check SKIPPED (run.skip_preflight)")
+        return {"ran": False, "reason": "run.skip_preflight"}
     try:
         from tools.check.check import run_check
     except ImportError as exc:
         raise RunError(
-            f"preflight check unavailable ({exc}); pass --skip_preflight to train without it"
+            f"preflight check unavailable ({exc}); pass --run.skip_preflight to train without it"
         ) from exc
     log("preflight: measuring rollout-vs-trainer logprob mismatch (tools.check.check)")
-    report = run_check(
-        model=cfg.model,
-        rollout_address=rollout_address,
-        task=cfg.task,
-        seed=cfg.seed,
-        temperature=cfg.temperature,
-        top_p=1.0,
-        max_tokens=cfg.max_tokens,
-        out=str(run_dir / "preflight"),
+    # The check samples like training does (the task's sampling), from the running rollout service.
+    task = cfg.task
+    check = cfg.check.model_copy(
+        update={
+            "rollout_address": rollout_address,
+            "temperature": task.temperature,
+            "top_p": task.top_p,
+            "top_k": task.top_k,
+            "max_tokens": task.max_tokens,
+            "out": str(run_dir / "preflight"),
+        }
     )
+    report = run_check(cfg.model_copy(update={"check": check}))
     print(report.table, flush=True)
     if not report.passed:
-        if not cfg.i_know_the_mismatch_is_high:
+        if not cfg.run.i_know_the_mismatch_is_high:
             raise RunError(
                 "preflight check FAILED: rollout and trainer logprobs disagree (table above, "
                 f"{run_dir / 'preflight'}). Fix the engine settings, or pass "
-                "--i_know_the_mismatch_is_high to train anyway."
+                "--run.i_know_the_mismatch_is_high to train anyway."
             )
-        log("WARNING: preflight check FAILED and --i_know_the_mismatch_is_high is set: training anyway")
+        log("WARNING: preflight check FAILED and run.i_know_the_mismatch_is_high is set: training anyway")
     return {"ran": True, "passed": report.passed, "report": report.as_dict()}
 
 
-def run_eval(cfg: RunConfig, task: object, address: str, label: str, step: int) -> dict:
+def run_eval(cfg: ParityConfig, task: object, address: str, label: str, step: int) -> dict:
     from tools.run.evaluation import evaluate
 
     result = evaluate(
         address,
         task,
-        cfg.eval_size,
-        cfg.eval_tokens,
+        cfg.task.eval_size,
+        cfg.task.eval_tokens,
         use_chat_template=getattr(task, "use_chat_template", True),
         label=label,
     )
@@ -188,7 +183,9 @@ def run_eval(cfg: RunConfig, task: object, address: str, label: str, step: int) 
     return {**result.as_dict(), "step": step}
 
 
-def follow_training(cfg: RunConfig, sup: Supervisor, metrics: MetricsFollower, rollouts: list[str]) -> dict:
+def follow_training(
+    cfg: ParityConfig, sup: Supervisor, metrics: MetricsFollower, rollouts: list[str]
+) -> dict:
     """Print progress until the trainer exits 0; return timing marks."""
     trainer = sup.children[TRAINER]
     sup.expect_exit.add(TRAINER)
@@ -206,25 +203,25 @@ def follow_training(cfg: RunConfig, sup: Supervisor, metrics: MetricsFollower, r
             if gen is not None and gen_tokens_prev is not None and now > gen_at_prev:
                 gen_rate = f" gen tok/s {(gen - gen_tokens_prev) / (now - gen_at_prev):.0f}"
             gen_tokens_prev, gen_at_prev = gen, now
-            line = progress_line(row, len(metrics.rows), cfg.steps, started, first_step_at, now)
+            line = progress_line(row, len(metrics.rows), cfg.run.steps, started, first_step_at, now)
             log(line + gen_rate)
             last_line_at = now
         if trainer.proc.poll() is not None:
             metrics.poll()
             if trainer.proc.returncode != 0:
                 raise ChildDied(TRAINER, trainer.proc.returncode, trainer.log_tail(20))
-            if len(metrics.rows) < cfg.steps:
+            if len(metrics.rows) < cfg.run.steps:
                 raise RunError(
-                    f"trainer exited 0 after {len(metrics.rows)} of {cfg.steps} steps "
+                    f"trainer exited 0 after {len(metrics.rows)} of {cfg.run.steps} steps "
                     f"(see {trainer.log_path})"
                 )
             break
         sup.check()
         now = time.monotonic()
         since_step = now - (last_step_at or started)
-        if since_step > cfg.step_timeout_s:
-            raise RunError(f"no optimizer step for {since_step:.0f}s (--step_timeout_s); see logs")
-        if now - last_line_at >= cfg.progress_interval_s:
+        if since_step > cfg.run.step_timeout_s:
+            raise RunError(f"no optimizer step for {since_step:.0f}s (run.step_timeout_s); see logs")
+        if now - last_line_at >= cfg.run.progress_interval_s:
             waiting = "first step" if last_step_at is None else f"step {len(metrics.rows) + 1}"
             log(f"waiting for {waiting} ({format_duration(since_step)} so far)")
             last_line_at = now
@@ -245,72 +242,67 @@ def _generated_tokens(sup: Supervisor, rollouts: list[str]) -> int | None:
         return None
 
 
-def run_pipeline(cfg: RunConfig, run_dir: Path, argv: list[str]) -> int:
+def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str]) -> int:
     run_started = time.monotonic()
     task = validate_inputs(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / "metrics.jsonl").exists():
-        raise RunError(f"--out: {run_dir} already holds a run (metrics.jsonl); choose another directory")
+        raise RunError(f"run.out: {run_dir} already holds a run (metrics.jsonl); choose another directory")
     marker = os.environ.get(MARKER_ENV) or uuid.uuid4().hex  # a caller (a test) may choose it
     token = secrets.token_hex(16)
-    # One stream per run, so that runs sharing a --redis_url never read each other's rollouts.
-    stream = f"parity:rollouts:{marker[:16]}"
-    config: dict = {
-        "argv": argv,
-        "run": cfg.model_dump(),
-        "run_dir": str(run_dir.resolve()),
-        "marker": marker,
-        "stream": stream,
-    }
-    log(f"run directory {run_dir}  (mode {cfg.mode}, model {cfg.model}, task {cfg.task}, {cfg.steps} steps)")
+    # One stream per run, so that runs sharing a run.redis_url never read each other's rollouts.
+    stream = f"{cfg.run.stream}:{marker[:16]}"
+    config_path = run_dir / "config.toml"
+    record: dict = {"argv": argv, "run_dir": str(run_dir), "marker": marker, "config_file": str(config_path)}
+    run, model = cfg.run, cfg.model.name
+    log(f"run directory {run_dir}  (mode {run.mode}, model {model}, task {cfg.task.name}, {run.steps} steps)")
     timings: dict[str, float] = {}
     with Supervisor(run_dir / "logs", marker) as sup:
-        redis_url = cfg.redis_url
+        redis_url = run.redis_url
         if not redis_url:
             redis_url = sup.start_redis()
             log(f"redis-server started at {redis_url}")
-        config["redis_url"] = redis_url
-        sup.start(BROADCAST, ["--auth_token", token], name=BROADCAST)
-        sup.wait_ready([BROADCAST], cfg.startup_timeout_s)
+        # The broadcast service reads its section before its address exists; the others read the
+        # file again once it names that address.
+        write_config(child_config(cfg, run_dir, redis_url, "", stream), config_path)
+        sup.start(
+            BROADCAST, BROADCAST, _child_env(config_path, redis_url, env_for("broadcast", auth_token=token))
+        )
+        sup.wait_ready([BROADCAST], run.startup_timeout_s)
         broadcast_address = sup.children[BROADCAST].address
         log(f"broadcast service SERVING at {broadcast_address}")
-        rollouts = [f"rollout{i}" for i in range(cfg.rollout_workers)]
+        child_cfg = child_config(cfg, run_dir, redis_url, broadcast_address, stream)
+        write_config(child_cfg, config_path)
+        rollouts = [f"rollout{i}" for i in range(run.rollout_workers)]
         for index, name in enumerate(rollouts):
-            sup.start(
-                "rollout", rollout_args(cfg, index, broadcast_address, redis_url, token, stream), name=name
-            )
+            instance = env_for("rollout", worker_id=name, worker_index=index, auth_token=token)
+            sup.start("rollout", name, _child_env(config_path, redis_url, instance))
         log(
-            f"starting {len(rollouts)} rollout service(s) ({cfg.engine}, {cfg.model}); engine start takes a while"
+            f"starting {len(rollouts)} rollout service(s) ({cfg.rollout.engine}, {model}); engine start takes a while"
         )
-        sup.wait_ready(rollouts, cfg.startup_timeout_s)
+        sup.wait_ready(rollouts, run.startup_timeout_s)
         timings["startup_s"] = time.monotonic() - run_started
-        config["broadcast"] = {"address": broadcast_address}
-        config["rollout_services"] = {
+        record["config"] = child_cfg.model_dump(
+            exclude={s: {"auth_token"} for s in ("rollout", "trainer", "broadcast")}
+        )
+        record["broadcast"] = {"address": broadcast_address}
+        record["rollout_services"] = {
             n: {"address": sup.children[n].address, **rollout_status(sup.children[n].address)}
             for n in rollouts
         }
         log(f"rollout services SERVING: {', '.join(sup.children[n].address for n in rollouts)}")
-        config["trainer"] = {
-            "args": _redact(trainer_args(cfg, run_dir, broadcast_address, redis_url, token, stream))
-        }
-        config["rollout_args"] = {
-            n: _redact(rollout_args(cfg, i, broadcast_address, redis_url, token, stream))
-            for i, n in enumerate(rollouts)
-        }
-        _write_json(run_dir / "config.json", config)
-        config["preflight"] = preflight(cfg, sup.children[rollouts[0]].address, run_dir)
-        _write_json(run_dir / "config.json", config)
+        _write_json(run_dir / "config.json", record)
+        record["preflight"] = preflight(child_cfg, sup.children[rollouts[0]].address, run_dir)
+        _write_json(run_dir / "config.json", record)
 
         evals = []
-        if cfg.eval_size:
+        if cfg.task.eval_size:
             evals.append(run_eval(cfg, task, sup.children[rollouts[0]].address, "before", step=0))
 
-        sup.start(
-            TRAINER, trainer_args(cfg, run_dir, broadcast_address, redis_url, token, stream), name=TRAINER
-        )
+        sup.start(TRAINER, TRAINER, _child_env(config_path, redis_url, env_for("trainer", auth_token=token)))
         log("trainer starting")
-        sup.wait_ready([TRAINER], cfg.startup_timeout_s)
-        log(f"trainer SERVING at {sup.children[TRAINER].address}; training {cfg.steps} steps ({cfg.mode})")
+        sup.wait_ready([TRAINER], run.startup_timeout_s)
+        log(f"trainer SERVING at {sup.children[TRAINER].address}; training {run.steps} steps ({run.mode})")
         metrics = MetricsFollower(run_dir / "metrics.jsonl")
         timings.update(follow_training(cfg, sup, metrics, rollouts))
         log(
@@ -319,9 +311,9 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, argv: list[str]) -> int:
 
         final_version = broadcast_latest_version(broadcast_address)
         wait_rollouts_at(sup, rollouts, final_version, timeout_s=300.0)
-        config["final_rollout_status"] = {n: rollout_status(sup.children[n].address) for n in rollouts}
-        config["final_weight_version"] = final_version
-        if cfg.eval_size:
+        record["final_rollout_status"] = {n: rollout_status(sup.children[n].address) for n in rollouts}
+        record["final_weight_version"] = final_version
+        if cfg.task.eval_size:
             evals.append(
                 run_eval(cfg, task, sup.children[rollouts[0]].address, "after", step=len(metrics.rows))
             )
@@ -329,7 +321,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, argv: list[str]) -> int:
         how = ", ".join(f"{n} {why} ({sup.stop_seconds.get(n, 0):.1f}s)" for n, why in ended.items())
         log(f"stopped: {how}")
     timings["wall_s"] = time.monotonic() - run_started
-    _write_json(run_dir / "config.json", config)
+    _write_json(run_dir / "config.json", record)
     from tools.run.plots import write_results
 
     write_results(cfg, run_dir, metrics.rows, evals, timings, argv)
@@ -342,8 +334,9 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, argv: list[str]) -> int:
     return 0
 
 
-def _redact(args: list[str]) -> list[str]:
-    return ["<redacted>" if i and args[i - 1] == "--auth_token" else a for i, a in enumerate(args)]
+def _child_env(config_path: Path, redis_url: str, instance: dict[str, str]) -> dict[str, str]:
+    # The Redis URL travels in the environment: config files never hold a password.
+    return {CONFIG_FILE_ENV: str(config_path), **env_for("run", redis_url=redis_url), **instance}
 
 
 def _write_json(path: Path, payload: object) -> None:
@@ -358,18 +351,21 @@ def _sigterm_as_interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str]) -> int:
-    try:
-        cfg = parse_run_config(argv)
-    except RunConfigError as exc:
-        print(f"parity run: error: {exc}", file=sys.stderr)
-        return 2
+    return entrypoint("parity run", "run", argv, lambda cfg: launch(cfg, list(argv)))
+
+
+def launch(cfg: ParityConfig, argv: list[str]) -> int:
+    # The effective config is in RUN_DIR/config.toml now; config variables left in this process's
+    # environment would override that file in every child (environment beats file), so drop them.
+    for key in config_env_keys(os.environ):
+        del os.environ[key]
     # Ctrl-C reaches only this process (children run in their own sessions). Install the handler
     # explicitly: a launcher started in the background inherits SIGINT ignored.
     previous = {
         signal.SIGTERM: signal.signal(signal.SIGTERM, _sigterm_as_interrupt),
         signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
     }
-    run_dir = cfg.run_dir().resolve()  # children (redis) chdir; relative paths would break
+    run_dir = cfg.run.run_dir().resolve()  # children (redis) chdir; relative paths would break
     started = time.monotonic()
     try:
         return run_pipeline(cfg, run_dir, list(argv))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from tools.run.supervisor import format_duration
 
 if TYPE_CHECKING:
-    from parity.config.run import RunConfig
+    from parity.config import ParityConfig
 
 # name -> (title, [(metric key, label)], y label, log scale when all values are positive)
 CURVES: dict[str, tuple[str, list[tuple[str, str]], str, bool]] = {
@@ -136,7 +136,7 @@ SUMMARY_KEYS = [
 
 
 def write_results(
-    cfg: RunConfig, run_dir: Path, rows: list[dict], evals: list[dict], timings: dict, argv: list[str]
+    cfg: ParityConfig, run_dir: Path, rows: list[dict], evals: list[dict], timings: dict, argv: list[str]
 ) -> None:
     """eval.json, the plots, run_summary.json (for scripts) and summary.md (for people)."""
     by_label = {e["label"]: e for e in evals}
@@ -148,13 +148,15 @@ def write_results(
     plots = plot_run(run_dir, rows, evals)
     final = rows[-1] if rows else {}
     summary = {
-        "mode": cfg.mode, "model": cfg.model, "task": cfg.task, "steps": len(rows), "seed": cfg.seed,
+        "mode": cfg.run.mode, "model": cfg.model.name, "task": cfg.task.name, "steps": len(rows),
+        "seed": cfg.run.seed,
         "accuracy_before": before and before["accuracy"], "accuracy_after": after and after["accuracy"],
         "accuracy_delta": delta, "final_metrics": {k: final.get(k) for k in SUMMARY_KEYS}, **timings,
     }  # fmt: skip
     _write_json(run_dir / "run_summary.json", summary)
     lines = [
-        f"# parity run: {cfg.model} on {cfg.task}, {cfg.mode}, {len(rows)} steps, seed {cfg.seed}",
+        f"# parity run: {cfg.model.name} on {cfg.task.name}, {cfg.run.mode}, {len(rows)} steps, "
+        f"seed {cfg.run.seed}",
         "",
         f"- command: `parity run {' '.join(argv)}`",
         f"- wall time: {format_duration(timings['wall_s'])} (startup {format_duration(timings['startup_s'])}, "
@@ -176,7 +178,7 @@ def write_results(
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     lines += [
         "",
-        "Config: [config.json](config.json) · metrics: [metrics.jsonl](metrics.jsonl) · eval: [eval.json](eval.json)",
+        "Config: [config.toml](config.toml), [config.json](config.json) · metrics: [metrics.jsonl](metrics.jsonl) · eval: [eval.json](eval.json)",
     ]
     (run_dir / "summary.md").write_text("\n".join(lines) + "\n")
 

@@ -1,0 +1,42 @@
+"""The `check` section: `parity check`, the rollout-vs-trainer mismatch measurement and gate.
+
+The engine under test is described by the `rollout` and `model` sections (the same switches a
+rollout service runs with); the prompts come from `task.name`, seeded by `run.seed`.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from parity.config.base import Section
+
+DEFAULT_THRESHOLD = 1e-3
+
+
+class CheckConfig(Section):
+    """What `parity check` samples and the gate it applies (the launcher's preflight uses the task's
+    sampling instead, so that it measures the settings training will use)."""
+
+    rollout_address: str = Field(
+        "", description="HOST:PORT of a running rollout service to check; empty starts one."
+    )
+    num_prompts: int = Field(8, ge=1, le=4096, description="Prompts in the fixed, seeded prompt set.")
+    samples_per_prompt: int = Field(2, ge=1, le=64, description="Completions sampled per prompt.")
+    max_tokens: int = Field(24, ge=1, le=4096, description="Maximum tokens per completion.")
+    temperature: float = Field(
+        0.7, gt=0, le=10, description="Sampling temperature. Not 1, so raw and processed logprobs differ."
+    )
+    top_p: float = Field(0.9, gt=0, le=1, description="Nucleus mass (1 disables).")
+    top_k: int = Field(0, ge=0, description="Top-k (0 disables).")
+    threshold: float = Field(
+        DEFAULT_THRESHOLD,
+        gt=0,
+        description="Largest passing mean k3 (KL) per token; see tools/check/check.py for why 1e-3.",
+    )
+    out: str = Field(
+        "", description="Write check.json, check.txt and check_hist.png here; empty = checks/<UTC time>."
+    )
+    ablate: bool = Field(False, description="Also run one row per correctness fix turned off.")
+    update_scale: float = Field(
+        0.05, gt=0, description="--ablate: relative size of the weight update in the prefix-cache rows."
+    )

@@ -1,0 +1,292 @@
+"""Load the one run config from its sources, print it, and hand it to child processes.
+
+Precedence, lowest first (each layer names keys as `section.field`):
+  1. the field defaults (parity/config/*.py, one definition each);
+  2. a TOML file: `--config run.toml`, or the path in `PARITY_CONFIG` (how `parity run` hands the
+     effective config to its children);
+  3. environment variables `PARITY_<SECTION>_<FIELD>` (`PARITY_TRAINER_LR=1e-4`), how compose and
+     Kubernetes configure a container; `PARITY_CONFIG`, `PARITY_HOME`, `PARITY_DEVICE` and
+     `PARITY_RUN_MARKER` are not config keys;
+  4. flags: `--section.field value` (`--trainer.lr 1e-4`, `--rollout.prefix-caching`). A bare
+     `--field` resolves to the command's own section first, then to the first section in
+     `RESOLUTION_ORDER` that has it (`--steps` is `run.steps`); `--model X` is `--model.name X` and
+     `--task X` is `--task.name X`. `--print-config` shows where every value resolved.
+An unknown section or key, in any layer, is a `ConfigError` naming it and the layer it came from.
+Secret fields (auth tokens) are never printed or written, nor is a password inside a URL (a Redis
+URL with credentials is masked); children get those through their environment.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ValidationError
+
+from parity.config.base import ConfigError, is_secret
+from parity.config.schema import SECTIONS, ParityConfig
+
+CONFIG_FILE_ENV = "PARITY_CONFIG"
+NOT_CONFIG_ENV = frozenset({CONFIG_FILE_ENV, "PARITY_HOME", "PARITY_DEVICE", "PARITY_RUN_MARKER"})
+ENV_PREFIX = "PARITY_"
+RESOLUTION_ORDER = ("run", "task", "model", "rollout", "trainer", "broadcast", "check", "observability")
+NAME_ALIASES = ("model", "task")  # `--model X` == `--model.name X`
+
+
+class HelpRequested(Exception):
+    """`--help` was given; the message is the help text."""
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A validated config and where each non-default value came from."""
+
+    config: ParityConfig
+    sources: dict[str, str] = field(default_factory=dict)
+    print_config: bool = False
+
+    def to_toml(self) -> str:
+        return to_toml(self.config, self.sources)
+
+
+def env_name(section: str, name: str) -> str:
+    return f"{ENV_PREFIX}{section}_{name}".upper()
+
+
+def _fields(section: str) -> dict:
+    return SECTIONS[section].model_fields
+
+
+def _unknown_key(section: str, name: str, origin: str) -> ConfigError:
+    close = difflib.get_close_matches(name, list(_fields(section)), n=1)
+    hint = f"; did you mean {section}.{close[0]}?" if close else ""
+    return ConfigError(f"{section}.{name}: unknown key (from {origin}){hint}")
+
+
+def _unknown_section(section: str, origin: str) -> ConfigError:
+    return ConfigError(f"{section}: unknown section (from {origin}); sections: {', '.join(SECTIONS)}")
+
+
+def _put(values: dict, sources: dict, section: str, name: str, value: object, origin: str) -> None:
+    if section not in SECTIONS:
+        raise _unknown_section(section, origin)
+    if name not in _fields(section):
+        raise _unknown_key(section, name, origin)
+    values.setdefault(section, {})[name] = value
+    sources[f"{section}.{name}"] = origin
+
+
+def _from_file(path: str, values: dict, sources: dict) -> None:
+    try:
+        document = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: not valid TOML ({exc})") from None
+    for section, body in document.items():
+        if not isinstance(body, dict):
+            raise ConfigError(f"{section}: expected a [{section}] table in {path}, got a value")
+        for name, value in body.items():
+            _put(values, sources, section, name, value, path)
+
+
+def _from_env(environ: Mapping[str, str], values: dict, sources: dict) -> None:
+    for key in sorted(config_env_keys(environ)):
+        if key != CONFIG_FILE_ENV:
+            section, _, name = key[len(ENV_PREFIX) :].lower().partition("_")
+            _put(values, sources, section, name, environ[key], f"env {key}")
+
+
+def config_env_keys(environ: Mapping[str, str]) -> list[str]:
+    """The environment variables that `load` reads as config keys (PARITY_CONFIG included)."""
+    keys = [CONFIG_FILE_ENV] if CONFIG_FILE_ENV in environ else []
+    for key in environ:
+        if key.startswith(ENV_PREFIX) and key not in NOT_CONFIG_ENV:
+            section, _, name = key[len(ENV_PREFIX) :].lower().partition("_")
+            if section in SECTIONS and name:
+                keys.append(key)
+    return keys
+
+
+def _resolve(flag: str, home: str | None) -> tuple[str, str]:
+    name = flag.replace("-", "_")
+    if "." in name:
+        section, _, field_name = name.partition(".")
+        return section, field_name
+    if name in NAME_ALIASES:
+        return name, "name"
+    order = ([home] if home else []) + [s for s in RESOLUTION_ORDER if s != home]
+    for section in order:
+        if name in _fields(section):
+            return section, name
+    every = [f"{s}.{n}" for s in RESOLUTION_ORDER for n in _fields(s)] + list(NAME_ALIASES)
+    close = difflib.get_close_matches(name, every, n=1)
+    hint = f"; did you mean --{close[0]}?" if close else ""
+    raise ConfigError(f"--{flag}: unknown option{hint} (`--help` lists them)")
+
+
+def _from_flags(argv: Sequence[str], home: str | None, values: dict, sources: dict) -> tuple[str, bool]:
+    """Apply flags; return (config file named by --config, whether --print-config was given)."""
+    config_file, print_config = "", False
+    tokens = list(argv)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        i += 1
+        if token in ("-h", "--help"):
+            raise HelpRequested(help_text(home))
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(f"unexpected argument {token!r}: options look like --section.field VALUE")
+        flag, has_value, value = token[2:].partition("=")
+        if flag.replace("-", "_") == "print_config":
+            print_config = True
+            continue
+        if flag == "config":
+            if not has_value:
+                if i >= len(tokens):
+                    raise ConfigError("--config: expected a TOML file path")
+                value, i = tokens[i], i + 1
+            config_file = value
+            continue
+        section, name = _resolve(flag, home)
+        if section not in SECTIONS:
+            raise _unknown_section(section, f"--{flag}")
+        if name not in _fields(section):
+            raise _unknown_key(section, name, f"--{flag}")
+        if not has_value:
+            is_bool = _fields(section)[name].annotation is bool
+            if is_bool and (i >= len(tokens) or tokens[i].startswith("--")):
+                value = "true"
+            elif i >= len(tokens):
+                raise ConfigError(f"--{flag}: expected a value")
+            else:
+                value, i = tokens[i], i + 1
+        _put(values, sources, section, name, value, f"--{flag}")
+    return config_file, print_config
+
+
+def _error(exc: ValidationError, sources: Mapping[str, str]) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        message = str(err["msg"]).removeprefix("Value error, ")
+        field_error = len(loc) == 2
+        if err["type"] == "extra_forbidden":
+            message = "unknown section" if len(loc) == 1 else "unknown key"
+        elif len(loc) <= 1 and ":" in message:  # a model validator: "field: why" or "section.field: why"
+            name, _, message = message.partition(":")
+            loc = [*loc, name.strip()] if "." not in name else [name.strip()]
+            message = message.strip()
+        key = ".".join(loc) or "<config>"
+        where = f"; from {sources[key]}" if key in sources else ""
+        got = f" (got {err['input']!r}{where})" if field_error and "input" in err else ""
+        lines.append(f"{key}: {message}{got}")
+    return ConfigError("; ".join(lines))
+
+
+def load(
+    argv: Sequence[str] = (),
+    *,
+    home: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> LoadedConfig:
+    """Build the run config from defaults, a TOML file, the environment and flags (see module doc)."""
+    environ = os.environ if environ is None else environ
+    flag_values: dict = {}
+    flag_sources: dict[str, str] = {}
+    config_file, print_config = _from_flags(argv, home, flag_values, flag_sources)
+    values: dict = {}
+    sources: dict[str, str] = {}
+    config_file = config_file or environ.get(CONFIG_FILE_ENV, "")
+    if config_file:
+        _from_file(config_file, values, sources)
+    _from_env(environ, values, sources)
+    for section, body in flag_values.items():
+        values.setdefault(section, {}).update(body)
+    sources.update(flag_sources)
+    try:
+        config = ParityConfig.model_validate(values)
+    except ValidationError as exc:
+        raise _error(exc, sources) from None
+    return LoadedConfig(config, sources, print_config)
+
+
+# --- writing ----------------------------------------------------------------------------------
+_URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]+@")
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(_URL_PASSWORD.sub(r"\1***@", str(value)))
+
+
+def to_toml(config: ParityConfig, sources: Mapping[str, str] | None = None) -> str:
+    """The config as TOML, secrets left out; with `sources`, each line says where its value came from."""
+    lines = [
+        "# Parity run config. Defaults are defined once, in parity/config/ (see each line's comment);",
+        "# load with --config FILE, override with PARITY_<SECTION>_<FIELD> or --section.field VALUE.",
+    ]
+    for section, model in config:
+        assert isinstance(model, BaseModel)
+        lines += ["", f"[{section}]"]
+        for name in type(model).model_fields:
+            key = f"{section}.{name}"
+            if is_secret(type(model), name):
+                if sources is not None:
+                    state = "set" if getattr(model, name) else "unset"
+                    lines.append(f"# {name}: secret, {state}; environment only ({env_name(section, name)})")
+                continue
+            line = f"{name} = {_toml_value(getattr(model, name))}"
+            if sources is not None:
+                line += f"  # {sources.get(key, 'default')}"
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def write_config(config: ParityConfig, path: Path) -> Path:
+    """Write the effective config (no secrets) where a child finds it through PARITY_CONFIG."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(to_toml(config))
+    tmp.replace(path)
+    return path
+
+
+def env_for(section: str, **values: object) -> dict[str, str]:
+    """Environment entries that set `section.<name>` for one child (its instance values, secrets)."""
+    out = {}
+    for name, value in values.items():
+        if name not in _fields(section):
+            raise _unknown_key(section, name, "env_for")
+        out[env_name(section, name)] = value if isinstance(value, str) else _toml_value(value).strip('"')
+    return out
+
+
+def help_text(home: str | None) -> str:
+    """Every option, the command's own section first."""
+    order = ([home] if home else []) + [s for s in RESOLUTION_ORDER if s != home]
+    lines = [
+        "options: --section.field VALUE (a bare --field resolves to the first section below that has it)",
+        "  --config FILE      load a TOML config (also PARITY_CONFIG)",
+        "  --print-config     print the effective config, with the source of every value, and exit",
+    ]
+    defaults = ParityConfig()
+    for section in order:
+        lines.append(f"\n[{section}]  (env PARITY_{section.upper()}_<FIELD>)")
+        for name, info in _fields(section).items():
+            default = (
+                "<secret>"
+                if is_secret(SECTIONS[section], name)
+                else getattr(getattr(defaults, section), name)
+            )
+            lines.append(f"  --{section}.{name} (default {default!r}): {info.description}")
+    return "\n".join(lines)

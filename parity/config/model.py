@@ -1,0 +1,18 @@
+"""The `model` section: which weights every component loads as version 0."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from parity.config.base import Section
+
+
+class ModelConfig(Section):
+    """The model the rollout engines and the trainer both load (`parity models` prepares it)."""
+
+    name: str = Field(
+        "smollm2-135m",
+        min_length=1,
+        description="Model: tiny, smollm2-135m, or an HF model directory. `--model X` is short for "
+        "`--model.name X`.",
+    )
