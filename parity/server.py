@@ -139,11 +139,6 @@ def install_shutdown_handlers(on_shutdown: Callable[[], Awaitable[None]]) -> asy
     return stopped
 
 
-def abort_invalid(context: grpc.aio.ServicerContext, field: str, message: str) -> Awaitable[None]:
-    """Abort with INVALID_ARGUMENT; the details name the field."""
-    return context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}")
-
-
 def channel(address: str, token: str = "") -> grpc.aio.Channel:
     """An aio channel to a Parity service (large messages allowed)."""
     del token  # tokens travel as per-call metadata, see `bearer`

@@ -26,6 +26,7 @@ import grpc
 from parity import tracing
 from parity.config import ConfigError, load_config
 from parity.config.rollout import RolloutConfig
+from parity.errors import RequestError
 from parity.metrics import serve_metrics
 from parity.server import GrpcServer, install_shutdown_handlers
 from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -34,7 +35,6 @@ from rollout import metrics
 from rollout.engine import FINISH_REASONS, CompletionResult, GenerationSpec, RolloutEngine
 from rollout.validation import (
     Limits,
-    RequestError,
     check_prompt_fields,
     check_unknown_fields,
     check_update_request,

@@ -1,8 +1,8 @@
 """Request validation for the rollout service: every bad input becomes a gRPC status naming the field.
 
-`RequestError(code, field, message)` is raised by the checks and turned into `context.abort(code,
-"field: message")` by the servicer, so a bad request never reaches the engine and never takes the
-service down. Wire conventions (proto3 zero values): `n = 0` means 1, `top_p = 0` means 1 (off),
+`parity.errors.RequestError(code, field, message)` is raised by the checks and turned into
+`context.abort(code, "field: message")` by the servicer, so a bad request never reaches the engine
+and never takes the service down. Wire conventions (proto3 zero values): `n = 0` means 1, `top_p = 0` means 1 (off),
 `top_k = 0` means off, `seed = 0` means unseeded, `temperature = 0` means greedy (and then n must
 be 1, as in vLLM).
 """
@@ -17,19 +17,8 @@ import grpc
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
+from parity.errors import RequestError, invalid
 from rollout.engine import GenerationSpec
-
-
-class RequestError(Exception):
-    def __init__(self, code: grpc.StatusCode, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.code = code
-        self.field = field
-        self.details = f"{field}: {message}"
-
-
-def invalid(field: str, message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, field, message)
 
 
 def check_unknown_fields(message: Message, path: str = "") -> None:

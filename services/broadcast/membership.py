@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from parity.errors import RequestError, invalid
 from parity.v1 import broadcast_pb2 as pb
-from services.broadcast.registry import Rejected
 
 WorkerState = pb.WorkerState
 _WORKER_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
@@ -64,16 +64,15 @@ class WorkerRecord:
 
 
 def validate_registration(request: pb.RegisterWorkerRequest) -> None:
-    invalid = grpc.StatusCode.INVALID_ARGUMENT
     if not _WORKER_ID.match(request.worker_id):
-        raise Rejected(invalid, "worker_id: 1-128 characters from [A-Za-z0-9._:@-]")
+        raise invalid("worker_id", "1-128 characters from [A-Za-z0-9._:@-]")
     host, sep, port = request.address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise Rejected(
-            invalid, f"address: expected HOST:PORT of the worker's RolloutService (got {request.address!r})"
+        raise invalid(
+            "address", f"expected HOST:PORT of the worker's RolloutService (got {request.address!r})"
         )
     if request.weight_version < 0:
-        raise Rejected(invalid, f"weight_version: must be >= 0 (got {request.weight_version})")
+        raise invalid("weight_version", f"must be >= 0 (got {request.weight_version})")
 
 
 class Membership:
@@ -90,9 +89,10 @@ class Membership:
         validate_registration(request)
         previous = self.live.pop(request.worker_id, None)
         if previous is None and len(self.live) >= self.max_workers:
-            raise Rejected(
+            raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"worker_id: max_workers={self.max_workers} already registered",
+                "worker_id",
+                f"max_workers={self.max_workers} already registered",
             )
         record = WorkerRecord(
             worker_id=request.worker_id,
@@ -107,12 +107,13 @@ class Membership:
     def heartbeat(self, request: pb.HeartbeatRequest) -> WorkerRecord:
         record = self.live.get(request.worker_id)
         if record is None:
-            raise Rejected(
+            raise RequestError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"worker_id: {request.worker_id!r} is not registered (dropped or never joined); call RegisterWorker",
+                "worker_id",
+                f"{request.worker_id!r} is not registered (dropped or never joined); call RegisterWorker",
             )
         if request.weight_version < 0:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "weight_version: must be >= 0")
+            raise invalid("weight_version", "must be >= 0")
         record.last_seen_monotonic = time.monotonic()
         record.last_heartbeat_unix = time.time()
         # Only upwards: a heartbeat sent before a swap can arrive after its ack. A worker's version

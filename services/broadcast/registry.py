@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from parity.errors import RequestError, invalid
 from parity.transport import SUPPORTED_DTYPES, Layout, TransferError
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import common_pb2
@@ -38,15 +39,6 @@ _PROGRESS = {
     State.VERSION_STATE_COMMITTED: 2,
     State.VERSION_STATE_DISTRIBUTED: 3,
 }
-
-
-class Rejected(Exception):
-    """A request the registry refuses; carries the gRPC code and a details string naming the field."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
 
 
 class WeightBuffer:
@@ -164,72 +156,70 @@ class VersionRegistry:
 
     # -- publish --------------------------------------------------------------------------------
     def validate(self, request: pb.PublishVersionRequest) -> None:
-        """Raise Rejected unless `request` may be published now (nothing is changed)."""
-        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        """Raise RequestError unless `request` may be published now (nothing is changed)."""
         if request.version < 1:
-            raise Rejected(invalid, f"version: must be >= 1 (got {request.version})")
+            raise invalid("version", f"must be >= 1 (got {request.version})")
         if not request.model:
-            raise Rejected(invalid, "model: required (the name of the model the weights belong to)")
+            raise invalid("model", "required (the name of the model the weights belong to)")
         if not request.tensors:
-            raise Rejected(invalid, "tensors: at least one tensor is required")
+            raise invalid("tensors", "at least one tensor is required")
         if request.checksum_algorithm != common_pb2.CHECKSUM_ALGORITHM_WSUM64:
-            raise Rejected(invalid, "checksum_algorithm: must be CHECKSUM_ALGORITHM_WSUM64")
+            raise invalid("checksum_algorithm", "must be CHECKSUM_ALGORITHM_WSUM64")
         if request.bucket_bytes < 0 or 0 < request.bucket_bytes < 4096:
-            raise Rejected(invalid, f"bucket_bytes: must be 0 or >= 4096 (got {request.bucket_bytes})")
+            raise invalid("bucket_bytes", f"must be 0 or >= 4096 (got {request.bucket_bytes})")
         seen: set[str] = set()
         for i, meta in enumerate(request.tensors):
             where = f"tensors[{i}]"
             if not meta.name or meta.name in seen:
-                raise Rejected(invalid, f"{where}.name: empty or duplicate {meta.name!r}")
+                raise invalid(f"{where}.name", f"empty or duplicate {meta.name!r}")
             seen.add(meta.name)
             if meta.dtype not in SUPPORTED_DTYPES:
-                raise Rejected(invalid, f"{where}.dtype: unsupported {meta.dtype!r} for {meta.name}")
+                raise invalid(f"{where}.dtype", f"unsupported {meta.dtype!r} for {meta.name}")
             if any(d < 0 for d in meta.shape):
-                raise Rejected(invalid, f"{where}.shape: negative dimension for {meta.name}")
+                raise invalid(f"{where}.shape", f"negative dimension for {meta.name}")
         if self.schema:
             self._check_schema(request)
         total = Layout.of(request.tensors).total_bytes
         if total > self.max_version_bytes:
-            raise Rejected(
+            raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"tensors: {total} bytes exceed max_version_bytes={self.max_version_bytes}",
+                "tensors",
+                f"{total} bytes exceed max_version_bytes={self.max_version_bytes}",
             )
         head = self.head
         if self.records and request.version <= head:
-            raise Rejected(
+            raise RequestError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"version: {request.version} goes backwards (latest is {head}); versions are monotonic",
+                "version",
+                f"{request.version} goes backwards (latest is {head}); versions are monotonic",
             )
         if self.records and request.version != head + 1:
-            raise Rejected(
+            raise RequestError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"version: {request.version} skips ahead; the next version must be {head + 1}",
+                "version",
+                f"{request.version} skips ahead; the next version must be {head + 1}",
             )
 
     def _check_schema(self, request: pb.PublishVersionRequest) -> None:
-        invalid = grpc.StatusCode.INVALID_ARGUMENT
         if request.model != self.model:
-            raise Rejected(invalid, f"model: {request.model!r} is not the registered model {self.model!r}")
+            raise invalid("model", f"{request.model!r} is not the registered model {self.model!r}")
         expected = {name: (shape, dtype) for name, shape, dtype in self.schema}
         for i, meta in enumerate(request.tensors):
             if meta.name not in expected:
-                raise Rejected(invalid, f"tensors[{i}].name: {meta.name!r} is not in model {self.model!r}")
+                raise invalid(f"tensors[{i}].name", f"{meta.name!r} is not in model {self.model!r}")
             shape, dtype = expected[meta.name]
             if tuple(meta.shape) != shape:
-                raise Rejected(
-                    invalid,
-                    f"tensors[{i}].shape: {meta.name} has {list(meta.shape)}, model has {list(shape)}",
+                raise invalid(
+                    f"tensors[{i}].shape", f"{meta.name} has {list(meta.shape)}, model has {list(shape)}"
                 )
             if meta.dtype != dtype:
-                raise Rejected(invalid, f"tensors[{i}].dtype: {meta.name} is {meta.dtype}, model has {dtype}")
+                raise invalid(f"tensors[{i}].dtype", f"{meta.name} is {meta.dtype}, model has {dtype}")
         order = [name for name, _, _ in self.schema]
         given = [meta.name for meta in request.tensors]
         if given != order:
             missing = sorted(set(order) - set(given))
             detail = f"missing {missing[:5]}" if missing else "same names in a different order"
-            raise Rejected(
-                invalid, f"tensors: must list every tensor of the model in registered order ({detail})"
-            )
+            raise invalid("tensors", f"must list every tensor of the model in registered order ({detail})")
 
     def begin(self, request: pb.PublishVersionRequest, bucket_bytes: int, device: str) -> VersionRecord:
         """Accept a validated publish: allocate its buffer and record it as RECEIVING."""

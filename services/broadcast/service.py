@@ -20,6 +20,7 @@ import grpc
 
 from parity import tracing
 from parity.config.broadcast import BroadcastConfig
+from parity.errors import RequestError
 from parity.transport import TransferError
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2
@@ -28,7 +29,7 @@ from services.broadcast.events import EventLog, Kind
 from services.broadcast.fanout import FanOut
 from services.broadcast.ingest import receive_and_verify
 from services.broadcast.membership import Membership, WorkerState
-from services.broadcast.registry import Rejected, VersionRegistry, is_final_for, reached
+from services.broadcast.registry import VersionRegistry, is_final_for, reached
 
 log = logging.getLogger(__name__)
 SERVICE = "parity.v1.WeightBroadcastService"
@@ -114,7 +115,7 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
         with tracing.span("publish_version", attrs, kind="server"):
             try:
                 self.registry.validate(request)
-            except Rejected as exc:
+            except RequestError as exc:
                 await context.abort(exc.code, exc.details)
             bucket_bytes = request.bucket_bytes or self.config.bucket_bytes
             record = self.registry.begin(request, bucket_bytes, self.config.device)
@@ -179,7 +180,7 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
     async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext):
         try:
             worker, previous = self.membership.register(request)
-        except Rejected as exc:
+        except RequestError as exc:
             await context.abort(exc.code, exc.details)
         if previous is not None:
             await self.fanout.stop(previous)
@@ -197,7 +198,7 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext):
         try:
             self.membership.heartbeat(request)
-        except Rejected as exc:
+        except RequestError as exc:
             await context.abort(exc.code, exc.details)
         return pb.HeartbeatResponse(latest_version=self.registry.latest_committed)
 
