@@ -27,6 +27,7 @@ from parity import tracing
 from parity.config import ConfigError, load_config
 from parity.config.rollout import RolloutConfig
 from parity.errors import RequestError
+from parity.membership_client import MembershipClient
 from parity.metrics import serve_metrics
 from parity.server import GrpcServer, install_shutdown_handlers
 from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -364,9 +365,21 @@ async def serve(config: RolloutConfig, model_dir: Path) -> int:
 
     background.append(asyncio.create_task(tick()))
     if config.broadcast_address:
-        from rollout.membership import BroadcastLink
 
-        link = BroadcastLink(config, servicer, address)
+        async def caught_up_to(latest_version: int) -> None:  # serve once at the latest version
+            servicer.required_version = max(servicer.required_version, latest_version)
+            servicer.registered = True
+            await servicer.refresh_serving()
+
+        link = MembershipClient(
+            broadcast_address=config.broadcast_address,
+            worker_id=config.worker_id or address,
+            address=address,
+            auth_token=config.auth_token,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            weight_version=lambda: engine.weight_version,
+            on_registered=caught_up_to,
+        )
         background.append(asyncio.create_task(link.run()))
     await servicer.refresh_serving()
     if config.actor:

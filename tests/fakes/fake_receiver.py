@@ -1,9 +1,10 @@
 """A stand-in rollout worker: the receiving half of the update protocol, without an engine.
 
 It implements only `RolloutService.UpdateWeights` (other RPCs answer UNIMPLEMENTED) plus the
-membership side of a rollout service (RegisterWorker at startup, heartbeats, NOT_SERVING until it
-holds a version >= the latest). The tests and bench/weight_sync.py use it where a real vLLM rollout
-service would cost a minute to start; the real one is `rollout/`.
+membership side of a rollout service, with the rollout service's own `MembershipClient`
+(RegisterWorker at startup, heartbeats, NOT_SERVING until it holds a version >= the latest). The
+tests and bench/weight_sync.py use it where a real vLLM rollout service would cost a minute to
+start; the real one is `rollout/`.
 
     python -m tests.fakes.fake_receiver --broadcast_address 127.0.0.1:PORT --worker_id w0 \\
         [--state_file F] [--enable_fault_injection] [--bucket_delay_s 0.2] [--port_file F]
@@ -156,44 +157,14 @@ class StandinReceiver:
             paused_seconds=paused_s,
         )
 
-    async def membership_loop(self, address: str) -> None:
-        from parity.server import bearer, channel
-        from parity.v1 import broadcast_pb2, broadcast_pb2_grpc
-
-        token = bearer(self.args.auth_token)
-        async with channel(self.args.broadcast_address) as chan:
-            stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(chan)
-            registered = False
-            interval = 1.0
-            while True:
-                try:
-                    if not registered:
-                        reply = await stub.RegisterWorker(
-                            broadcast_pb2.RegisterWorkerRequest(
-                                worker_id=self.args.worker_id, address=address, weight_version=self.version
-                            ),
-                            metadata=token,
-                            timeout=10,
-                        )
-                        registered, interval = True, reply.heartbeat_interval_s
-                        self.latest_seen = reply.latest_version
-                        await self.server.set_serving(self.version >= self.latest_seen)
-                    else:
-                        reply = await stub.Heartbeat(
-                            broadcast_pb2.HeartbeatRequest(
-                                worker_id=self.args.worker_id, weight_version=self.version
-                            ),
-                            timeout=10,
-                        )
-                        self.latest_seen = max(self.latest_seen, reply.latest_version)
-                except grpc.aio.AioRpcError as exc:
-                    log.warning("membership: %s %s", exc.code().name, exc.details())
-                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                        registered = False
-                await asyncio.sleep(interval)
+    async def caught_up_to(self, latest_version: int) -> None:
+        """Registered: serve only once holding the broadcast service's latest version."""
+        self.latest_seen = latest_version
+        await self.server.set_serving(self.version >= self.latest_seen)
 
     async def serve(self) -> int:
         from parity.config import ServiceConfig
+        from parity.membership_client import MembershipClient
         from parity.server import GrpcServer, install_shutdown_handlers
         from parity.v1 import rollout_pb2_grpc
 
@@ -205,10 +176,20 @@ class StandinReceiver:
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, self.server.server)
         port = await self.server.start()
         self._write_state()
-        member = asyncio.ensure_future(self.membership_loop(f"127.0.0.1:{port}"))
+        membership = MembershipClient(
+            broadcast_address=self.args.broadcast_address,
+            worker_id=self.args.worker_id,
+            address=f"127.0.0.1:{port}",
+            auth_token=self.args.auth_token,
+            heartbeat_interval_s=1.0,
+            weight_version=lambda: self.version,
+            on_registered=self.caught_up_to,
+        )
+        member = asyncio.ensure_future(membership.run())
 
         async def shutdown() -> None:
             member.cancel()
+            await membership.unregister()
             await self.server.stop(1.0)
 
         stopped = install_shutdown_handlers(shutdown)

@@ -1,0 +1,124 @@
+"""A rollout worker's membership with the weight-broadcast service: register, heartbeat, re-register
+when dropped, unregister. The rollout service and the tests' stand-in receiver both use it.
+
+    client = MembershipClient(broadcast_address, worker_id, address, auth_token, heartbeat_interval_s,
+                              weight_version=lambda: engine.weight_version, on_registered=caught_up_to)
+    task = asyncio.create_task(client.run())   # register (retrying), then heartbeat forever
+    ...
+    task.cancel(); await client.unregister()   # best effort; closes the channel
+
+Invariants:
+  - `run` registers before its first heartbeat, retrying with backoff (0.2 s doubling to 5 s) until
+    the broadcast service answers. Every successful registration calls `on_registered` with the
+    reply's `latest_version`: a worker must not serve before its weight version reaches it (the
+    broadcast service pushes that version to a worker that registers behind).
+  - Heartbeats go every `heartbeat_interval_s`, or the interval the registration reply names.
+    One answered FAILED_PRECONDITION/NOT_FOUND (the worker was dropped) triggers a new
+    registration; other errors are logged and retried at the next beat.
+  - Registration and heartbeats report `weight_version()` at the moment of the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from parity.server import bearer, channel
+from parity.v1 import broadcast_pb2, broadcast_pb2_grpc
+
+log = logging.getLogger("parity.membership")
+
+_DROPPED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+
+
+class MembershipClient:
+    """One worker's membership; see the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        broadcast_address: str,
+        worker_id: str,
+        address: str,
+        auth_token: str,
+        heartbeat_interval_s: float,
+        weight_version: Callable[[], int],
+        on_registered: Callable[[int], Awaitable[None] | None],
+    ) -> None:
+        self.broadcast_address = broadcast_address
+        self.worker_id = worker_id
+        self.address = address
+        self.interval_s = heartbeat_interval_s
+        self.weight_version = weight_version
+        self.on_registered = on_registered
+        self._channel = channel(broadcast_address)
+        self._stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(self._channel)
+        self._metadata = bearer(auth_token)
+
+    async def register(self) -> int:
+        """RegisterWorker until it succeeds; returns the broadcast service's latest version."""
+        delay_s = 0.2
+        while True:
+            try:
+                reply = await self._stub.RegisterWorker(
+                    broadcast_pb2.RegisterWorkerRequest(
+                        worker_id=self.worker_id, address=self.address, weight_version=self.weight_version()
+                    ),
+                    timeout=10.0,
+                    metadata=self._metadata,
+                )
+                break
+            except grpc.aio.AioRpcError as exc:
+                log.warning(
+                    "RegisterWorker at %s failed (%s); retrying", self.broadcast_address, exc.code().name
+                )
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 5.0)
+        if reply.heartbeat_interval_s > 0:
+            self.interval_s = float(reply.heartbeat_interval_s)
+        latest = int(reply.latest_version)
+        log.info(
+            "registered as %s with %s: latest version %d, serving %d",
+            self.worker_id,
+            self.broadcast_address,
+            latest,
+            self.weight_version(),
+        )
+        done = self.on_registered(latest)
+        if inspect.isawaitable(done):
+            await done
+        return latest
+
+    async def run(self) -> None:
+        """Register, then heartbeat until cancelled (re-registering whenever dropped)."""
+        await self.register()
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self._stub.Heartbeat(
+                    broadcast_pb2.HeartbeatRequest(
+                        worker_id=self.worker_id, weight_version=self.weight_version()
+                    ),
+                    timeout=max(1.0, self.interval_s),
+                    metadata=self._metadata,
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _DROPPED:
+                    log.warning("dropped by the broadcast service (%s); registering again", exc.details())
+                    await self.register()
+                else:
+                    log.warning("heartbeat failed: %s", exc.code().name)
+
+    async def unregister(self) -> None:
+        """Best effort UnregisterWorker (2 s), then close the channel."""
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            await self._stub.UnregisterWorker(
+                broadcast_pb2.UnregisterWorkerRequest(worker_id=self.worker_id),
+                timeout=2.0,
+                metadata=self._metadata,
+            )
+        await self._channel.close()
