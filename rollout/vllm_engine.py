@@ -31,12 +31,11 @@ from typing import Literal
 
 from parity.config.rollout import RolloutConfig
 from parity.versions import expand_spans, parse_version_label
-from rollout.engine import CompletionResult, GenerationSpec, UpdateResult, plan_to_bytes
+from rollout.engine import FINISH_REASONS, CompletionResult, GenerationSpec, UpdateResult, plan_to_bytes
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "rollout.worker_extension.ParityWorkerExtension"
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class VllmEngine:
@@ -156,13 +155,14 @@ class VllmEngine:
         )
         if len(logprobs) != len(token_ids):
             raise RuntimeError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
+        finish_reason = str(comp.finish_reason)  # vLLM's names are ours; anything else counts as stop
         return CompletionResult(
             index=comp.index,
             token_ids=token_ids,
             logprobs=logprobs,
             token_weight_versions=versions,
             text=text,
-            finish_reason=_FINISH.get(str(comp.finish_reason), "stop"),  # type: ignore[arg-type]
+            finish_reason=finish_reason if finish_reason in FINISH_REASONS else "stop",  # type: ignore[arg-type]
         )
 
     async def pause(self, mode: Literal["keep", "recompute"]) -> None:
@@ -226,9 +226,6 @@ class VllmEngine:
             return
         # Kept sequences still hold blocks; the per-version cache salt keeps newer requests off them.
         log.info("prefix cache not reset (blocks held by kept sequences); requests are salted by version")
-
-    async def current_label(self) -> str:
-        return await self.llm.get_weight_version()
 
     def num_running(self) -> int:
         return self._running

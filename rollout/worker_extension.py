@@ -54,16 +54,6 @@ class ParityWorkerExtension:
 
         return cpu_top_p.install() if mode == "bounded" else cpu_top_p.in_effect()
 
-    def parity_drop_staged(self) -> None:
-        self._parity_staged = None
-
-    def parity_param_checksums(self, names: list[str]) -> dict[str, int]:
-        """Checksums of the serving parameters (vLLM names), for tests and diagnostics."""
-        from parity.checksum import tensor_checksum
-
-        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
-        return {name: tensor_checksum(params[name].detach()) for name in names if name in params}
-
 
 def _refresh_embedding_derived_weights(model) -> int:
     """Re-derive every embedding/lm_head module's cached copies (CPU prepacked GEMM) from its weight."""
