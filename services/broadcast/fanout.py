@@ -51,6 +51,26 @@ log = logging.getLogger(__name__)
 SENDER_GRACE_S = 5.0
 
 
+def pairwise_rendezvous(
+    host: str, port: int, backend: str, group_name: str, timeout_s: float
+) -> tuple[common_pb2.Rendezvous, common_pb2.Rendezvous]:
+    """A group of two on the service's TCPStore at host:port: (the sender's side, rank 0; the
+    receiver's side, rank 1). Every transfer the service takes part in is one of these."""
+    receiver = common_pb2.Rendezvous(
+        host=host,
+        port=port,
+        rank=1,
+        world_size=2,
+        backend=backend,
+        group_name=group_name,
+        timeout_s=timeout_s,
+    )
+    sender = common_pb2.Rendezvous()
+    sender.CopyFrom(receiver)
+    sender.rank = 0
+    return sender, receiver
+
+
 def _send_to_worker(
     rendezvous: common_pb2.Rendezvous, record: VersionRecord, buffer, timeout_s: float
 ) -> int:
@@ -141,25 +161,14 @@ class FanOut:
         record.started_workers.add(worker.worker_id)
         worker.state = WorkerState.WORKER_STATE_UPDATING
         timeout_s = self.config.transfer_timeout_s
-        rendezvous = common_pb2.Rendezvous(
-            host=self.config.data_host,
-            port=self.store_port,
-            rank=1,
-            world_size=2,
-            backend=self.config.backend,
-            group_name=f"v{version}-{worker.worker_id}-{uuid.uuid4().hex[:8]}",
-            timeout_s=timeout_s,
+        send_rdv, worker_rdv = pairwise_rendezvous(
+            self.config.data_host,
+            self.store_port,
+            self.config.backend,
+            f"v{version}-{worker.worker_id}-{uuid.uuid4().hex[:8]}",
+            timeout_s,
         )
-        plan = common_pb2.TransferPlan(
-            version=version,
-            tensors=record.metas,
-            bucket_bytes=record.bucket_bytes,
-            checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64,
-            rendezvous=rendezvous,
-        )
-        send_rdv = common_pb2.Rendezvous()
-        send_rdv.CopyFrom(rendezvous)
-        send_rdv.rank = 0
+        plan = record.plan(worker_rdv)
         attrs = {
             "parity.weight_version": version,
             "parity.worker_id": worker.worker_id,

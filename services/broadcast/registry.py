@@ -86,6 +86,16 @@ class VersionRecord:
     started_workers: set[str] = field(default_factory=set)
     traceparent: str = ""  # of the publish_version span: parent of every transfer of this version
 
+    def plan(self, rendezvous: common_pb2.Rendezvous) -> common_pb2.TransferPlan:
+        """The plan that moves this version's bytes through the group `rendezvous` describes."""
+        return common_pb2.TransferPlan(
+            version=self.version,
+            tensors=self.metas,
+            bucket_bytes=self.bucket_bytes,
+            checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64,
+            rendezvous=rendezvous,
+        )
+
     def info(self) -> pb.VersionInfo:
         return pb.VersionInfo(
             version=self.version,

@@ -26,7 +26,7 @@ from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2
 from services.broadcast import telemetry
 from services.broadcast.events import EventLog, Kind
-from services.broadcast.fanout import FanOut
+from services.broadcast.fanout import FanOut, pairwise_rendezvous
 from services.broadcast.ingest import receive_and_verify
 from services.broadcast.membership import Membership, WorkerState
 from services.broadcast.registry import VersionRegistry, is_final_for, reached
@@ -120,35 +120,22 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
             bucket_bytes = request.bucket_bytes or self.config.bucket_bytes
             record = self.registry.begin(request, bucket_bytes, self.config.device)
             record.traceparent = tracing.current_traceparent()
-            rendezvous = common_pb2.Rendezvous(
-                host=self.config.data_host,
-                port=self.store_port,
-                rank=1,
-                world_size=2,
-                backend=self.config.backend,
-                group_name=f"publish-v{record.version}-{uuid.uuid4().hex[:8]}",
-                timeout_s=self.config.transfer_timeout_s,
+            trainer_rdv, rendezvous = pairwise_rendezvous(
+                self.config.data_host,
+                self.store_port,
+                self.config.backend,
+                f"publish-v{record.version}-{uuid.uuid4().hex[:8]}",
+                self.config.transfer_timeout_s,
             )
             self._spawn(self._ingest(rendezvous, record))
             self._kick_all()  # cut-through: workers may start while the trainer sends
-            trainer_rdv = common_pb2.Rendezvous()
-            trainer_rdv.CopyFrom(rendezvous)
-            trainer_rdv.rank = 0
             log.info(
                 "v%d published: %d tensors, %.1f MB",
                 record.version,
                 len(record.metas),
                 record.layout.total_bytes / 1e6,
             )
-            return pb.PublishVersionResponse(
-                plan=common_pb2.TransferPlan(
-                    version=record.version,
-                    tensors=record.metas,
-                    bucket_bytes=bucket_bytes,
-                    checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64,
-                    rendezvous=trainer_rdv,
-                )
-            )
+            return pb.PublishVersionResponse(plan=record.plan(trainer_rdv))
 
     async def WaitVersion(self, request: pb.WaitVersionRequest, context: grpc.aio.ServicerContext):
         if request.version < 1:
