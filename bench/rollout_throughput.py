@@ -183,7 +183,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     log(f"started the rollout service (log: {service.log_path}); starting the raw AsyncLLM in-process")
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    config = RolloutConfig(model=args.model, max_model_len=512)
+    config = RolloutConfig(max_model_len=512)
     engine_args = VllmEngine(config, model_dir).engine_args()
     llm = AsyncLLM.from_engine_args(engine_args)
     # the same top-k/top-p masking the service's engine installs (RolloutConfig.cpu_top_p)

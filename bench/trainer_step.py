@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from parity import models
-    from parity.config.trainer import TrainerConfig
+    from parity.config import ParityConfig
     from parity.rollout_queue import RolloutQueue
     from tests.fakes.synthetic_rollouts import make_group
     from trainer.loop import Trainer
@@ -111,17 +111,23 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
     try:
         print(f"loading {args.model} ({model_dir})", flush=True)
-        config = TrainerConfig(
-            model=str(model_dir),
-            redis_url=redis_url,
-            stream="bench:rollouts",
-            run_dir=str(run_dir),
-            steps=10_000,
-            groups_per_step=args.groups,
-            micro_batch_size=args.micro_batch_size,
-            lr=1e-6,
-            max_lag=1_000_000,
-            read_block_ms=100,
+        config = ParityConfig.model_validate(
+            {
+                "model": {"name": str(model_dir)},
+                "run": {
+                    "redis_url": redis_url,
+                    "stream": "bench:rollouts",
+                    "steps": 10_000,
+                    "groups_per_step": args.groups,
+                    "max_lag": 1000,
+                },
+                "trainer": {
+                    "run_dir": str(run_dir),
+                    "micro_batch_size": args.micro_batch_size,
+                    "lr": 1e-6,
+                    "read_block_ms": 100,
+                },
+            }
         )
         trainer = Trainer(config)
         trainer.setup()
@@ -154,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                 queue.publish(group)
 
             def run_ours() -> None:
-                batch = trainer.consumer.collect(args.groups, trainer.state.weight_version, config.max_lag)
+                batch = trainer.consumer.collect(
+                    args.groups, trainer.state.weight_version, config.run.max_lag
+                )
                 trainer.train_step(batch)
 
             def run_plain(groups: list = groups) -> None:

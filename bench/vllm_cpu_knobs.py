@@ -68,7 +68,7 @@ def main() -> int:
 
     model_dir = models.resolve(args.model)
     prompts = [{"prompt_token_ids": ids} for ids in build_prompts(model_dir, args.prompts)]
-    config = RolloutConfig(model=args.model, max_model_len=512, enforce_eager=bool(args.eager))
+    config = RolloutConfig(max_model_len=512, enforce_eager=bool(args.eager))
     engine_args = VllmEngine(config, model_dir).engine_args()
     start = time.perf_counter()
     llm = LLM(**{name: getattr(engine_args, name) for name in ENGINE_FIELDS})

@@ -124,15 +124,20 @@ def start_service(
     env: dict[str, str] | None = None,
     name: str | None = None,
 ) -> ServiceProcess:
-    """Start `parity serve KIND ARGS...` on a free port, writing its port to a file when serving."""
+    """Start `parity serve KIND ARGS...` on a free port, writing its port to a file when serving.
+
+    The port file is an instance value of the service's config section, passed in its environment
+    (PARITY_<KIND>_PORT_FILE) like every other value a launcher sets; `args` are the caller's own."""
+    from parity.config import env_for
+
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="parity-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     name = name or kind
     port_file = log_dir / f"{name}.port"
     port_file.unlink(missing_ok=True)
     log_path = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "parity.cli", "serve", kind, "--port_file", str(port_file), *args]
-    child_env = {**os.environ, **(env or {})}
+    cmd = [sys.executable, "-m", "parity.cli", "serve", kind, *args]
+    child_env = {**os.environ, **(env or {}), **env_for(kind, port_file=str(port_file))}
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(

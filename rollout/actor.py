@@ -30,6 +30,7 @@ import time
 import uuid
 
 from parity import tracing
+from parity.config import ParityConfig
 from parity.v1 import common_pb2, rollouts_pb2
 from rollout import metrics
 from rollout.engine import FINISH_REASONS, GenerationSpec
@@ -40,11 +41,17 @@ POLL_S = 0.2
 
 
 class Actor:
-    def __init__(self, config, servicer) -> None:
-        self.config = config
+    def __init__(self, run_config: ParityConfig, servicer) -> None:
+        self.config = config = run_config.rollout
+        self.sampling_config = run_config.task
+        # In sync mode each worker generates its share of a step; async actors share one backlog.
+        self.groups_per_step = run_config.run.worker_groups_per_step()
+        self.max_lag = run_config.run.max_lag
+        self.mode = run_config.run.mode
+        self.redis_url, self.stream = run_config.run.redis_url, run_config.run.stream
         self.servicer = servicer
         self.engine = servicer.engine
-        self.task = get_task(config.task, seed=config.seed)
+        self.task = get_task(run_config.task.name, seed=run_config.engine_seed())
         self.worker_id = config.worker_id or f"rollout-{uuid.uuid4().hex[:6]}"
         self._prompts = self.task.train_prompts()
         self._run_id = uuid.uuid4().hex[:8]
@@ -59,7 +66,7 @@ class Actor:
         self._admission = asyncio.Lock()
 
     def sampling(self) -> common_pb2.SamplingParams:
-        c = self.config
+        c = self.sampling_config
         return common_pb2.SamplingParams(
             temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_tokens=c.max_tokens, n=c.group_size
         )
@@ -75,7 +82,7 @@ class Actor:
 
     async def _admit(self) -> None:
         """Wait until backlog + groups in flight < max_lag * groups_per_step, then claim a slot."""
-        limit = max(1, self.config.max_lag * self.config.groups_per_step)
+        limit = max(1, self.max_lag * self.groups_per_step)
         start = None
         async with self._admission:
             while await self._backlog() + self._in_flight >= limit:
@@ -97,11 +104,11 @@ class Actor:
         spec = GenerationSpec(
             request_id=group_id,
             prompt_token_ids=ids,
-            n=self.config.group_size,
-            max_tokens=self.config.max_tokens,
-            temperature=self.config.temperature,
-            top_k=self.config.top_k,
-            top_p=self.config.top_p,
+            n=sampling.n,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
         )
         group_attrs = {"parity.group_id": group_id, "parity.weight_version": self.engine.weight_version}
         with tracing.span("rollout_group", group_attrs):  # parent of generate, score and publish
@@ -167,7 +174,7 @@ class Actor:
 
     @property
     def drop_limit(self) -> int:
-        return 4 * self.config.groups_per_step
+        return 4 * self.groups_per_step
 
     def _done(self) -> bool:
         return bool(self.config.max_groups) and self.groups_published >= self.config.max_groups
@@ -195,8 +202,8 @@ class Actor:
             await self._ready()
             version = self.engine.weight_version
             published = 0
-            while published < self.config.groups_per_step and not self.servicer.shutting_down:
-                need = self.config.groups_per_step - published
+            while published < self.groups_per_step and not self.servicer.shutting_down:
+                need = self.groups_per_step - published
                 groups = await asyncio.gather(*(bounded(self._next_prompt()) for _ in range(need)))
                 for group in groups:
                     published += await self.offer(group)
@@ -219,18 +226,18 @@ class Actor:
     async def run(self) -> None:
         from parity.rollout_queue import RolloutQueue
 
-        self.queue = RolloutQueue(self.config.redis_url, stream=self.config.stream)
+        self.queue = RolloutQueue(self.redis_url, stream=self.stream)
         log.info(
             "actor: task=%s mode=%s group_size=%d max_lag=%d groups_per_step=%d concurrency=%d",
             self.task.name,
-            self.config.actor_mode,
-            self.config.group_size,
-            self.config.max_lag,
-            self.config.groups_per_step,
+            self.mode,
+            self.sampling_config.group_size,
+            self.max_lag,
+            self.groups_per_step,
             self.config.concurrency,
         )
         try:
-            if self.config.actor_mode == "sync":
+            if self.mode == "sync":
                 await self._sync_loop()
             else:
                 await asyncio.gather(*(self._async_worker() for _ in range(self.config.concurrency)))

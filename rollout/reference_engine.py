@@ -37,8 +37,9 @@ class ReferenceEngine:
 
     name = "reference"
 
-    def __init__(self, config: RolloutConfig, model_dir: Path) -> None:
+    def __init__(self, config: RolloutConfig, model_dir: Path, seed: int = 0) -> None:
         self.config = config
+        self.seed = seed
         self.model_dir = model_dir
         self.weight_version = 0
         self.top_p_impl = "reference"  # parity.sampling's transform, as the trainer replays it
@@ -70,7 +71,7 @@ class ReferenceEngine:
         self._eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             self._eos_ids.add(int(self.tokenizer.eos_token_id))
-        torch.manual_seed(self.config.seed)
+        torch.manual_seed(self.seed)
 
     def encode(self, text: str, use_chat_template: bool) -> list[int]:
         return encode_prompt(self.tokenizer, text, use_chat_template)

@@ -24,7 +24,8 @@ from pathlib import Path
 import grpc
 
 from parity import tracing
-from parity.config import ConfigError, load_config
+from parity.config import ParityConfig
+from parity.config.entry import entrypoint
 from parity.config.rollout import RolloutConfig
 from parity.errors import RequestError
 from parity.membership_client import MembershipClient
@@ -57,14 +58,14 @@ _OUTCOME = {
 _MODES = {common_pb2.UPDATE_MODE_KEEP: "keep", common_pb2.UPDATE_MODE_RECOMPUTE: "recompute"}
 
 
-def build_engine(config: RolloutConfig, model_dir: Path) -> RolloutEngine:
+def build_engine(config: RolloutConfig, model_dir: Path, seed: int) -> RolloutEngine:
     if config.engine == "reference":
         from rollout.reference_engine import ReferenceEngine
 
-        return ReferenceEngine(config, model_dir)
+        return ReferenceEngine(config, model_dir, seed)
     from rollout.vllm_engine import VllmEngine
 
-    return VllmEngine(config, model_dir)
+    return VllmEngine(config, model_dir, seed)
 
 
 def completion_proto(result: CompletionResult) -> rollout_pb2.Completion:
@@ -85,8 +86,9 @@ def completion_proto(result: CompletionResult) -> rollout_pb2.Completion:
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     """The gRPC face of one engine; also the state the actor and the membership loop share."""
 
-    def __init__(self, config: RolloutConfig, engine: RolloutEngine, model_dir: Path) -> None:
-        self.config = config
+    def __init__(self, run_config: ParityConfig, engine: RolloutEngine, model_dir: Path) -> None:
+        self.run_config = run_config
+        self.config = config = run_config.rollout
         self.engine = engine
         self.model_dir = model_dir
         self.shapes = checkpoint_shapes(model_dir)
@@ -143,7 +145,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         c = self.config
         return rollout_pb2.EngineSettings(
             engine=c.engine,
-            model=c.model,
+            model=self.run_config.model.name,
             logprobs_mode=common_pb2.LOGPROBS_MODE_PROCESSED
             if c.logprobs_mode == "processed"
             else common_pb2.LOGPROBS_MODE_RAW,
@@ -313,15 +315,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.ResumeGenerationResponse()
 
 
-async def serve(config: RolloutConfig, model_dir: Path) -> int:
+async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     tracing.init("parity-rollout")
-    log.info("parity settings: %s", json.dumps(config.parity_settings(), sort_keys=True))
+    config = run_config.rollout
+    settings = config.parity_settings(run_config.model.name)
+    log.info("parity settings: %s", json.dumps(settings, sort_keys=True))
     if config.dtype == "bfloat16" and config.head_dtype != "float32":
         log.warning("bf16 head: expect ~2x the train-inference mismatch of an fp32 head")
     if config.logprobs_mode == "raw":
         log.warning("raw logprobs: they do NOT match the sampled distribution (temperature/top-k/top-p)")
-    engine = build_engine(config, model_dir)
-    servicer = RolloutServicer(config, engine, model_dir)
+    engine = build_engine(config, model_dir, run_config.engine_seed())
+    servicer = RolloutServicer(run_config, engine, model_dir)
     server = GrpcServer(config, [SERVICE_NAME], protected_methods=PROTECTED_METHODS)
     servicer.server = server
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server.server)
@@ -385,7 +389,7 @@ async def serve(config: RolloutConfig, model_dir: Path) -> int:
     if config.actor:
         from rollout.actor import Actor
 
-        actor = Actor(config, servicer)
+        actor = Actor(run_config, servicer)
         background.append(asyncio.create_task(actor.run()))
     await stopped.wait()
     if config.broadcast_address:
@@ -396,28 +400,28 @@ async def serve(config: RolloutConfig, model_dir: Path) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    try:
-        config = load_config(RolloutConfig, list(argv))
-        config.check_security()
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(
-        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    from parity import models
+    def body(config: ParityConfig) -> int:
+        if config.rollout.actor and not config.run.redis_url:
+            print(
+                "parity serve rollout: error: run.redis_url: required when rollout.actor is on",
+                file=sys.stderr,
+            )
+            return 2
+        from parity import models
 
-    try:
-        model_dir = models.resolve(config.model)
-    except models.ModelError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return asyncio.run(serve(config, model_dir))
+        try:
+            model_dir = models.resolve(config.model.name)
+        except models.ModelError as exc:
+            print(f"parity serve rollout: error: model.{exc}", file=sys.stderr)
+            return 2
+        return asyncio.run(serve(config, model_dir))
+
+    return entrypoint("parity serve rollout", "rollout", list(argv), body)
 
 
 def main_actor(argv: Sequence[str]) -> int:
     """`parity actor FLAGS`: the rollout service with its actor loop on (same flags)."""
-    return main(["--actor", "true", *argv])
+    return main(["--rollout.actor", "true", *argv])
 
 
 if __name__ == "__main__":

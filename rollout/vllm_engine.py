@@ -43,8 +43,9 @@ class VllmEngine:
 
     name = "vllm"
 
-    def __init__(self, config: RolloutConfig, model_dir: Path) -> None:
+    def __init__(self, config: RolloutConfig, model_dir: Path, seed: int = 0) -> None:
         self.config = config
+        self.seed = seed
         self.model_dir = model_dir
         self.weight_version = 0
         self.max_model_len = config.max_model_len
@@ -71,7 +72,7 @@ class VllmEngine:
             },  # "float32" or "model"; None fails ModelConfig validation
             generation_config=cfg.generation_config,
             async_scheduling=cfg.async_scheduling,
-            seed=cfg.seed,
+            seed=self.seed,
             enforce_eager=cfg.enforce_eager,
             max_num_seqs=cfg.max_num_seqs,
             worker_extension_cls=WORKER_EXTENSION,

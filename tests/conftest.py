@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from parity.config import ParityConfig, load
 from parity.procs import ServiceProcess, start_redis, start_service
 
 # vLLM on CPU: keep each engine's KV cache small so several can coexist on a 24 GiB machine.
@@ -44,6 +45,13 @@ def _restore_environment() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+def config_for(home: str, **values: object) -> ParityConfig:
+    """A run config built the way a command line builds it: `key=value` is `--key value` for the
+    command whose own section is `home` (so `steps` is run.steps, `dtype` is home's dtype)."""
+    argv = [token for key, value in values.items() for token in (f"--{key}", str(value))]
+    return load(argv, home=home, environ={}).config
 
 
 @pytest.fixture(scope="session")
@@ -89,8 +97,13 @@ def start_services(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
         wait: bool = True,
         timeout_s: float = 240.0,
     ) -> ServiceProcess:
+        args_list, env = list(args), dict(env or {})
+        if "--auth_token" in args_list:  # secrets are refused on a command line: move it to the environment
+            at = args_list.index("--auth_token")
+            env[f"PARITY_{kind.upper()}_AUTH_TOKEN"] = args_list[at + 1]
+            del args_list[at : at + 2]
         service = start_service(
-            kind, list(args), log_dir=tmp_path, env=env, name=name or f"{kind}{len(started)}"
+            kind, args_list, log_dir=tmp_path, env=env, name=name or f"{kind}{len(started)}"
         )
         started.append(service)
         if wait:

@@ -155,8 +155,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     broadcast = start_service(
         "broadcast",
         [
-            "--auth_token",
-            TOKEN,
             "--heartbeat_interval_s",
             "0.5",
             "--heartbeat_timeout_s",
@@ -167,6 +165,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             str(metrics_port),
         ],
         log_dir=log_dir,
+        env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
     ).wait_ready(60)
     env = Cluster(log_dir, broadcast, metrics_port)
     fault = f"{CORRUPT_AT[0]}={CORRUPT_AT[1]}"

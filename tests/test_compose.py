@@ -9,7 +9,6 @@ service graph, GPU reservations, healthchecks and wiring are then asserted expli
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import os
 import re
@@ -30,11 +29,6 @@ PARITY_SERVICES = {
     "trainer": "TRAINER",
     "rollout": "ROLLOUT",
     "rollout-2": "ROLLOUT",
-}
-CONFIG_CLASSES = {
-    "ROLLOUT": "parity.config.rollout:RolloutConfig",
-    "TRAINER": "parity.config.trainer:TrainerConfig",
-    "BROADCAST": "parity.config.broadcast:BroadcastConfig",
 }
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -195,31 +189,37 @@ def test_redis_has_aof_and_a_password(compose) -> None:
     command = " ".join(redis["command"])
     assert "--appendonly yes" in command and '--requirepass "$REDIS_PASSWORD"' in command
     assert redis["environment"]["REDIS_PASSWORD"] == ENV["PARITY_REDIS_PASSWORD"]
-    for name, prefix in (("trainer", "TRAINER"), ("rollout", "ROLLOUT")):
-        url = compose["services"][name]["environment"][f"PARITY_{prefix}_REDIS_URL"]
+    for name in ("trainer", "rollout"):
+        url = compose["services"][name]["environment"]["PARITY_RUN_REDIS_URL"]
         assert url == f"redis://:{ENV['PARITY_REDIS_PASSWORD']}@redis:6379/0"
 
 
-def test_environment_names_real_config_fields(compose, monkeypatch) -> None:
-    """Each PARITY_<SVC>_* variable is a field of that service's config, and the config loads."""
-    from parity.config import load_config
+def test_environment_names_real_config_keys_and_restates_no_default(compose) -> None:
+    """Each PARITY_<SECTION>_<FIELD> variable is a key of the one config and is not its default (the
+    defaults live in parity/config/ only); with infra/compose.toml every service's config loads."""
+    from parity.config import ParityConfig, load
+    from parity.config.loader import config_env_keys
 
+    defaults = ParityConfig()
     checked = 0
     for name, prefix in PARITY_SERVICES.items():
-        module_name, class_name = CONFIG_CLASSES[prefix].split(":")
-        config_cls = getattr(importlib.import_module(module_name), class_name)
         env = {k: str(v) for k, v in compose["services"][name]["environment"].items()}
-        fields = {f"PARITY_{prefix}_{field.upper()}" for field in config_cls.model_fields}
-        unknown = sorted(k for k in env if k.startswith(f"PARITY_{prefix}_") and k not in fields)
-        assert not unknown, f"{name}: not fields of {class_name}: {unknown}"
-        for key in [k for k in os.environ if k.startswith("PARITY_")]:
-            monkeypatch.delenv(key)
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        config = load_config(config_cls)
-        config.check_security()  # not loopback, with the token: allowed
-        assert config.host == env[f"PARITY_{prefix}_HOST"] and config.port == 50051
-        assert config.metrics_port == 9100
+        assert env["PARITY_CONFIG"] == "/etc/parity/run.toml"
+        assert "./infra/compose.toml:/etc/parity/run.toml:ro" in compose["services"][name]["volumes"]
+        env["PARITY_CONFIG"] = str(ROOT / "infra" / "compose.toml")
+        loaded = load([], home=prefix.lower(), environ=env)  # an unknown key would raise, naming it
+        for key in config_env_keys(env):
+            if key == "PARITY_CONFIG":
+                continue
+            section, field = loaded.sources_key(key)
+            default = getattr(getattr(defaults, section), field)
+            assert getattr(getattr(loaded.config, section), field) != default, (
+                f"{name}: {key} restates a default"
+            )
+        service = getattr(loaded.config, prefix.lower())
+        service.check_security()  # not loopback, with the token: allowed
+        assert service.host == env[f"PARITY_{prefix}_HOST"] and service.port == 50051
+        assert service.metrics_port == 9100
         checked += 1
     assert checked == len(PARITY_SERVICES)
 

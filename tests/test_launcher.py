@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.config.run import RunConfigError, parse_run_config
+from parity.config import ConfigError, load
 from tools.run.supervisor import MARKER_ENV, ChildDied, MetricsFollower, Supervisor, marked_pids
 
 TINY_STEPS = 4
@@ -60,34 +60,39 @@ def _wait_gone(marker: str, timeout_s: float = 10.0) -> list[int]:
 
 
 # --- fast: flags and supervision ------------------------------------------------------------------
+def _run_config(flags: list[str]):
+    return load(flags, home="run", environ={}).config
+
+
 def test_flag_forms_are_equivalent() -> None:
-    a = parse_run_config(["--steps", "3", "--rollout_workers", "2", "--prefix_caching", "true"])
-    b = parse_run_config(["--steps=3", "--rollout-workers=2", "--prefix-caching"])
-    assert a == b
-    assert (a.steps, a.rollout_workers, a.prefix_caching) == (3, 2, True)
+    a = _run_config(["--steps", "3", "--rollout_workers", "2", "--prefix_caching", "true"])
+    b = _run_config(["--steps=3", "--rollout-workers=2", "--prefix-caching"])
+    c = _run_config(["--run.steps", "3", "--run.rollout_workers=2", "--rollout.prefix_caching=true"])
+    assert a == b == c
+    assert (a.run.steps, a.run.rollout_workers, a.rollout.prefix_caching) == (3, 2, True)
 
 
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--steps=-1"], "--steps"),
-        (["--mode", "fast"], "--mode"),
-        (["--prefix_caching=maybe"], "--prefix_caching"),
-        (["--mode=sync", "--rollout_workers=3", "--groups_per_step=8"], "--groups_per_step"),
-        (["--lr", "abc"], "--lr"),
+        (["--steps=-1"], "run.steps"),
+        (["--mode", "fast"], "run.mode"),
+        (["--prefix_caching=maybe"], "rollout.prefix_caching"),
+        (["--mode=sync", "--rollout_workers=3", "--groups_per_step=8"], "run.groups_per_step"),
+        (["--lr", "abc"], "trainer.lr"),
     ],
 )
-def test_bad_value_names_the_flag(flags: list[str], named: str) -> None:
-    with pytest.raises(RunConfigError, match=f"^{named}:"):
-        parse_run_config(flags)
+def test_bad_value_names_the_key(flags: list[str], named: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{named}:"):
+        _run_config(flags)
 
 
 def test_bad_flag_exits_2_with_a_clear_error() -> None:
     for flags, named in (
-        (["--steps", "zero"], "--steps"),
-        (["--engine=tensorrt"], "--engine"),
+        (["--steps", "zero"], "run.steps"),
+        (["--engine=tensorrt"], "rollout.engine"),
         (["--bogus", "1"], "--bogus"),
-        (["--task", "chess"], "--task"),
+        (["--task", "chess"], "task.name"),
     ):
         proc = subprocess.run(
             [sys.executable, "-m", "parity.cli", "run", *flags], capture_output=True, text=True, timeout=60
@@ -279,7 +284,7 @@ def test_sigint_mid_run_leaves_no_process_behind(redis_url: str, tmp_path: Path)
 def test_default_task_scores_the_final_integer(completion: str, reward: float) -> None:
     from rollout.tasks import Prompt, get_task
 
-    task = get_task(parse_run_config([]).task)
+    task = get_task(_run_config([]).task.name)
     assert task.name == "arithmetic_final"
     assert (
         task.reward(Prompt("p", "What is 7 + 12? Answer with just the number.", "19"), completion) == reward

@@ -19,7 +19,7 @@ def test_head_dtype_reaches_vllm_model_config(tiny_model: Path, dtype: str, head
     config = load(
         ["--model", "tiny", "--dtype", dtype, "--head_dtype", head_dtype], home="rollout", environ={}
     )
-    args = VllmEngine(config.config, tiny_model).engine_args()
+    args = VllmEngine(config.config.rollout, tiny_model).engine_args()
     assert args.hf_overrides == {"head_dtype": head_dtype}
     model_config = args.create_model_config()  # what failed for head_dtype=model before the fix
     expected = torch.float32 if head_dtype == "float32" else getattr(torch, dtype)

@@ -101,12 +101,10 @@ def test_inflight_update_switches_versions_exactly_where_the_pause_landed(
     from parity.config.rollout import RolloutConfig
     from rollout.vllm_engine import VllmEngine
 
-    config = RolloutConfig(
-        model=str(tiny_model), max_model_len=512, update_mode=mode, seed=3, kv_cache_gib=1.0
-    )
+    config = RolloutConfig(max_model_len=512, update_mode=mode, kv_cache_gib=1.0)
     prompt = [random.Random(5).randrange(3, 259) for _ in range(12)]
     new_state = perturbed_state_dict(tiny_model, seed=1234)
-    engine = VllmEngine(config, tiny_model)
+    engine = VllmEngine(config, tiny_model, seed=3)
 
     async def scenario():
         await engine.start()

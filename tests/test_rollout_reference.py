@@ -269,7 +269,7 @@ def test_dynamic_sampling_drops_flat_groups_and_never_starves_the_trainer() -> N
     from rollout.actor import Actor
 
     actor = Actor.__new__(Actor)  # only the dynamic-sampling state; no engine or queue needed
-    actor.config = SimpleNamespace(skip_zero_variance=True, groups_per_step=2)
+    actor.config, actor.groups_per_step = SimpleNamespace(skip_zero_variance=True), 2
     actor.zero_variance_dropped, actor._dropped_in_a_row, actor._group_traceparents = 0, 0, {}
     published: list[str] = []
 

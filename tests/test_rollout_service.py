@@ -75,21 +75,22 @@ def metrics_port() -> int:
 @pytest.fixture(scope="module")
 def services(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, metrics_port: int):
     log_dir = tmp_path_factory.mktemp("rollout-services")
-    common = ["--model", str(tiny_model), "--max_model_len", "512", "--max_n", "8", "--auth_token", TOKEN]
+    common = ["--model", str(tiny_model), "--max_model_len", "512", "--max_n", "8"]
+    token = {"PARITY_ROLLOUT_AUTH_TOKEN": TOKEN}  # secrets travel in the environment, never in argv
     guarded = start_service(
         "rollout",
         [*common, "--prefix_caching", "true", "--enable_fault_injection", "true",
          "--metrics_port", str(metrics_port)],
-        log_dir=log_dir, name="guarded",
+        log_dir=log_dir, name="guarded", env=token,
     )  # fmt: skip
     faulty = start_service(
         "rollout",
         [*common, "--logprobs_mode", "raw", "--prefix_caching", "true", "--reset_prefix_cache_on_update", "false",
          "--cpu_top_p", "sort"],
-        log_dir=log_dir, name="faulty",
+        log_dir=log_dir, name="faulty", env=token,
     )  # fmt: skip
     reference = start_service(
-        "rollout", [*common, "--engine", "reference"], log_dir=log_dir, name="reference"
+        "rollout", [*common, "--engine", "reference"], log_dir=log_dir, name="reference", env=token
     )
     procs = (guarded, faulty, reference)
     try:

@@ -10,10 +10,10 @@ import grpc
 import pytest
 import torch
 
-from parity.config.trainer import TrainerConfig
 from parity.rollout_queue import RolloutQueue
 from parity.server import bearer
 from parity.v1 import broadcast_pb2, broadcast_pb2_grpc
+from tests.conftest import config_for
 from tests.fakes.synthetic_rollouts import make_group
 from trainer.loop import Trainer
 from trainer.policy import load_model
@@ -23,21 +23,22 @@ STREAM = "pub:rollouts"
 
 
 def run_trainer(redis_url: str, run_dir: Path, broadcast: str, steps: int) -> Trainer:
+    config = config_for(
+        "trainer",
+        model="tiny",
+        redis_url=redis_url,
+        stream=STREAM,
+        run_dir=str(run_dir),
+        steps=steps,
+        groups_per_step=1,
+        read_block_ms=50,
+        broadcast_address=broadcast,
+        max_lag=10,
+        lr=1e-3,
+        wait_committed_s=20,
+    )
     trainer = Trainer(
-        TrainerConfig(
-            model="tiny",
-            redis_url=redis_url,
-            stream=STREAM,
-            run_dir=str(run_dir),
-            steps=steps,
-            groups_per_step=1,
-            read_block_ms=50,
-            broadcast_address=broadcast,
-            auth_token=TOKEN,
-            max_lag=10,
-            lr=1e-3,
-            wait_committed_s=20,
-        )
+        config.model_copy(update={"trainer": config.trainer.model_copy(update={"auth_token": TOKEN})})
     )
     trainer.setup()
     trainer.run()

@@ -54,6 +54,12 @@ class LoadedConfig:
     def to_toml(self) -> str:
         return to_toml(self.config, self.sources)
 
+    def sources_key(self, env_key: str) -> tuple[str, str]:
+        """(section, field) that the environment variable `env_key` set."""
+        (key,) = [k for k, origin in self.sources.items() if origin == f"env {env_key}"]
+        section, _, name = key.partition(".")
+        return section, name
+
 
 def env_name(section: str, name: str) -> str:
     return f"{ENV_PREFIX}{section}_{name}".upper()
@@ -159,6 +165,11 @@ def _from_flags(argv: Sequence[str], home: str | None, values: dict, sources: di
             raise _unknown_section(section, f"--{flag}")
         if name not in _fields(section):
             raise _unknown_key(section, name, f"--{flag}")
+        if is_secret(SECTIONS[section], name):
+            raise ConfigError(
+                f"{section}.{name}: a secret is never taken from the command line (it would show in "
+                f"`ps` and shell history); set {env_name(section, name)} in the environment"
+            )
         if not has_value:
             is_bool = _fields(section)[name].annotation is bool
             if is_bool and (i >= len(tokens) or tokens[i].startswith("--")):

@@ -29,25 +29,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
-
-from parity.config import ConfigError, load_config
+from parity.config import ConfigError, ParityConfig, env_for, write_config
+from parity.config.entry import entrypoint
 from tools.check.ablation import Ablation, RawCompletion, SamplingSetup
+from parity.mismatch import MismatchStats
 from tools.check.report import (
-    MismatchStats,
     ScoredCompletion,
     WorstToken,
-    finite_log_ratios,
+    completion_log_ratios,
+    completion_stats,
     format_table,
     format_worst,
-    mismatch_stats,
     worst_tokens,
 )
 
-DEFAULT_THRESHOLD = 1e-3
 PARITY_SWITCHES = (
     "dtype",
     "logprobs_mode",
@@ -58,74 +54,10 @@ PARITY_SWITCHES = (
 )
 
 
-class CheckConfig(BaseSettings):
-    """`parity check` flags (env: PARITY_CHECK_<FIELD>)."""
-
-    model_config = SettingsConfigDict(
-        extra="forbid", env_prefix="PARITY_CHECK_", cli_implicit_flags=False, cli_prog_name="parity check"
-    )
-
-    model: str = Field("tiny", description="Model: tiny, smollm2-135m, or an HF model directory.")
-    engine: Literal["vllm", "reference"] = Field("vllm", description="Rollout engine to check.")
-    rollout_address: str = Field(
-        "", description="HOST:PORT of a running rollout service to check; empty starts one with the switches."
-    )
-    task: str = Field("arithmetic", description="Task whose training prompts are used.")
-    num_prompts: int = Field(8, ge=1, le=4096, description="Prompts in the fixed, seeded prompt set.")
-    samples_per_prompt: int = Field(2, ge=1, le=64, description="Completions sampled per prompt.")
-    max_tokens: int = Field(24, ge=1, le=4096, description="Maximum tokens per completion.")
-    temperature: float = Field(
-        0.7, gt=0, le=10, description="Sampling temperature. Not 1, so raw and processed logprobs differ."
-    )
-    top_p: float = Field(0.9, gt=0, le=1, description="Nucleus mass (1 disables).")
-    top_k: int = Field(0, ge=0, description="Top-k (0 disables).")
-    seed: int = Field(0, ge=0, description="Seed of the prompt set and of the sampling.")
-    threshold: float = Field(
-        DEFAULT_THRESHOLD, gt=0, description="Largest passing mean k3 (KL) per token; see the module docs."
-    )
-    out: str = Field(
-        "", description="Write check.json, check.txt and check_hist.png here; empty = checks/<UTC time>."
-    )
-    ablate: CliImplicitFlag[bool] = Field(
-        False, description="Also run one row per correctness fix turned off."
-    )
-    # The parity switches of the rollout engine (as `parity serve rollout`); defaults are the correct ones.
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Rollout weights/activations dtype.")
-    logprobs_mode: Literal["processed", "raw"] = Field("processed", description="Rollout logprobs mode.")
-    head_dtype: Literal["float32", "model"] = Field("float32", description="Rollout lm_head dtype.")
-    prefix_caching: bool = Field(False, description="vLLM prefix caching.")
-    reset_prefix_cache_on_update: bool = Field(True, description="Reset the prefix cache at weight updates.")
-    generation_config: Literal["vllm", "auto"] = Field(
-        "vllm", description="Use the model's sampling defaults."
-    )
-    max_model_len: int = Field(512, ge=64, description="Rollout engine context length.")
-    update_scale: float = Field(
-        0.05, gt=0, description="--ablate: relative size of the weight update in the prefix-cache rows."
-    )
-    startup_timeout_s: float = Field(600.0, gt=0, description="Seconds a started rollout service may take.")
-
-    def sampling(self) -> SamplingSetup:
-        return SamplingSetup(
-            self.temperature, self.top_p, self.top_k, self.max_tokens, self.samples_per_prompt, self.seed
-        )
-
-    def rollout_config(self):
-        """The RolloutConfig these switches describe (validated by the rollout service's own rules)."""
-        from pydantic import ValidationError
-
-        from parity.config import format_validation_error
-        from parity.config.rollout import RolloutConfig
-
-        try:
-            return RolloutConfig(
-                model=self.model,
-                engine=self.engine,
-                max_model_len=self.max_model_len,
-                seed=self.seed,
-                **{name: getattr(self, name) for name in PARITY_SWITCHES},
-            )
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc)) from None
+def check_sampling(config: ParityConfig) -> SamplingSetup:
+    """What the check samples: the `check` section's settings, seeded by run.seed."""
+    c = config.check
+    return SamplingSetup(c.temperature, c.top_p, c.top_k, c.max_tokens, c.samples_per_prompt, config.run.seed)
 
 
 @dataclass
@@ -201,7 +133,7 @@ class CheckReport:
 def _verdict(row: CheckRow) -> str:
     if row.passed:
         return "pass"
-    return "FAIL (non-finite)" if row.stats.nonfinite else "FAIL"
+    return "FAIL (non-finite)" if row.stats.nonfinite_tokens else "FAIL"
 
 
 def gate(report: CheckReport, override: bool) -> bool:
@@ -291,7 +223,7 @@ def make_row(
     threshold: float,
     compare_with: str = "",
 ) -> CheckRow:
-    stats = mismatch_stats(scored)
+    stats = completion_stats(scored)
     decode = lambda ids: tokenizer.decode(list(ids))  # noqa: E731
     return CheckRow(
         name=name,
@@ -299,8 +231,8 @@ def make_row(
         settings=settings,
         stats=stats,
         worst=worst_tokens(scored, decode),
-        log_ratios=finite_log_ratios(scored).tolist(),
-        passed=stats.nonfinite == 0 and stats.k3 <= threshold,
+        log_ratios=completion_log_ratios(scored).tolist(),
+        passed=stats.nonfinite_tokens == 0 and stats.k3 <= threshold,  # NaN k3 fails too
         compare_with=compare_with,
     )
 
@@ -363,21 +295,21 @@ def _require_version_zero(address: str) -> None:
         )
 
 
-def run_check(config: CheckConfig | None = None, /, **fields: object) -> CheckReport:
-    """Run the check (and the ablation with `ablate`); write outputs when `config.out` is set."""
+def run_check(config: ParityConfig) -> CheckReport:
+    """Run the check (and the ablation with check.ablate); write outputs when check.out is set."""
     from parity import models
 
-    config = config or CheckConfig(**fields)
-    if config.ablate and config.engine != "vllm":
-        raise ConfigError("ablate: the ablation switches are vLLM settings; use --engine vllm")
-    if config.ablate and config.rollout_address:
-        raise ConfigError("ablate: the ablation starts its own engines; drop --rollout_address")
+    check = config.check
+    if check.ablate and config.rollout.engine != "vllm":
+        raise ConfigError("check.ablate: the ablation switches are vLLM settings; use --rollout.engine vllm")
+    if check.ablate and check.rollout_address:
+        raise ConfigError("check.ablate: the ablation starts its own engines; drop --check.rollout_address")
     started = time.perf_counter()
-    model_dir = models.resolve(config.model)
-    prompts, tokenizer = check_prompts(model_dir, config.task, config.num_prompts, config.seed)
-    sampling = config.sampling()
+    model_dir = models.resolve(config.model.name)
+    prompts, tokenizer = check_prompts(model_dir, config.task.name, check.num_prompts, config.run.seed)
+    sampling = check_sampling(config)
     trainer = TrainerSide()
-    if config.ablate:
+    if check.ablate:
         rows, source = _ablation_rows(config, model_dir, prompts, sampling, trainer, tokenizer)
     else:
         completions, settings, source = _rollout_side(config, prompts, sampling)
@@ -389,57 +321,47 @@ def run_check(config: CheckConfig | None = None, /, **fields: object) -> CheckRe
                 settings,
                 scored,
                 tokenizer,
-                config.threshold,
+                check.threshold,
             )
         ]
     report = CheckReport(
         rows,
-        config.threshold,
-        config.model,
+        check.threshold,
+        config.model.name,
         source,
         sampling,
-        config.num_prompts,
+        check.num_prompts,
         time.perf_counter() - started,
     )
-    if config.out:
-        write_outputs(report, Path(config.out))
+    if check.out:
+        write_outputs(report, Path(check.out))
     return report
 
 
-def _rollout_side(config: CheckConfig, prompts, sampling) -> tuple[list[RawCompletion], dict, str]:
-    if config.rollout_address:
-        _require_version_zero(config.rollout_address)
-        completions, settings = service_rollouts(config.rollout_address, prompts, sampling)
-        return completions, settings, f"rollout service at {config.rollout_address}"
+def _rollout_side(config: ParityConfig, prompts, sampling) -> tuple[list[RawCompletion], dict, str]:
+    address = config.check.rollout_address
+    if address:
+        _require_version_zero(address)
+        completions, settings = service_rollouts(address, prompts, sampling)
+        return completions, settings, f"rollout service at {address}"
     import tempfile
 
+    from parity.config.loader import CONFIG_FILE_ENV
     from parity.procs import start_service
 
-    rollout_cfg = config.rollout_config()  # validates the switches before anything starts
-    args = [
-        "--model",
-        config.model,
-        "--engine",
-        config.engine,
-        "--max_model_len",
-        str(config.max_model_len),
-        "--seed",
-        str(config.seed),
-        "--max_n",
-        str(max(16, config.samples_per_prompt)),
-    ]
-    for name in PARITY_SWITCHES:
-        value = getattr(rollout_cfg, name)
-        args += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
-    service = start_service(
-        "rollout", args, log_dir=tempfile.mkdtemp(prefix="parity-check-"), name="check-rollout"
-    )
+    # The service reads the same config (its rollout section is the engine under test), from a file.
+    log_dir = Path(tempfile.mkdtemp(prefix="parity-check-"))
+    max_n = max(config.rollout.max_n, config.check.samples_per_prompt)
+    service_config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"max_n": max_n})})
+    env = {CONFIG_FILE_ENV: str(write_config(service_config, log_dir / "config.toml"))}
+    env.update(env_for("observability", log_level=config.observability.log_level))
+    service = start_service("rollout", [], log_dir=log_dir, env=env, name="check-rollout")
     try:
-        service.wait_ready(config.startup_timeout_s)
+        service.wait_ready(config.run.startup_timeout_s)
         completions, settings = service_rollouts(service.address, prompts, sampling)
     finally:
         service.stop()
-    return completions, settings, f"a rollout service started for the check ({config.engine})"
+    return completions, settings, f"a rollout service started for the check ({config.rollout.engine})"
 
 
 def _ablation_rows(
@@ -456,17 +378,17 @@ def _ablation_rows(
             settings,
             scored,
             tokenizer,
-            config.threshold,
+            config.check.threshold,
             ablation.compare_with if name != "base" else "",
         )
 
     rows = run_ablation(
-        config.rollout_config(),
+        config.rollout,
         model_dir,
         prompts,
         sampling,
         score,
-        config.update_scale,
+        config.check.update_scale,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
     return rows, "in-process vLLM engines built from the rollout service's engine arguments"
@@ -501,7 +423,7 @@ def plot_histogram(report: CheckReport, path: Path):
         ax.hist(r, bins=bins, color=color, alpha=0.75)
         ax.axvline(math.sqrt(2 * report.threshold), color="gray", linestyle="--", linewidth=1)
         ax.set_title(
-            f"{row.name}: k3 {row.stats.k3:.2g}, non-finite {row.stats.nonfinite} ({_verdict(row)})",
+            f"{row.name}: k3 {row.stats.k3:.2g}, non-finite {row.stats.nonfinite_tokens} ({_verdict(row)})",
             fontsize=9,
         )
         ax.set_xscale("log")
@@ -522,15 +444,13 @@ def plot_histogram(report: CheckReport, path: Path):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        config = load_config(CheckConfig, list(sys.argv[1:] if argv is None else argv))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # argparse: --help (0) or an unknown flag (2)
-        return int(exc.code or 0)
-    if not config.out:
-        config = config.model_copy(update={"out": f"checks/{datetime.now(UTC):%Y%m%d-%H%M%S}"})
+    return entrypoint("parity check", "check", list(sys.argv[1:] if argv is None else argv), _main)
+
+
+def _main(config: ParityConfig) -> int:
+    if not config.check.out:
+        out = f"checks/{datetime.now(UTC):%Y%m%d-%H%M%S}"
+        config = config.model_copy(update={"check": config.check.model_copy(update={"out": out})})
     import grpc
 
     from parity.models import ModelError
@@ -538,13 +458,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = run_check(config)
     except (ConfigError, ValueError, ModelError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"parity check: error: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
-        print(f"error: rollout service: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"parity check: error: rollout service: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2
     print(report.table)
-    print(f"wrote {config.out}/check.json, check.txt, check_hist.png ({report.seconds:.0f}s)")
+    print(f"wrote {config.check.out}/check.json, check.txt, check_hist.png ({report.seconds:.0f}s)")
     return 0 if report.passed else 1
 
 
