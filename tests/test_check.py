@@ -18,8 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools.check.check import DEFAULT_THRESHOLD, CheckConfig, CheckReport, gate, main, make_row, run_check
-from tools.check.report import ScoredCompletion, mismatch_stats, worst_tokens
+from parity import mismatch
+from parity.config.check import DEFAULT_THRESHOLD
+from tests.conftest import config_for
+from tools.check.check import CheckReport, gate, main, make_row, run_check
+from tools.check.report import ScoredCompletion, completion_stats, worst_tokens
 
 CHECK_SIZES = {"num_prompts": 6, "samples_per_prompt": 2, "max_tokens": 20}
 
@@ -42,35 +45,34 @@ class ByteDecoder:
 
 
 # --- metric math (fast) --------------------------------------------------------------------------
-def test_metrics_equal_the_trainers_per_step_definitions() -> None:
-    import torch
-
-    from parity.mismatch import mismatch_metrics
-
+def test_the_checks_numbers_are_the_cores_the_trainer_uses() -> None:
     rng = np.random.default_rng(0)
     rollout = -rng.exponential(1.5, 400)
     trainer = rollout + rng.normal(0, 0.05, 400)
-    stats = mismatch_stats(completions_from(rollout, trainer))
-    reference = mismatch_metrics(torch.tensor(trainer), torch.tensor(rollout))
-    for key in ("k1", "k2", "k3", "max_abs", "ess", "ratio_p05", "ratio_p50", "ratio_p95"):
-        assert getattr(stats, key) == pytest.approx(reference[key], rel=1e-9, abs=1e-12), key
-    r = trainer - rollout
+    trainer[[5, 50]] = -np.inf  # outside the trainer's top-p mask
+    stats = completion_stats(completions_from(rollout, trainer))
+    assert stats == mismatch.mismatch_stats(trainer, rollout)
+    r = np.delete(trainer - rollout, [5, 50])
     assert stats.mean_abs == pytest.approx(np.abs(r).mean(), rel=1e-12)
     assert stats.k3 == pytest.approx(0.5 * (r * r).mean(), rel=0.05)  # k3 ≈ r²/2 for small r
-    assert stats.tokens == 400 and stats.nonfinite == 0
+    assert (stats.tokens, stats.nonfinite_tokens) == (400, 2)
+    with pytest.raises(ValueError, match="no completion tokens"):
+        completion_stats([ScoredCompletion(0, (1,), (), (), ())])
 
 
 def test_identical_logprobs_give_zero_mismatch_and_nonfinite_are_counted_per_side() -> None:
     rollout = np.linspace(-3, -0.1, 30)
-    same = mismatch_stats(completions_from(rollout, rollout.copy()))
+    same = completion_stats(completions_from(rollout, rollout.copy()))
     assert (same.k1, same.k2, same.k3, same.max_abs, same.mean_abs) == (0, 0, 0, 0, 0)
     assert same.ratio_p01 == same.ratio_p99 == 1.0
     trainer = rollout.copy()
     trainer[[3, 7]] = -np.inf  # tokens outside the trainer's top-p mask
+    trainer[11] = np.nan
     rollout_bad = rollout.copy()
-    rollout_bad[11] = np.nan
-    stats = mismatch_stats(completions_from(rollout_bad, trainer))
-    assert (stats.nonfinite_rollout, stats.nonfinite_trainer, stats.tokens) == (1, 2, 30)
+    rollout_bad[11] = np.nan  # both sides of one token: one token left out, counted on each side
+    stats = completion_stats(completions_from(rollout_bad, trainer))
+    assert (stats.nonfinite_rollout, stats.nonfinite_trainer, stats.nonfinite_tokens) == (1, 3, 3)
+    assert stats.tokens == 30 and stats.finite_tokens == 27
     assert stats.k3 == 0  # the finite tokens agree exactly; the non-finite ones are counted instead
 
 
@@ -78,12 +80,14 @@ def test_worst_tokens_are_the_largest_ratios_decoded_with_context() -> None:
     rollout = np.full(20, -1.0)
     trainer = rollout.copy()
     trainer[13] = -1.7
-    trainer[4] = -np.inf
-    worst = worst_tokens(completions_from(rollout, trainer), ByteDecoder().decode, k=2)
-    assert [(w.prompt_index, w.position) for w in worst] == [(0, 4), (1, 3)]
-    assert worst[0].log_ratio == -20.0  # clamped, like the trainer
-    assert worst[1].log_ratio == pytest.approx(-0.7)
-    assert worst[1].token_text == "D" and worst[1].context_text.endswith("ABC")
+    trainer[14] = -np.inf
+    rollout[2] = -31.0  # |r| = 30: beyond any clamp, and still after the non-finite token
+    worst = worst_tokens(completions_from(rollout, trainer), ByteDecoder().decode, k=3)
+    assert [(w.prompt_index, w.position) for w in worst] == [(1, 4), (0, 2), (1, 3)]
+    assert worst[0].log_ratio == -math.inf  # reported as it is, and ranked first
+    assert worst[1].log_ratio == pytest.approx(30.0)
+    assert worst[2].log_ratio == pytest.approx(-0.7)
+    assert worst[2].token_text == "D" and worst[2].context_text.endswith("ABC")
 
 
 def _report(rows, threshold=DEFAULT_THRESHOLD) -> CheckReport:
@@ -122,7 +126,7 @@ def test_gate_on_synthetic_reports(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bad_input_is_a_clear_error(argv: list[str], field: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and field in err
+    assert err.startswith("parity check: error: ") and field in err
 
 
 def test_unreachable_rollout_service_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -152,7 +156,7 @@ def test_correct_service_passes_the_gate_through_the_cli(
     rollout_service, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "check"
-    argv = ["--rollout_address", rollout_service.address, "--out", str(out)]
+    argv = ["--model", "tiny", "--rollout_address", rollout_service.address, "--out", str(out)]
     argv += [x for k, v in CHECK_SIZES.items() for x in (f"--{k}", str(v))]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -165,10 +169,16 @@ def test_correct_service_passes_the_gate_through_the_cli(
     assert row["stats"]["tokens"] >= 6 * 2  # every completion has at least one token
     assert row["settings"]["weight_version"] == 0
     assert (out / "check_hist.png").stat().st_size > 10_000
-    # The launcher's call: keywords only, no files.
-    direct = run_check(
-        model="tiny", rollout_address=rollout_service.address, task="arithmetic", seed=1, **CHECK_SIZES
+    # The launcher's call: a config, no files.
+    config = config_for(
+        "check",
+        model="tiny",
+        rollout_address=rollout_service.address,
+        task="arithmetic",
+        seed=1,
+        **CHECK_SIZES,
     )
+    direct = run_check(config)
     assert direct.passed and direct.rows[0].stats.k3 < 1e-8
 
 
@@ -176,7 +186,7 @@ def test_correct_service_passes_the_gate_through_the_cli(
 @pytest.fixture(scope="module")
 def ablation(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[CheckReport, Path]:
     out = tmp_path_factory.mktemp("ablate")
-    report = run_check(CheckConfig(model="tiny", ablate=True, out=str(out), **CHECK_SIZES))
+    report = run_check(config_for("check", model="tiny", ablate=True, out=str(out), **CHECK_SIZES))
     return report, out
 
 
@@ -190,7 +200,7 @@ def test_ablation_correct_config_passes_and_raw_logprobs_fail_by_a_wide_margin(a
     rows = _rows(report)
     base = rows["base"].stats
     assert report.passed and rows["base"].passed
-    assert base.k3 < 1e-8 and base.nonfinite == 0
+    assert base.k3 < 1e-8 and base.nonfinite_tokens == 0
     raw = rows["raw_logprobs"].stats
     assert not rows["raw_logprobs"].passed
     assert raw.k3 > 1e4 * max(base.k3, 1e-12) and raw.k3 > 10 * DEFAULT_THRESHOLD
@@ -199,8 +209,8 @@ def test_ablation_correct_config_passes_and_raw_logprobs_fail_by_a_wide_margin(a
 
 def _worse(row, than) -> bool:
     """More non-finite tokens, or the same number and a larger mean |Δ| by 10x."""
-    if row.stats.nonfinite != than.stats.nonfinite:
-        return row.stats.nonfinite > than.stats.nonfinite
+    if row.stats.nonfinite_tokens != than.stats.nonfinite_tokens:
+        return row.stats.nonfinite_tokens > than.stats.nonfinite_tokens
     return row.stats.mean_abs > 10 * than.stats.mean_abs
 
 

@@ -106,32 +106,72 @@ def test_ess_is_one_for_equal_weights_and_one_over_n_for_a_single_weight() -> No
     assert mismatch.effective_sample_size(torch.tensor([1.0, 0.0, 0.0, 0.0])) == pytest.approx(0.25)
     # (1+3)^2 / (2 * (1+9)) = 0.8
     assert mismatch.effective_sample_size(torch.tensor([1.0, 3.0])) == pytest.approx(0.8)
+    assert math.isnan(mismatch.effective_sample_size(torch.zeros(0)))  # no weights: not measured
 
 
-def test_mismatch_metrics_are_zero_for_identical_logprobs_and_positive_otherwise() -> None:
+def test_mismatch_stats_are_zero_for_identical_logprobs_and_positive_otherwise() -> None:
     lp = torch.log(torch.tensor([0.2, 0.5, 0.9, 0.01]))
-    same = mismatch.mismatch_metrics(lp, lp.clone())
-    for key in ("k1", "k2", "k3", "max_abs"):
-        assert same[key] == 0.0
-    assert same["ratio_p05"] == same["ratio_p50"] == same["ratio_p95"] == 1.0 and same["ess"] == 1.0
-    other = mismatch.mismatch_metrics(lp + torch.tensor([0.1, -0.2, 0.05, 0.3]), lp)
-    assert other["k2"] > 0 and other["k3"] > 0 and other["max_abs"] == pytest.approx(0.3, abs=1e-6)
-    assert other["ratio_p05"] < 1.0 < other["ratio_p95"] and other["ess"] < 1.0
+    same = mismatch.mismatch_stats(lp, lp.clone())
+    assert (same.k1, same.k2, same.k3, same.max_abs, same.mean_abs) == (0, 0, 0, 0, 0)
+    assert same.ratio_p01 == same.ratio_p50 == same.ratio_p99 == 1.0 and same.ess == 1.0
+    assert (same.tokens, same.nonfinite_tokens, same.finite_tokens) == (4, 0, 4)
+    other = mismatch.mismatch_stats(lp + torch.tensor([0.1, -0.2, 0.05, 0.3]), lp)
+    assert other.k2 > 0 and other.k3 > 0 and other.max_abs == pytest.approx(0.3, abs=1e-6)
+    assert other.mean_abs == pytest.approx(0.1625, abs=1e-6)
+    assert other.ratio_p05 < 1.0 < other.ratio_p95 and other.ess < 1.0
     # k1 estimates KL(q||p) on samples from q: positive when the tokens come from the rollout side.
     torch.manual_seed(0)
     q = torch.softmax(torch.randn(50), -1)
     p = torch.softmax(torch.log(q) + 0.5 * torch.randn(50), -1)
     tokens = torch.multinomial(q, 20000, replacement=True)
-    sampled = mismatch.mismatch_metrics(torch.log(p)[tokens], torch.log(q)[tokens])
+    sampled = mismatch.mismatch_stats(torch.log(p)[tokens], torch.log(q)[tokens])
     exact_kl = float((q * (q.log() - p.log())).sum())
-    assert sampled["k1"] > 0 and sampled["k1"] == pytest.approx(exact_kl, rel=0.1)
-    assert sampled["k3"] == pytest.approx(exact_kl, rel=0.1)
+    assert sampled.k1 > 0 and sampled.k1 == pytest.approx(exact_kl, rel=0.1)
+    assert sampled.k3 == pytest.approx(exact_kl, rel=0.1)
 
 
-def test_mismatch_counts_non_finite_trainer_logprobs_without_becoming_infinite() -> None:
-    trainer = torch.tensor([-1.0, float("-inf")])
-    out = mismatch.mismatch_metrics(trainer, torch.tensor([-1.0, -2.0]))
-    assert out["nonfinite"] == 1.0 and math.isfinite(out["k3"]) and out["max_abs"] == 20.0
+def test_mismatch_stats_match_hand_computed_values_on_any_input_type() -> None:
+    rollout = [-1.0, -2.0, -0.5]
+    trainer = [-1.1, -1.8, -0.5]
+    r = [-0.1, 0.2, 0.0]
+    expected = {
+        "k1": -sum(r) / 3,
+        "k2": sum(x * x / 2 for x in r) / 3,
+        "k3": sum(math.exp(x) - 1 - x for x in r) / 3,
+        "max_abs": 0.2,
+        "ratio_p50": 1.0,
+        "ess": sum(math.exp(x) for x in r) ** 2 / (3 * sum(math.exp(2 * x) for x in r)),
+    }
+    for make in (list, torch.tensor, lambda xs: torch.tensor(xs, dtype=torch.float64)):
+        stats = mismatch.mismatch_stats(make(trainer), make(rollout))
+        for key, value in expected.items():
+            assert getattr(stats, key) == pytest.approx(value, rel=1e-6, abs=1e-7), (make, key)
+
+
+def test_non_finite_logprobs_are_counted_and_left_out_not_clamped() -> None:
+    rollout = torch.tensor([-1.0, -2.0, -0.5, float("nan"), -3.0])
+    trainer = torch.tensor([-1.1, float("-inf"), -0.5, -1.0, float("-inf")])
+    stats = mismatch.mismatch_stats(trainer, rollout)
+    assert (stats.tokens, stats.nonfinite_tokens, stats.finite_tokens) == (5, 3, 2)
+    assert (stats.nonfinite_trainer, stats.nonfinite_rollout) == (2, 1)
+    # The statistics are those of the two finite tokens alone (r = -0.1 and 0), nothing at ±20.
+    finite = mismatch.mismatch_stats(trainer[[0, 2]], rollout[[0, 2]])
+    for key in ("k1", "k2", "k3", "max_abs", "mean_abs", "ratio_p05", "ratio_p95", "ess"):
+        assert getattr(stats, key) == getattr(finite, key), key
+    assert stats.max_abs == pytest.approx(0.1, abs=1e-6)
+    assert mismatch.finite_log_ratios(trainer, rollout).tolist() == pytest.approx([-0.1, 0.0], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "rollout"),
+    [([], []), ([float("-inf"), float("nan")], [-1.0, -2.0])],
+    ids=["no tokens", "no finite token"],
+)
+def test_a_statistic_with_nothing_to_measure_is_nan_not_zero(trainer: list, rollout: list) -> None:
+    stats = mismatch.mismatch_stats(torch.tensor(trainer), torch.tensor(rollout))
+    assert stats.tokens == len(trainer) and stats.finite_tokens == 0
+    for key in ("k1", "k2", "k3", "max_abs", "mean_abs", "ratio_p01", "ratio_p50", "ratio_p99", "ess"):
+        assert math.isnan(getattr(stats, key)), key
 
 
 def test_lag_is_trainer_minus_token_version_and_stale_beyond_max_lag() -> None:

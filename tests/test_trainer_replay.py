@@ -113,7 +113,7 @@ def test_trainer_logprobs_equal_vllm_processed_logprobs_on_lag0_tokens(
 ) -> None:
     import torch
 
-    from parity.mismatch import mismatch_metrics
+    from parity.mismatch import mismatch_stats
     from parity.sampling import SamplingTransform
     from trainer.policy import SequenceInput, load_model, token_logprobs
 
@@ -134,13 +134,13 @@ def test_trainer_logprobs_equal_vllm_processed_logprobs_on_lag0_tokens(
     assert trainer_all.numel() == len(vllm_rollouts) * 24
     assert torch.isfinite(trainer_all).all()  # no token vLLM sampled is masked by our replay
     diff = (trainer_all - vllm_all).abs()
-    stats = mismatch_metrics(trainer_all, vllm_all)
+    stats = mismatch_stats(trainer_all, vllm_all)
     print(
-        f"max |Δ| {float(diff.max()):.2e}, mean {float(diff.mean()):.2e}, k3 {stats['k3']:.2e}; {per_transform}"
+        f"max |Δ| {float(diff.max()):.2e}, mean {float(diff.mean()):.2e}, k3 {stats.k3:.2e}; {per_transform}"
     )
     assert float(diff.max()) <= 2e-4, per_transform
     assert float(diff.mean()) <= 2e-5
-    assert stats["k3"] <= 1e-9
+    assert stats.k3 <= 1e-9
     # The check can fail: the raw (untransformed) distribution is measurably different.
     raw = []
     with torch.no_grad():
