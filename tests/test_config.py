@@ -188,3 +188,11 @@ def test_compose_config_file_restates_no_default_and_loads_for_every_service() -
     for home in ("rollout", "trainer", "broadcast"):
         loaded = load([], home=home, environ={"PARITY_CONFIG": str(path)})
         assert loaded.config.rollout.dtype == "bfloat16" and loaded.config.run.steps == 200
+
+
+def test_a_secret_is_refused_on_the_command_line() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^trainer\.auth_token: a secret is never taken from the command line"
+    ):
+        load(["--trainer.auth_token", "tok"], environ={})
+    assert load([], environ={"PARITY_TRAINER_AUTH_TOKEN": "tok"}).config.trainer.auth_token == "tok"
