@@ -4,15 +4,16 @@ checkpoint/restore, metrics, and that the objective actually moves the policy.""
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from parity.config.trainer import TrainerConfig
 from parity.rollout_queue import RolloutQueue
 from parity.sampling import SamplingTransform
+from tests.conftest import config_for
 from tests.fakes.synthetic_rollouts import make_group
 from trainer.loop import Trainer
 from trainer.policy import SequenceInput, load_model, token_logprobs
@@ -39,7 +40,7 @@ def make_trainer(redis_url: str, run_dir: Path, **overrides) -> Trainer:
         "claim_idle_ms": 200,
         **overrides,
     }
-    trainer = Trainer(TrainerConfig(**settings))
+    trainer = Trainer(config_for("trainer", **settings))
     trainer.setup()
     return trainer
 
@@ -133,6 +134,52 @@ def test_metrics_have_the_contract_names_and_lag0_mismatch_is_zero_for_reference
     assert REGISTRY.get_sample_value("parity_trainer_step") == 1.0
     assert REGISTRY.get_sample_value("parity_trainer_weight_version") == 1.0
     assert REGISTRY.get_sample_value("parity_trainer_mismatch_k3") == pytest.approx(row["mismatch_k3"])
+
+
+def test_tokens_outside_the_trainers_mask_are_counted_not_clamped(
+    redis_url: str, tmp_path: Path, reference_model
+) -> None:
+    # Sampled at top-k 5, replayed by the trainer at top-k 1: every token that was not the argmax is
+    # outside the trainer's distribution (logprob -inf), the engine-sampled-outside failure.
+    g = group(reference_model, "masked", transform=SamplingTransform(1.0, 5, 1.0), seed=3)
+    g.sampling.top_k = 1
+    RolloutQueue(redis_url, stream=STREAM).publish(g)
+    trainer = make_trainer(redis_url, tmp_path)
+    replay = SamplingTransform(1.0, 1, 1.0)
+    rollout_lp, trainer_lp = [], []
+    with torch.no_grad():
+        for sample in g.samples:
+            inputs = SequenceInput(tuple(g.prompt_token_ids), tuple(sample.token_ids), replay)
+            trainer_lp += token_logprobs(trainer.model, [inputs])[0].tolist()
+            rollout_lp += list(sample.logprobs)
+    trainer.run()
+    (row,) = metrics(tmp_path)
+    masked = sum(1 for lp in trainer_lp if lp == float("-inf"))
+    assert 0 < masked < len(trainer_lp)  # the case needs both kinds of token
+    assert row["mismatch_nonfinite_tokens"] == row["mismatch_nonfinite_tokens_all"] == masked
+    assert row["trainer_nonfinite_tokens"] == masked
+    # The statistics are those of the finite tokens alone: no -inf clamped to ±20 among them.
+    r = [t - q for t, q in zip(trainer_lp, rollout_lp, strict=True) if t != float("-inf")]
+    assert row["mismatch_max_abs"] == pytest.approx(max(abs(x) for x in r), abs=1e-5)
+    assert row["mismatch_k1"] == pytest.approx(-sum(r) / len(r), abs=1e-5)
+
+
+def test_lag0_mismatch_of_a_step_without_lag0_tokens_is_null_not_zero(
+    redis_url: str, tmp_path: Path, reference_model
+) -> None:
+    from prometheus_client import REGISTRY
+
+    queue = RolloutQueue(redis_url, stream=STREAM)
+    queue.publish(group(reference_model, "v0a"))
+    queue.publish(group(reference_model, "v0b", seed=1))  # trained at version 1: lag 1
+    make_trainer(redis_url, tmp_path, steps=2, max_lag=1, lr=1e-3).run()
+    first, second = metrics(tmp_path)
+    assert first["lag0_token_frac"] == 1.0 and second["lag0_token_frac"] == 0.0
+    for key in ("mismatch_k1", "mismatch_k3", "mismatch_max_abs", "mismatch_ratio_p50", "ess_lag0"):
+        assert isinstance(first[key], float) and second[key] is None, key
+    assert second["mismatch_k3_all"] > 0 and second["mismatch_nonfinite_tokens"] == 0
+    # The gauge says "not measured", not the previous step's value.
+    assert math.isnan(REGISTRY.get_sample_value("parity_trainer_mismatch_k3"))
 
 
 def test_zero_variance_groups_add_no_gradient_and_are_counted(

@@ -24,12 +24,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity import mismatch, tracing
-from parity.config.trainer import TrainerConfig
+from parity.config import ParityConfig
 from parity.rollout_queue import RolloutQueue
 from parity.sampling import SamplingTransform
 from trainer import objectives, offpolicy
@@ -38,6 +38,9 @@ from trainer.consumer import Batch, RolloutConsumer, token_versions
 from trainer.policy import SequenceInput, load_model, token_logprobs
 from trainer.publisher import Publisher, PublishError
 from trainer.telemetry import Telemetry
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +58,42 @@ class ScoredSequence:
     trainable: bool
 
 
+@dataclass
+class StepTotals:
+    """What one step's micro-batches gather for its metrics: running sums, and per-token tensors
+    (CPU, one per micro-batch, in sequence order; `cat` joins them)."""
+
+    trainable_tokens: int
+    trainable_seqs: int
+    loss: float = 0.0
+    trainer_nonfinite_tokens: int = 0  # trainable tokens the trainer's mask excludes (zero loss)
+    trainer_logprobs: list[torch.Tensor] = field(default_factory=list)
+    rollout_logprobs: list[torch.Tensor] = field(default_factory=list)
+    lags: list[int] = field(default_factory=list)
+    entropy: list[torch.Tensor] = field(default_factory=list)
+    clip: list[torch.Tensor] = field(default_factory=list)  # per token (per sequence for GSPO)
+    kl_new_old: list[torch.Tensor] = field(default_factory=list)
+    is_weights: list[torch.Tensor] = field(default_factory=list)
+    is_corrected: list[torch.Tensor] = field(default_factory=list)
+    kl_ref: list[torch.Tensor] = field(default_factory=list)
+    # Trainer vs rollout logprobs at each token's own version (only with old_logprobs=recompute).
+    at_version_trainer_logprobs: list[torch.Tensor] = field(default_factory=list)
+    at_version_rollout_logprobs: list[torch.Tensor] = field(default_factory=list)
+
+    @staticmethod
+    def cat(chunks: list[torch.Tensor]) -> torch.Tensor:
+        import torch
+
+        return torch.cat(chunks) if chunks else torch.zeros(0)
+
+
 class Trainer:
     """Owns the model, optimizer, queue consumer, publisher and checkpoints of one run."""
 
-    def __init__(self, config: TrainerConfig) -> None:
-        self.config = config
+    def __init__(self, run_config: ParityConfig) -> None:
+        self.config = config = run_config.trainer
+        self.schedule = run_config.run  # seed, steps, groups_per_step, max_lag, publish_every, stream
+        self.model_name = run_config.model.name
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.state = TrainerState()
@@ -81,11 +115,11 @@ class Trainer:
 
         from parity import models
 
-        cfg = self.config
-        torch.manual_seed(cfg.seed)
+        cfg, schedule = self.config, self.schedule
+        torch.manual_seed(schedule.seed)
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
-        self.model_dir = models.resolve(cfg.model)
+        self.model_dir = models.resolve(self.model_name)
         self.model = load_model(self.model_dir, cfg.dtype)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -102,7 +136,7 @@ class Trainer:
         self.state = restored or TrainerState()
         self.telemetry.resume(self.state.step)
         self.applied_ids = set(self.state.applied_rollout_ids)
-        self.queue = RolloutQueue(cfg.redis_url, cfg.stream, cfg.consumer_group, cfg.stream_maxlen)
+        self.queue = RolloutQueue(schedule.redis_url, schedule.stream, cfg.consumer_group, cfg.stream_maxlen)
         self.queue.rewind(self.state.replay_floor)
         self.queue.set_replay_floor(self.state.replay_floor)
         self.consumer = RolloutConsumer(
@@ -110,7 +144,7 @@ class Trainer:
         )
         self.publisher = Publisher(
             cfg.broadcast_address,
-            cfg.model,
+            self.model_name,
             auth_token=cfg.auth_token,
             bucket_bytes=cfg.bucket_bytes,
             wait_committed_s=cfg.wait_committed_s,
@@ -169,12 +203,12 @@ class Trainer:
     # ---- main loop -------------------------------------------------------------------------------
     def run(self) -> None:
         """Train until `steps` are done or a stop is requested; then publish + checkpoint."""
-        cfg = self.config
-        while self.state.step < cfg.steps and not self.stop_event.is_set():
+        cfg, schedule = self.config, self.schedule
+        while self.state.step < schedule.steps and not self.stop_event.is_set():
             batch = self.consumer.collect(
-                cfg.groups_per_step,
+                schedule.groups_per_step,
                 self.state.weight_version,
-                cfg.max_lag,
+                schedule.max_lag,
                 self.stop_event.is_set,
                 on_wait=self._checkpoint_if_requested,
             )
@@ -182,7 +216,7 @@ class Trainer:
                 break
             self.in_step = True
             self.train_step(batch)
-            if self.state.step % cfg.publish_every == 0:
+            if self.state.step % schedule.publish_every == 0:
                 self._publish()
             self.in_step = False
             due = cfg.checkpoint_every > 0 and self.state.step % cfg.checkpoint_every == 0
@@ -220,7 +254,7 @@ class Trainer:
                     [p for p in self.model.parameters() if p.requires_grad], cfg.grad_clip
                 )
             )
-            if totals["trainable_tokens"] > 0 and torch.isfinite(torch.tensor(grad_norm)):
+            if totals.trainable_tokens > 0 and torch.isfinite(torch.tensor(grad_norm)):
                 self.optimizer.step()
                 self._unpublished_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
@@ -294,38 +328,23 @@ class Trainer:
                 )
         return sequences, rewards, zero_groups
 
-    def _micro_batches(self, sequences: list[ScoredSequence]) -> dict[str, Any]:
+    def _micro_batches(self, sequences: list[ScoredSequence]) -> StepTotals:
         """Forward/backward every trainable micro-batch, forward-only the rest; gather metric inputs."""
         import torch
 
         cfg = self.config
         trainable = [s for s in sequences if s.trainable]
         frozen = [s for s in sequences if not s.trainable]
-        total_tokens = sum(len(s.rollout_logprobs) for s in trainable)
-        totals: dict[str, Any] = {
-            "trainable_tokens": total_tokens,
-            "trainable_seqs": len(trainable),
-            "loss": 0.0,
-            "trainer_lp": [],
-            "rollout_lp": [],
-            "lags": [],
-            "entropy": [],
-            "clip": [],
-            "kl_new_old": [],
-            "is_w": [],
-            "is_corr": [],
-            "kl_ref": [],
-            "at_version_trainer_lp": [],
-            "at_version_rollout_lp": [],
-            "nonfinite": 0,
-        }
+        totals = StepTotals(
+            trainable_tokens=sum(len(s.rollout_logprobs) for s in trainable), trainable_seqs=len(trainable)
+        )
         size = cfg.micro_batch_size
         for chunk_start in range(0, len(trainable), size):
             chunk = trainable[chunk_start : chunk_start + size]
-            loss = self._micro_batch_loss(chunk, totals, total_tokens, len(trainable))
+            loss = self._micro_batch_loss(chunk, totals)
             if loss.requires_grad:
                 loss.backward()
-            totals["loss"] += float(loss.detach())
+            totals.loss += float(loss.detach())
         with torch.no_grad():
             for chunk_start in range(0, len(frozen), size):
                 chunk = frozen[chunk_start : chunk_start + size]
@@ -333,37 +352,37 @@ class Trainer:
                 self._collect_metric_inputs(chunk, new_T, entropy_T, totals)
         return totals
 
-    def _collect_metric_inputs(self, chunk, new_T, entropy_T, totals) -> None:
+    def _collect_metric_inputs(self, chunk, new_T, entropy_T, totals: StepTotals):
+        """Record the chunk's per-token metric inputs; returns its rollout logprobs [T]."""
         import torch
 
         rollout_T = torch.tensor([lp for s in chunk for lp in s.rollout_logprobs], dtype=torch.float32)
-        totals["trainer_lp"].append(new_T.detach().float().cpu())
-        totals["rollout_lp"].append(rollout_T)
-        totals["entropy"].append(entropy_T.detach().cpu())
+        totals.trainer_logprobs.append(new_T.detach().float().cpu())
+        totals.rollout_logprobs.append(rollout_T)
+        totals.entropy.append(entropy_T.detach().cpu())
         version = self.state.weight_version
-        totals["lags"].extend(lag for s in chunk for lag in offpolicy.token_lags(version, s.versions))
+        totals.lags.extend(lag for s in chunk for lag in offpolicy.token_lags(version, s.versions))
+        return rollout_T
 
-    def _micro_batch_loss(
-        self, chunk: list[ScoredSequence], totals: dict, total_tokens: int, total_seqs: int
-    ):
+    def _micro_batch_loss(self, chunk: list[ScoredSequence], totals: StepTotals):
         import torch
 
         cfg = self.config
+        total_tokens, total_seqs = totals.trainable_tokens, totals.trainable_seqs
         new_T, entropy_T = token_logprobs(self.model, [s.inputs for s in chunk])
-        self._collect_metric_inputs(chunk, new_T, entropy_T, totals)
+        behaviour_T = self._collect_metric_inputs(chunk, new_T, entropy_T, totals)
         lengths = [len(s.rollout_logprobs) for s in chunk]
         seq_index_T = torch.repeat_interleave(torch.arange(len(chunk)), torch.tensor(lengths))
         seq_lengths_S = torch.tensor(lengths)
-        behaviour_T = totals["rollout_lp"][-1]
         finite_T = torch.isfinite(new_T.detach())
-        totals["nonfinite"] += int((~finite_T).sum())
+        totals.trainer_nonfinite_tokens += int((~finite_T).sum())
         # A token the trainer's mask excludes (-inf) cannot be trained on; it gets zero loss.
         new_safe_T = torch.where(finite_T, new_T, behaviour_T)
         if self.old_model is not None:
             old_T, known_T = self._recompute_old(chunk, behaviour_T)
             # Backend mismatch on every token, stale or not: trainer vs rollout at the same weights.
-            totals["at_version_trainer_lp"].append(old_T[known_T].float().cpu())
-            totals["at_version_rollout_lp"].append(behaviour_T[known_T].float().cpu())
+            totals.at_version_trainer_logprobs.append(old_T[known_T].float().cpu())
+            totals.at_version_rollout_logprobs.append(behaviour_T[known_T].float().cpu())
         elif cfg.is_correction != "none":
             old_T = new_safe_T.detach()  # decoupled PPO: the proximal policy is the current one
         else:
@@ -371,9 +390,9 @@ class Trainer:
         weights_T, corrected_T = offpolicy.is_weights(
             old_T, behaviour_T, seq_index_T, len(chunk), cfg.is_correction, cfg.is_level, cfg.is_cap
         )
-        totals["is_w"].append(weights_T)
-        totals["is_corr"].append(corrected_T)
-        totals["kl_new_old"].append(objectives.kl_k3(new_safe_T.detach(), old_T).masked_fill(~finite_T, 0.0))
+        totals.is_weights.append(weights_T)
+        totals.is_corrected.append(corrected_T)
+        totals.kl_new_old.append(objectives.kl_k3(new_safe_T.detach(), old_T).masked_fill(~finite_T, 0.0))
         adv_S = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
         eps_low, eps_high = cfg.clip_range()
         if cfg.objective == "gspo":
@@ -384,7 +403,7 @@ class Trainer:
             loss = objectives.aggregate_sequences(
                 loss_S * w_S, seq_lengths_S, cfg.loss_agg, total_tokens, total_seqs
             )
-            totals["clip"].append(clip_S)
+            totals.clip.append(clip_S)
         else:
             loss_T, clip_T = objectives.ppo_clip_token_loss(
                 new_safe_T, old_T, adv_S[seq_index_T], eps_low, eps_high
@@ -393,12 +412,12 @@ class Trainer:
             loss = objectives.aggregate(
                 loss_T, seq_index_T, seq_lengths_S, cfg.loss_agg, total_tokens, total_seqs
             )
-            totals["clip"].append(clip_T)
+            totals.clip.append(clip_T)
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_T, _ = token_logprobs(self.ref_model, [s.inputs for s in chunk], with_entropy=False)
             kl_T = torch.where(finite_T, objectives.kl_k3(new_safe_T, ref_T), torch.zeros_like(new_safe_T))
-            totals["kl_ref"].append(kl_T.detach())
+            totals.kl_ref.append(kl_T.detach())
             loss = loss + cfg.kl_coef * objectives.aggregate(
                 kl_T, seq_index_T, seq_lengths_S, cfg.loss_agg, total_tokens, total_seqs
             )
@@ -411,7 +430,7 @@ class Trainer:
         self._snapshots[self.state.weight_version] = {
             name: p.detach().clone() for name, p in self.model.named_parameters()
         }
-        for old in sorted(self._snapshots)[: max(0, len(self._snapshots) - (self.config.max_lag + 1))]:
+        for old in sorted(self._snapshots)[: max(0, len(self._snapshots) - (self.schedule.max_lag + 1))]:
             del self._snapshots[old]
 
     def _recompute_old(self, chunk: list[ScoredSequence], behaviour_T):
@@ -440,22 +459,27 @@ class Trainer:
 
     # ---- metrics ---------------------------------------------------------------------------------
     def _metrics(
-        self, batch, sequences, rewards, zero_groups, totals, grad_norm, step_time_s
+        self,
+        batch: Batch,
+        sequences: list[ScoredSequence],
+        rewards: list[float],
+        zero_groups: int,
+        totals: StepTotals,
+        grad_norm: float,
+        step_time_s: float,
     ) -> dict[str, Any]:
         import torch
 
-        def cat(key: str):
-            return torch.cat(totals[key]) if totals[key] else torch.zeros(0)
-
-        trainer_T, rollout_T = cat("trainer_lp"), cat("rollout_lp")
-        lags_T = torch.tensor(totals["lags"], dtype=torch.long)
+        cat = StepTotals.cat
+        trainer_T, rollout_T = cat(totals.trainer_logprobs), cat(totals.rollout_logprobs)
+        lags_T = torch.tensor(totals.lags, dtype=torch.long)
         lag0_T = lags_T == 0
-        on_lag0 = mismatch.mismatch_metrics(trainer_T[lag0_T], rollout_T[lag0_T])
-        on_all = mismatch.mismatch_metrics(trainer_T, rollout_T)
+        on_lag0 = mismatch.mismatch_stats(trainer_T[lag0_T], rollout_T[lag0_T])
+        on_all = mismatch.mismatch_stats(trainer_T, rollout_T)
         rewards_t = torch.tensor(rewards, dtype=torch.float64)
         num_tokens = int(trainer_T.numel())
-        is_w, is_corr, clip = cat("is_w"), cat("is_corr"), cat("clip")
-        entropy, kl_new_old, kl_ref = cat("entropy"), cat("kl_new_old"), cat("kl_ref")
+        is_w, is_corr, clip = cat(totals.is_weights), cat(totals.is_corrected), cat(totals.clip)
+        entropy, kl_new_old, kl_ref = cat(totals.entropy), cat(totals.kl_new_old), cat(totals.kl_ref)
         metrics: dict[str, Any] = {
             "step": self.state.step + 1,
             "weight_version": self.state.weight_version,
@@ -465,22 +489,33 @@ class Trainer:
             "kl_new_old": float(kl_new_old.mean()) if kl_new_old.numel() else 0.0,
             "entropy": float(entropy.mean()) if entropy.numel() else 0.0,
         }
-        for suffix, values in (("", on_lag0), ("_all", on_all)):
-            for key in ("k1", "k2", "k3", "max_abs", "ratio_p05", "ratio_p50", "ratio_p95"):
-                metrics[f"mismatch_{key}{suffix}"] = values[key]
-        if totals["at_version_trainer_lp"]:  # only with --old_logprobs recompute
-            at_version_T = cat("at_version_trainer_lp")
-            on_version = mismatch.mismatch_metrics(at_version_T, cat("at_version_rollout_lp"))
-            for key in ("k1", "k2", "k3", "max_abs"):
-                metrics[f"mismatch_{key}_at_version"] = on_version[key]
+        # Statistics over the tokens with finite logprobs (NaN when there are none); the others are
+        # counted in mismatch_nonfinite_tokens*.
+        for suffix, stats in (("", on_lag0), ("_all", on_all)):
+            for key in (
+                "k1",
+                "k2",
+                "k3",
+                "max_abs",
+                "ratio_p05",
+                "ratio_p50",
+                "ratio_p95",
+                "nonfinite_tokens",
+            ):
+                metrics[f"mismatch_{key}{suffix}"] = getattr(stats, key)
+        if totals.at_version_trainer_logprobs:  # only with --old_logprobs recompute
+            at_version_T = cat(totals.at_version_trainer_logprobs)
+            on_version = mismatch.mismatch_stats(at_version_T, cat(totals.at_version_rollout_logprobs))
+            for key in ("k1", "k2", "k3", "max_abs", "nonfinite_tokens"):
+                metrics[f"mismatch_{key}_at_version"] = getattr(on_version, key)
             metrics["at_version_token_frac"] = at_version_T.numel() / max(1, num_tokens)
         metrics.update(
             {
-                "ess": on_all["ess"],
-                "ess_lag0": on_lag0["ess"],
+                "ess": on_all.ess,
+                "ess_lag0": on_lag0.ess,
                 "lag_mean": float(lags_T.float().mean()) if lags_T.numel() else 0.0,
                 "lag_max": int(lags_T.max()) if lags_T.numel() else 0,
-                "lag_hist": offpolicy.lag_histogram(totals["lags"]),
+                "lag_hist": offpolicy.lag_histogram(totals.lags),
                 "lag0_token_frac": float(lag0_T.float().mean()) if lags_T.numel() else 0.0,
                 "dropped_stale": batch.dropped_stale,
                 "dropped_stale_total": self.state.dropped_stale_total + batch.dropped_stale,
@@ -490,9 +525,9 @@ class Trainer:
                 "num_groups": len(batch.groups),
                 "num_sequences": len(sequences),
                 "num_tokens": num_tokens,
-                "trainable_tokens": totals["trainable_tokens"],
-                "trainer_nonfinite_tokens": totals["nonfinite"],
-                "loss": totals["loss"],
+                "trainable_tokens": totals.trainable_tokens,
+                "trainer_nonfinite_tokens": totals.trainer_nonfinite_tokens,
+                "loss": totals.loss,
                 "grad_norm": grad_norm,
                 "lr": self.config.lr,
                 "is_weight_mean": float(is_w.mean()) if is_w.numel() else 1.0,

@@ -6,7 +6,9 @@ trained_rollouts.jsonl (step -> rollout ids applied), which makes "no rollout ap
 lost" checkable from the outside.
 
 Gauges are `parity_trainer_<name>` for every numeric metric in REQUIRED_METRICS plus a few extras;
-totals are counters (`_total`). No labels (the lag histogram stays in the JSON).
+totals are counters (`_total`). No labels (the lag histogram stays in the JSON). A metric the step
+could not measure (NaN, e.g. lag-0 mismatch in a step without lag-0 tokens) is `null` in the JSON
+and NaN in its gauge, never the previous step's value.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ EXTRA_GAUGES = (
     "queue_wait_s",
     "publish_s",
     "trainer_nonfinite_tokens",
+    "mismatch_nonfinite_tokens",
+    "mismatch_nonfinite_tokens_all",
     "backlog",
 )
 COUNTERS = ("rollouts_trained", "dropped_stale", "duplicates_skipped")
@@ -149,8 +153,8 @@ class Telemetry:
             handle.write(json.dumps({k: _clean(v) for k, v in metrics.items()}) + "\n")
         for name, gauge in self._gauges.items():
             value = metrics.get(name)
-            if isinstance(value, (int, float)) and math.isfinite(float(value)):
-                gauge.set(float(value))
+            if isinstance(value, (int, float)):
+                gauge.set(float(value))  # NaN: not measured in this step
         for name, amount in counter_increments.items():
             if name in self._counters and amount > 0:
                 self._counters[name].inc(amount)
