@@ -21,7 +21,7 @@ import pytest
 from parity import mismatch
 from parity.config.check import DEFAULT_THRESHOLD
 from tests.conftest import config_for
-from tools.check.check import CheckReport, gate, main, make_row, run_check
+from tools.check.check import CheckReport, main, make_row, run_check
 from tools.check.report import ScoredCompletion, completion_stats, worst_tokens
 
 CHECK_SIZES = {"num_prompts": 6, "samples_per_prompt": 2, "max_tokens": 20}
@@ -96,18 +96,21 @@ def _report(rows, threshold=DEFAULT_THRESHOLD) -> CheckReport:
     return CheckReport(rows, threshold, "tiny", "test", SamplingSetup(0.7, 0.9, 0, 20, 2, 0), 6, 0.0)
 
 
-def test_gate_on_synthetic_reports(capsys: pytest.CaptureFixture[str]) -> None:
+def test_gate_passes_without_non_finite_logprobs_and_at_most_the_threshold() -> None:
     rollout = np.linspace(-3, -0.1, 40)
-    good = make_row(
-        "good", "", {}, completions_from(rollout, rollout + 1e-4), ByteDecoder(), DEFAULT_THRESHOLD
-    )
-    bad = make_row("bad", "", {}, completions_from(rollout, rollout + 0.3), ByteDecoder(), DEFAULT_THRESHOLD)
+
+    def row(name: str, trainer: np.ndarray):
+        return make_row(name, "", {}, completions_from(rollout, trainer), ByteDecoder(), DEFAULT_THRESHOLD)
+
+    good = row("good", rollout + 1e-4)
+    bad = row("bad", rollout + 0.3)
+    masked_trainer = rollout + 1e-4
+    masked_trainer[7] = -np.inf  # one token outside the trainer's mask; the rest agree
+    masked = row("masked", masked_trainer)
     assert good.passed and not bad.passed
-    assert gate(_report([good]), override=False)
-    assert not gate(_report([bad]), override=False)
-    assert capsys.readouterr().err == ""
-    assert gate(_report([bad]), override=True)
-    assert "FAILED and the override is set" in capsys.readouterr().err
+    assert not masked.passed and masked.stats.k3 < DEFAULT_THRESHOLD
+    assert "FAIL (non-finite)" in _report([masked]).table
+    assert _report([good, bad]).passed and not _report([bad, good]).passed  # the first row decides
     assert "FAILED" in _report([bad]).table and "PASSED" in _report([good]).table
 
 
@@ -243,13 +246,10 @@ def test_parity_request_path_is_immune_to_generation_config_auto(ablation) -> No
 
 
 @pytest.mark.slow
-def test_gate_refuses_a_broken_config_and_the_override_lets_it_through(ablation) -> None:
+def test_gate_refuses_a_broken_config_and_passes_the_correct_one(ablation) -> None:
     rows = _rows(ablation[0])
-    broken = _report([rows["raw_logprobs"]])
-    assert not broken.passed
-    assert gate(broken, override=False) is False
-    assert gate(broken, override=True) is True
-    assert gate(_report([rows["base"]]), override=False) is True
+    assert not _report([rows["raw_logprobs"]]).passed
+    assert _report([rows["base"]]).passed
 
 
 @pytest.mark.slow

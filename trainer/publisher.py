@@ -72,10 +72,6 @@ class Publisher:
         )
         self._stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(self._channel) if self._channel else None
 
-    @property
-    def local_only(self) -> bool:
-        return self._stub is None
-
     def latest_version(self) -> int:
         """The broadcast service's latest version (0 in local mode)."""
         if self._stub is None:

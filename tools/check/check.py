@@ -32,8 +32,8 @@ from pathlib import Path
 
 from parity.config import ConfigError, ParityConfig, env_for, write_config
 from parity.config.entry import entrypoint
-from tools.check.ablation import Ablation, RawCompletion, SamplingSetup
 from parity.mismatch import MismatchStats
+from tools.check.ablation import Ablation, RawCompletion, SamplingSetup
 from tools.check.report import (
     ScoredCompletion,
     WorstToken,
@@ -134,21 +134,6 @@ def _verdict(row: CheckRow) -> str:
     if row.passed:
         return "pass"
     return "FAIL (non-finite)" if row.stats.nonfinite_tokens else "FAIL"
-
-
-def gate(report: CheckReport, override: bool) -> bool:
-    """May training start? Yes if the check passed; if not, only with the override, and loudly."""
-    if report.passed:
-        return True
-    if override:
-        print(
-            "!" * 78 + "\nWARNING: the preflight parity check FAILED and the override is set: training on "
-            "rollout logprobs that disagree with the trainer's.\n" + "!" * 78,
-            file=sys.stderr,
-            flush=True,
-        )
-        return True
-    return False
 
 
 def check_prompts(
