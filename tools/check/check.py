@@ -26,7 +26,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -75,11 +75,7 @@ class CheckRow:
 
     def as_dict(self) -> dict[str, object]:
         return {
-            "name": self.name,
-            "description": self.description,
-            "compare_with": self.compare_with,
-            "settings": self.settings,
-            "passed": self.passed,
+            **_attributes(self, "name", "description", "compare_with", "settings", "passed"),
             "stats": self.stats.as_dict(),
             "worst_tokens": [w.as_dict() for w in self.worst],
         }
@@ -119,15 +115,16 @@ class CheckReport:
 
     def as_dict(self) -> dict[str, object]:
         return {
-            "passed": self.passed,
-            "threshold": self.threshold,
-            "model": self.model,
-            "source": self.source,
-            "sampling": self.sampling.__dict__,
-            "num_prompts": self.num_prompts,
-            "seconds": self.seconds,
+            **_attributes(self, "passed", "threshold", "model", "source"),
+            "sampling": asdict(self.sampling),
+            **_attributes(self, "num_prompts", "seconds"),
             "rows": [r.as_dict() for r in self.rows],
         }
+
+
+def _attributes(obj: object, *names: str) -> dict[str, object]:
+    """check.json's plain fields of `obj`, in the order given."""
+    return {name: getattr(obj, name) for name in names}
 
 
 def _verdict(row: CheckRow) -> str:
