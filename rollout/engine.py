@@ -10,7 +10,8 @@ Invariants every engine keeps:
   - After an applied update no request is scored against prefix-cache KV computed by older weights
     (the prefix cache is reset, unless `reset_prefix_cache_on_update` is off for fault tests).
 
-The update protocol, as the service drives it:
+The update protocol, as the service drives it (`RolloutEngine.update_weights`, the one copy; an
+engine supplies `_stage` and `_swap`):
 
     staged = receive(plan)            # join the broadcast group, recv buckets into staging tensors
     verify(staged, plan.tensors)      # checksums; a mismatch -> FAILED, nothing swapped
@@ -21,11 +22,18 @@ The update protocol, as the service drives it:
 
 from __future__ import annotations
 
+import asyncio
+import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from parity.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from parity.config.rollout import RolloutConfig
 
 FinishReasonName = Literal["stop", "length", "abort"]
 UpdateOutcomeName = Literal["applied", "failed", "already_current"]
@@ -75,28 +83,56 @@ class UpdateResult:
     paused_s: float = 0.0
 
 
-class RolloutEngine(Protocol):
-    """What the gRPC service and the actor need from an engine."""
+class RolloutEngine(ABC):
+    """What the gRPC service and the actor need from an engine, and the update protocol itself."""
 
     name: str
-    weight_version: int
+    top_p_impl: str  # the top-k/top-p masking in effect, reported by GetStatus
     max_model_len: int
-    vocab_size: int
 
+    def __init__(self, config: RolloutConfig, model_dir: Path, seed: int = 0) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.seed = seed
+        self.weight_version = 0
+        self.vocab_size = 0  # known once started
+        self.tokenizer = None
+        self._running = 0  # groups being generated
+        self._update_lock = asyncio.Lock()  # one weight update at a time
+
+    @abstractmethod
     async def start(self) -> None:
         """Load the model (version 0) and get ready to generate."""
 
+    @abstractmethod
     def encode(self, text: str, use_chat_template: bool) -> list[int]:
         """Prompt text -> token ids (optionally through the tokenizer's chat template)."""
 
+    @abstractmethod
     def generate(self, spec: GenerationSpec, stream: bool = False) -> AsyncIterator[CompletionResult]:
         """Yield the group's completions; with `stream`, each as soon as it finishes (else possibly
         all at the end, which is cheaper per decode step)."""
 
+    @abstractmethod
     async def pause(self, mode: Literal["keep", "recompute"]) -> None:
         """Stop scheduling new tokens; running sequences are kept (or their KV dropped)."""
 
+    @abstractmethod
     async def resume(self) -> None: ...
+
+    @abstractmethod
+    async def shutdown(self) -> None: ...
+
+    @abstractmethod
+    async def _stage(self, plan, fault_corrupt_tensor: str) -> dict:
+        """Receive and verify `plan` into staging tensors, away from the serving weights; generation
+        goes on meanwhile. Returns `StagedWeights.report()`: a non-empty "error" means nothing may
+        be swapped in."""
+
+    @abstractmethod
+    async def _swap(self, version: int) -> tuple[str, float]:
+        """While paused: swap the staged weights in and serve them as `version` (prefix cache
+        reset included). Returns (error, seconds the swap took); on an error nothing changed."""
 
     async def update_weights(
         self,
@@ -106,10 +142,33 @@ class RolloutEngine(Protocol):
         keep_paused: bool = False,
     ) -> UpdateResult:
         """Receive, verify and swap in `plan` (a parity.v1.TransferPlan); see the module docstring."""
+        async with self._update_lock:
+            staged = await self._stage(plan, fault_corrupt_tensor)
+            result = UpdateResult(
+                outcome="failed",
+                weight_version=self.weight_version,
+                error=staged["error"],
+                checksums=staged["checksums"],
+                transfer_s=staged["transfer_s"],
+                verify_s=staged["verify_s"],
+            )
+            if result.error:
+                return result
+            paused_at = time.perf_counter()
+            await self.pause(mode)
+            try:
+                result.error, result.swap_s = await self._swap(int(plan.version))
+                if not result.error:
+                    result.outcome = "applied"
+                    result.weight_version = self.weight_version
+            finally:
+                if not keep_paused:  # a client's PauseGeneration stays in force until its Resume
+                    await self.resume()
+                result.paused_s = time.perf_counter() - paused_at
+            return result
 
-    def num_running(self) -> int: ...
-
-    async def shutdown(self) -> None: ...
+    def num_running(self) -> int:
+        return self._running
 
 
 def plan_to_bytes(plan) -> bytes:

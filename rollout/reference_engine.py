@@ -25,34 +25,28 @@ from typing import Literal
 
 from parity.config.rollout import RolloutConfig
 from parity.sampling import SamplingTransform, processed_logprobs
-from rollout.engine import CompletionResult, GenerationSpec, UpdateResult
+from rollout.engine import CompletionResult, GenerationSpec, RolloutEngine
 from rollout.vllm_engine import encode_prompt
-from rollout.weight_receiver import receive_and_verify
+from rollout.weight_receiver import StagedWeights, receive_and_verify
 
 log = logging.getLogger(__name__)
 
 
-class ReferenceEngine:
+class ReferenceEngine(RolloutEngine):
     """`RolloutEngine` on HF transformers + parity.sampling."""
 
     name = "reference"
 
     def __init__(self, config: RolloutConfig, model_dir: Path, seed: int = 0) -> None:
-        self.config = config
-        self.seed = seed
-        self.model_dir = model_dir
-        self.weight_version = 0
+        super().__init__(config, model_dir, seed)
         self.top_p_impl = "reference"  # parity.sampling's transform, as the trainer replays it
         self.max_model_len = config.max_model_len
-        self.vocab_size = 0
         self.model = None
-        self.tokenizer = None
         self._model_lock = threading.Lock()
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._recompute_epoch = 0
-        self._running = 0
-        self._update_lock = asyncio.Lock()
+        self._staged: StagedWeights | None = None  # verified, waiting for _swap
         self._eos_ids: set[int] = set()
 
     async def start(self) -> None:
@@ -186,48 +180,26 @@ class ReferenceEngine:
     async def resume(self) -> None:
         self._unpaused.set()
 
-    async def update_weights(
-        self,
-        plan,
-        mode: Literal["keep", "recompute"],
-        fault_corrupt_tensor: str = "",
-        keep_paused: bool = False,
-    ) -> UpdateResult:
-        async with self._update_lock:
-            staged = await asyncio.to_thread(receive_and_verify, plan, "cpu", fault_corrupt_tensor)
-            result = UpdateResult(
-                outcome="failed",
-                weight_version=self.weight_version,
-                error=staged.error,
-                checksums=staged.checksums,
-                transfer_s=staged.transfer_s,
-                verify_s=staged.verify_s,
-            )
-            if staged.error:
-                return result
+    async def _stage(self, plan, fault_corrupt_tensor: str) -> dict:
+        staged = await asyncio.to_thread(receive_and_verify, plan, "cpu", fault_corrupt_tensor)
+        report = staged.report()
+        if not staged.error:
             params = self.model.state_dict()
             for name, tensor in staged.named():
                 if name not in params or tuple(params[name].shape) != tuple(tensor.shape):
-                    result.error = f"tensor {name!r} does not match the model's parameters"
-                    return result
-            paused_at = time.perf_counter()
-            await self.pause(mode)
-            try:
-                start = time.perf_counter()
-                with self._model_lock:
-                    self.model.load_state_dict(dict(staged.named()), strict=False)
-                    self.weight_version = int(plan.version)
-                result.swap_s = time.perf_counter() - start
-                result.outcome = "applied"
-                result.weight_version = self.weight_version
-            finally:
-                if not keep_paused:  # a client's PauseGeneration stays in force until its Resume
-                    await self.resume()
-                result.paused_s = time.perf_counter() - paused_at
-            return result
+                    report["error"] = f"tensor {name!r} does not match the model's parameters"
+                    break
+        self._staged = None if report["error"] else staged
+        return report
 
-    def num_running(self) -> int:
-        return self._running
+    async def _swap(self, version: int) -> tuple[str, float]:
+        staged, self._staged = self._staged, None
+        assert staged is not None, "_swap without a verified _stage"
+        start = time.perf_counter()
+        with self._model_lock:
+            self.model.load_state_dict(dict(staged.named()), strict=False)
+            self.weight_version = version
+        return "", time.perf_counter() - start
 
     async def shutdown(self) -> None:
         self._unpaused.set()

@@ -21,40 +21,31 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
 from parity.config.rollout import RolloutConfig
 from parity.versions import expand_spans, parse_version_label
-from rollout.engine import FINISH_REASONS, CompletionResult, GenerationSpec, UpdateResult, plan_to_bytes
+from rollout.engine import FINISH_REASONS, CompletionResult, GenerationSpec, RolloutEngine, plan_to_bytes
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "rollout.worker_extension.ParityWorkerExtension"
 
 
-class VllmEngine:
+class VllmEngine(RolloutEngine):
     """`RolloutEngine` on vLLM V1 AsyncLLM."""
 
     name = "vllm"
 
     def __init__(self, config: RolloutConfig, model_dir: Path, seed: int = 0) -> None:
-        self.config = config
-        self.seed = seed
-        self.model_dir = model_dir
-        self.weight_version = 0
+        super().__init__(config, model_dir, seed)
         self.max_model_len = config.max_model_len
-        self.vocab_size = 0
         self.top_p_impl = "vllm"  # what the worker reports once started: "bounded" or "vllm"
         self.llm = None
-        self.tokenizer = None
-        self._running = 0
-        self._update_lock = asyncio.Lock()
 
     def engine_args(self):
         from vllm import AsyncEngineArgs
@@ -179,57 +170,26 @@ class VllmEngine:
             raise RuntimeError(f"{method}: expected 1 worker reply, got {len(replies)} (TP>1 unsupported)")
         return replies[0]
 
-    async def update_weights(
-        self,
-        plan,
-        mode: Literal["keep", "recompute"],
-        fault_corrupt_tensor: str = "",
-        keep_paused: bool = False,
-    ) -> UpdateResult:
-        async with self._update_lock:
-            staged = await self._rpc_one(
-                "parity_stage_weights",
-                plan_bytes=plan_to_bytes(plan),
-                fault_corrupt_tensor=fault_corrupt_tensor,
-            )
-            result = UpdateResult(
-                outcome="failed",
-                weight_version=self.weight_version,
-                error=staged["error"],
-                checksums=staged["checksums"],
-                transfer_s=staged["transfer_s"],
-                verify_s=staged["verify_s"],
-            )
-            if staged["error"]:
-                return result
-            paused_at = time.perf_counter()
-            await self.pause(mode)
-            try:
-                applied = await self._rpc_one("parity_apply_staged", version=int(plan.version))
-                if applied["error"]:
-                    result.error = applied["error"]
-                    return result
-                result.swap_s = applied["swap_s"]
-                if self.config.reset_prefix_cache_on_update:
-                    await self._reset_prefix_cache()
-                await self.llm.update_weight_version(str(plan.version))
-                self.weight_version = int(plan.version)
-                result.outcome = "applied"
-                result.weight_version = self.weight_version
-            finally:
-                if not keep_paused:  # a client's PauseGeneration stays in force until its Resume
-                    await self.resume()
-                result.paused_s = time.perf_counter() - paused_at
-            return result
+    async def _stage(self, plan, fault_corrupt_tensor: str) -> dict:
+        return await self._rpc_one(
+            "parity_stage_weights", plan_bytes=plan_to_bytes(plan), fault_corrupt_tensor=fault_corrupt_tensor
+        )
+
+    async def _swap(self, version: int) -> tuple[str, float]:
+        applied = await self._rpc_one("parity_apply_staged", version=version)
+        if applied["error"]:
+            return applied["error"], 0.0
+        if self.config.reset_prefix_cache_on_update:
+            await self._reset_prefix_cache()
+        await self.llm.update_weight_version(str(version))
+        self.weight_version = version
+        return "", applied["swap_s"]
 
     async def _reset_prefix_cache(self) -> None:
         if await self.llm.reset_prefix_cache():
             return
         # Kept sequences still hold blocks; the per-version cache salt keeps newer requests off them.
         log.info("prefix cache not reset (blocks held by kept sequences); requests are salted by version")
-
-    def num_running(self) -> int:
-        return self._running
 
     async def shutdown(self) -> None:
         if self.llm is not None:
