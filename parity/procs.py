@@ -59,16 +59,22 @@ class ServiceProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def read_port(self) -> bool:
+        """Pick up the port once the child has written its port file; whether the port is known."""
+        if not self.port and self.port_file.exists():
+            with contextlib.suppress(ValueError):
+                self.port = int(self.port_file.read_text())
+        return bool(self.port)
+
     def wait_ready(self, timeout_s: float = 180.0) -> ServiceProcess:
         """Wait for the port file, then for SERVING."""
         deadline = time.monotonic() + timeout_s
-        while not self.port_file.exists():
+        while not self.read_port():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} did not start in {timeout_s:.0f}s:\n{self.log_tail()}")
             time.sleep(0.1)
-        self.port = int(self.port_file.read_text())
         wait_healthy(self.address, max(1.0, deadline - time.monotonic()), proc=self.proc)
         return self
 

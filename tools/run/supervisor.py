@@ -124,10 +124,7 @@ class Supervisor:
             self.check()
             for name in list(pending):
                 child = self.children[name]
-                if not child.port and child.port_file.exists():
-                    with contextlib.suppress(ValueError):
-                        child.port = int(child.port_file.read_text())
-                if child.port and health.check(child.address, timeout_s=1.0, wait_for_ready=False)[0]:
+                if child.read_port() and health.check(child.address, timeout_s=1.0, wait_for_ready=False)[0]:
                     pending.remove(name)
             if pending and time.monotonic() > deadline:
                 tails = "\n".join(f"--- {n} ---\n{self.children[n].log_tail(15)}" for n in pending)
