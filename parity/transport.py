@@ -25,17 +25,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from parity.config import is_loopback
+# The bucket default lives with the config (one definition); re-exported for the transport's users.
+from parity.config.base import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
+from parity.config.base import is_loopback
 from parity.v1 import common_pb2
 
 if TYPE_CHECKING:
     import torch
 
 ALIGN_BYTES = 16
-# Bucket size of packed transfers. Measured on loopback gloo (bench/weight_sync.py, SmolLM2, relay to 2
-# receivers, idle 2-core box): e2e/raw 3.05 at 64 MiB, 2.04 at 32, 1.87 at 16, 1.72-1.94 at 8, 2.04 at
-# 4 MiB. Smaller buckets pipeline the relay's cut-through better; much smaller ones pay per-op cost.
-DEFAULT_BUCKET_BYTES = 8 * 1024 * 1024
 _DTYPE_SIZES = {
     "float32": 4,
     "float64": 8,

@@ -10,8 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from parity.config.base import ServiceConfig
-from parity.transport import DEFAULT_BUCKET_BYTES
+from parity.config.base import DEFAULT_BUCKET_BYTES, ServiceConfig
 
 
 class BroadcastConfig(ServiceConfig):

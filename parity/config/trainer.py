@@ -11,8 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from parity.config.base import ServiceConfig
-from parity.transport import DEFAULT_BUCKET_BYTES
+from parity.config.base import DEFAULT_BUCKET_BYTES, ServiceConfig
 
 Objective = Literal["grpo", "ppo", "gspo"]
 LossAgg = Literal["token", "sequence"]
