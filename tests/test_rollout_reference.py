@@ -152,6 +152,7 @@ def test_actor_publishes_scored_groups_with_backpressure(
     service = start_services(
         "rollout", "--engine", "reference", "--model", str(tiny_model), "--actor", "true",
         "--redis_url", redis_url, "--group_size", "3", "--max_tokens", "6", "--max_lag", "2",
+        "--skip_zero_variance", "false",
         "--groups_per_step", "2", "--concurrency", "3", "--worker_id", "w0", "--temperature", "0.9",
         "--top_k", "40",
         env={"OTEL_TRACES_EXPORTER": "console"},
@@ -173,7 +174,7 @@ def test_actor_publishes_scored_groups_with_backpressure(
             40,
             3,
         )
-        assert group.task == "arithmetic" and group.prompt_text.startswith("What is ")
+        assert group.task == "arithmetic_final" and group.prompt_text.startswith("What is ")
         assert group.logprobs_mode == common_pb2.LOGPROBS_MODE_PROCESSED
         assert (group.min_weight_version, group.max_weight_version) == (0, 0)
         assert [s.rollout_id for s in group.samples] == [f"{group.group_id}/{i}" for i in range(3)]
@@ -245,7 +246,7 @@ def test_sync_actor_generates_one_step_per_version(start_services, tiny_model: P
     service = start_services(
         "rollout", "--engine", "reference", "--model", str(tiny_model), "--actor", "true",
         "--redis_url", redis_url, "--group_size", "2", "--max_tokens", "4", "--groups_per_step", "3",
-        "--actor_mode", "sync", "--auth_token", TOKEN,
+        "--mode", "sync", "--skip_zero_variance", "false", "--auth_token", TOKEN,
     )  # fmt: skip
     queue = RolloutQueue(redis_url)
     deadline = time.monotonic() + 60
@@ -309,7 +310,7 @@ def test_sync_actor_with_dynamic_sampling_still_publishes_each_step(
     service = start_services(
         "rollout", "--engine", "reference", "--model", str(tiny_model), "--actor", "true",
         "--redis_url", redis_url, "--group_size", "2", "--max_tokens", "3", "--groups_per_step", "1",
-        "--actor_mode", "sync", "--skip_zero_variance", "true", "--auth_token", TOKEN,
+        "--mode", "sync", "--skip_zero_variance", "true", "--auth_token", TOKEN,
     )  # fmt: skip
     queue = RolloutQueue(redis_url)
     deadline = time.monotonic() + 60
