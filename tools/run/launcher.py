@@ -253,7 +253,13 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str]) -> int:
     # One stream per run, so that runs sharing a run.redis_url never read each other's rollouts.
     stream = f"{cfg.run.stream}:{marker[:16]}"
     config_path = run_dir / "config.toml"
-    record: dict = {"argv": argv, "run_dir": str(run_dir), "marker": marker, "config_file": str(config_path)}
+    record: dict = {
+        "argv": argv,
+        "run_dir": str(run_dir),
+        "marker": marker,
+        "stream": stream,
+        "config_file": str(config_path),
+    }
     run, model = cfg.run, cfg.model.name
     log(f"run directory {run_dir}  (mode {run.mode}, model {model}, task {cfg.task.name}, {run.steps} steps)")
     timings: dict[str, float] = {}
