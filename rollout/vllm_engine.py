@@ -107,6 +107,13 @@ class VllmEngine(RolloutEngine):
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
 
+    def _prompt(self, spec: GenerationSpec) -> dict:
+        """vLLM's prompt for `spec`, salted by the weight version at admission (module docstring)."""
+        prompt: dict = {"prompt_token_ids": spec.prompt_token_ids}
+        if self.config.prefix_caching and self.config.reset_prefix_cache_on_update:
+            prompt["cache_salt"] = f"v{self.weight_version}"
+        return prompt
+
     async def generate(self, spec: GenerationSpec, stream: bool = False) -> AsyncIterator[CompletionResult]:
         assert self.llm is not None, "start() first"
         params = self.sampling_params(spec, stream)
@@ -116,10 +123,7 @@ class VllmEngine(RolloutEngine):
         done: set[int] = set()
         self._running += 1
         try:
-            prompt: dict = {"prompt_token_ids": spec.prompt_token_ids}
-            if self.config.prefix_caching and self.config.reset_prefix_cache_on_update:
-                prompt["cache_salt"] = f"v{self.weight_version}"
-            stream = self.llm.generate(prompt, params, request_id=spec.request_id)
+            stream = self.llm.generate(self._prompt(spec), params, request_id=spec.request_id)
             async for output in stream:
                 for comp in output.outputs:
                     i = comp.index
@@ -165,10 +169,7 @@ class VllmEngine(RolloutEngine):
         await self.llm.resume_generation()
 
     async def _rpc_one(self, method: str, **kwargs) -> dict:
-        replies = await self.llm.collective_rpc(method, kwargs=kwargs)
-        if len(replies) != 1:
-            raise RuntimeError(f"{method}: expected 1 worker reply, got {len(replies)} (TP>1 unsupported)")
-        return replies[0]
+        return _one_reply(method, await self.llm.collective_rpc(method, kwargs=kwargs))
 
     async def _stage(self, plan, fault_corrupt_tensor: str) -> dict:
         return await self._rpc_one(
@@ -195,6 +196,93 @@ class VllmEngine(RolloutEngine):
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+
+    # ---- in-process mode: `parity check --ablate` --------------------------------------------------
+    # The same engine arguments, worker extension, top-k/top-p masking, cache salt, sampling
+    # parameters, weight swap and result conversion as above, but vLLM's engine core and worker run
+    # in this process (`vllm.LLM`, uniprocess executor) and every call is synchronous. On the tiny
+    # model here it starts in ~8 s instead of ~22 s for AsyncLLM's engine-core and worker processes,
+    # which is what lets the ablation start six engines. Not for serving: one caller, no pause.
+
+    def start_in_process(self, **engine_arg_overrides: object) -> None:
+        """Start in this process; `engine_arg_overrides` replace fields of `engine_args()`."""
+        import dataclasses
+
+        from vllm import LLM, AsyncEngineArgs
+
+        args = self.engine_args()
+        defaults = AsyncEngineArgs(model=args.model)
+        kwargs = {  # LLM builds its own EngineArgs from keywords: pass what differs from vLLM's defaults
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(args)
+            if f.name == "model" or getattr(args, f.name) != getattr(defaults, f.name)
+        }
+        kwargs.update(distributed_executor_backend="uni", **engine_arg_overrides)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
+        multiprocessing = "VLLM_ENABLE_V1_MULTIPROCESSING"  # read while the engine is built
+        previous = os.environ.get(multiprocessing)
+        os.environ[multiprocessing] = "0"
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            if previous is None:
+                os.environ.pop(multiprocessing, None)
+            else:
+                os.environ[multiprocessing] = previous
+        self.tokenizer = self.llm.get_tokenizer()
+        self.vocab_size = int(self.llm.model_config.get_vocab_size())
+        self.top_p_impl = self._rpc_one_in_process("parity_install_top_p", mode=self.config.cpu_top_p)
+
+    def generate_in_process(
+        self, specs: list[GenerationSpec], params: list | None = None
+    ) -> list[list[CompletionResult]]:
+        """Every spec's completions, generated as one batch. `params` replaces `sampling_params(spec)`
+        per spec, for a caller that builds vLLM's SamplingParams the way another client would."""
+        params = [self.sampling_params(spec) for spec in specs] if params is None else params
+        outputs = self.llm.generate([self._prompt(spec) for spec in specs], params, use_tqdm=False)
+        results = []
+        for output in outputs:
+            completions = []
+            for comp in output.outputs:
+                ids = [int(t) for t in comp.token_ids]
+                logprobs = [
+                    float(entry[t].logprob) for entry, t in zip(comp.logprobs or [], ids, strict=True)
+                ]
+                completions.append(self._result(comp, ids, logprobs, comp.text))
+            results.append(completions)
+        return results
+
+    def update_weights_in_process(self, version: int, load_method: str, **load_kwargs: object) -> None:
+        """Swap in weights as `version` with the worker extension's `load_method` (which stages them
+        and calls `parity_apply_staged`, the service's swap), then what `_swap` does after it."""
+        applied = self._rpc_one_in_process(load_method, version=version, **load_kwargs)
+        if applied["error"]:
+            raise RuntimeError(f"weight update to version {version} failed: {applied['error']}")
+        if self.config.reset_prefix_cache_on_update:
+            self.reset_prefix_cache_in_process()
+        self.llm.llm_engine.set_weight_version(str(version))
+        self.weight_version = version
+
+    def reset_prefix_cache_in_process(self) -> None:
+        if not self.llm.reset_prefix_cache():  # nothing runs between synchronous calls
+            raise RuntimeError("vLLM refused to reset the prefix cache")
+
+    def _rpc_one_in_process(self, method: str, **kwargs):
+        return _one_reply(method, self.llm.collective_rpc(method, kwargs=kwargs))
+
+    def shutdown_in_process(self) -> None:
+        import gc
+
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            gc.collect()  # the model and KV cache are this process's memory
+
+
+def _one_reply(method: str, replies: list):
+    if len(replies) != 1:
+        raise RuntimeError(f"{method}: expected 1 worker reply, got {len(replies)} (TP>1 unsupported)")
+    return replies[0]
 
 
 def encode_prompt(tokenizer, text: str, use_chat_template: bool) -> list[int]:

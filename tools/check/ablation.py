@@ -13,17 +13,20 @@ Rows (each differs from the base configuration in exactly the named setting):
                              (the model's defaults fill every field the request leaves unset)
 
 How the rows are produced, and why so:
-  - Engine arguments come from the shipped builder (`rollout.vllm_engine.VllmEngine.engine_args`),
-    so every row runs the settings a rollout service would run. The engines run in this process
-    (`vllm.LLM`, in-process engine core, uniprocess executor): ~5 s to start instead of ~30-60 s for
-    an AsyncLLM with its engine and worker processes, which is what makes six engines affordable.
-  - The weight update of the prefix rows goes through the worker extension's `reload_weights`, the
-    same call the rollout service's update path makes after its transfer; the new weights are the
-    base weights plus seeded Gaussian noise (`update_scale` x each tensor's std). Prompts are
-    prefilled at the old weights first, then resampled at the new ones. vLLM caches only full KV
-    blocks and the CPU default block is 128 tokens, longer than our prompts, so these rows use 32
-    tokens (the smallest the CPU attention backend accepts; vLLM's GPU default is 16): with 128 the
-    stale KV would be hidden on CPU, not absent on GPU.
+  - Every row runs on `rollout.vllm_engine.VllmEngine`, the class the rollout service serves
+    with: its engine arguments, top-k/top-p masking, sampling parameters, cache salt, weight swap
+    and result conversion. It runs in the engine's in-process mode (`start_in_process`: vLLM's
+    engine core and worker in this process, synchronous calls), which starts in ~8 s on tiny
+    instead of ~22 s for the service's AsyncLLM with its engine-core and worker processes; that is
+    what makes six engines per ablation affordable.
+  - The weight update of the prefix rows loads a directory into the worker extension's staging and
+    swaps it in with the service's own `parity_apply_staged` (vLLM `reload_weights`); only the
+    transfer is skipped. The new weights are the base weights plus seeded Gaussian noise
+    (`update_scale` x each tensor's std). Prompts are prefilled at the old weights first, then
+    resampled at the new ones. vLLM caches only full KV blocks and the CPU default block is 128
+    tokens, longer than our prompts, so these rows use 32 tokens (the smallest the CPU attention
+    backend accepts; vLLM's GPU default is 16): with 128 the stale KV would be hidden on CPU, not
+    absent on GPU.
   - tiny and SmolLM2 ship no sampling defaults in generation_config.json, so the generation_config
     rows use a copy of the model whose generation_config.json carries Qwen2.5-Instruct-style
     defaults (GENERATION_DEFAULTS). Parity's engine passes explicit SamplingParams, which vLLM does
@@ -32,13 +35,11 @@ How the rows are produced, and why so:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,123 +173,65 @@ def with_generation_defaults(model_dir: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-@contextlib.contextmanager
-def _in_process_vllm() -> Iterator[None]:
-    """vLLM's engine core in this process (no engine/worker processes) for the duration."""
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+def start_engine(config, model_dir: Path, seed: int, block_size: int | None = None):
+    """The rollout service's engine class, started in this process with the check's worker extension."""
+    from rollout.vllm_engine import VllmEngine
+
+    engine = VllmEngine(config, model_dir, seed=seed)
+    overrides: dict[str, object] = {"worker_extension_cls": CHECK_WORKER_EXTENSION}
+    if block_size is not None:
+        overrides["block_size"] = block_size
+    engine.start_in_process(**overrides)
+    return engine
 
 
-class InProcessEngine:
-    """A `vllm.LLM` built from the rollout service's own engine arguments, in this process."""
+def generate(
+    engine, prompts: Sequence[Sequence[int]], sampling: SamplingSetup, openai_style: bool = False
+) -> list[RawCompletion]:
+    """Sample `samples_per_prompt` completions per prompt, seeded per prompt, in one batch."""
+    from rollout.engine import GenerationSpec
 
-    def __init__(self, config, model_dir: Path, block_size: int | None = None) -> None:
-        from vllm import LLM, AsyncEngineArgs
-
-        from rollout.vllm_engine import VllmEngine
-
-        self.config = config
-        self.version = 0
-        self.shipped = VllmEngine(config, model_dir)
-        args = self.shipped.engine_args()
-        defaults = AsyncEngineArgs(model=args.model)
-        kwargs = {
-            f.name: getattr(args, f.name)
-            for f in dataclasses.fields(args)
-            if getattr(args, f.name) != getattr(defaults, f.name) or f.name == "model"
-        }
-        kwargs.update(worker_extension_cls=CHECK_WORKER_EXTENSION, distributed_executor_backend="uni")
-        if block_size is not None:
-            kwargs["block_size"] = block_size
-        with _in_process_vllm():
-            self.llm = LLM(**kwargs)
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingSetup, openai_style: bool = False
-    ) -> list[RawCompletion]:
-        """Sample `samples_per_prompt` completions per prompt, seeded per prompt."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        from rollout.engine import GenerationSpec
-
-        params = []
-        for i, prompt in enumerate(prompts):
-            spec = GenerationSpec(
-                request_id=f"check-{i}",
-                prompt_token_ids=list(prompt),
-                n=sampling.samples_per_prompt,
-                max_tokens=sampling.max_tokens,
-                temperature=sampling.temperature,
-                top_k=sampling.top_k,
-                top_p=sampling.top_p,
-                seed=sampling.seed * 100_003 + i,
-            )
-            if openai_style:
-                # The request names only the fields that differ from the OpenAI API's neutral values;
-                # the server fills the rest from the model's generation config.
-                explicit = {
-                    "n": spec.n,
-                    "max_tokens": spec.max_tokens,
-                    "temperature": spec.temperature,
-                    "seed": spec.seed,
-                    "logprobs": 0,
-                }
-                if spec.top_p < 1.0:
-                    explicit["top_p"] = spec.top_p
-                if spec.top_k > 0:
-                    explicit["top_k"] = spec.top_k
-                defaults = self.llm.llm_engine.model_config.get_diff_sampling_param()
-                defaults.pop("max_tokens", None)
-                p = SamplingParams(**{**defaults, **explicit})
-            else:
-                p = self.shipped.sampling_params(spec)
-                p.output_kind = RequestOutputKind.FINAL_ONLY
-            params.append(p)
-        requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        if self.config.prefix_caching and self.config.reset_prefix_cache_on_update:
-            for request in requests:  # the service salts the cache by version, as here
-                request["cache_salt"] = f"v{self.version}"
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        completions = []
-        for i, output in enumerate(outputs):
-            for comp in output.outputs:
-                ids = tuple(int(t) for t in comp.token_ids)
-                lps = tuple(
-                    float(entry[t].logprob) for entry, t in zip(comp.logprobs or [], ids, strict=True)
-                )
-                completions.append(RawCompletion(prompt_index=i, token_ids=ids, logprobs=lps))
-        return completions
-
-    def load_weights_from(self, model_dir: Path) -> None:
-        """Swap in new weights the way the service's update does; reset the prefix cache if configured."""
-        self.version += 1
-        (reply,) = self.llm.collective_rpc(
-            "parity_check_load_dir", kwargs={"model_dir": str(model_dir), "version": self.version}
+    specs = [
+        GenerationSpec(
+            request_id=f"check-{i}",
+            prompt_token_ids=list(prompt),
+            n=sampling.samples_per_prompt,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            seed=sampling.seed * 100_003 + i,
         )
-        if reply["error"]:
-            raise RuntimeError(f"weight update failed: {reply['error']}")
-        if self.config.reset_prefix_cache_on_update:
-            self.reset_prefix_cache()
+        for i, prompt in enumerate(prompts)
+    ]
+    params = [openai_request(engine, spec) for spec in specs] if openai_style else None
+    results = engine.generate_in_process(specs, params)
+    return [
+        RawCompletion(prompt_index=i, token_ids=tuple(c.token_ids), logprobs=tuple(c.logprobs))
+        for i, completions in enumerate(results)
+        for c in completions
+    ]
 
-    def reset_prefix_cache(self) -> None:
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset the prefix cache")
 
-    def close(self) -> None:
-        import gc
+def openai_request(engine, spec):
+    """The SamplingParams vLLM's OpenAI server builds for `spec`: the request names only the fields
+    that differ from the OpenAI API's neutral values, the model's generation config fills the rest."""
+    from vllm import SamplingParams
 
-        with contextlib.suppress(Exception):
-            self.llm.llm_engine.engine_core.shutdown()
-        self.llm = None
-        gc.collect()
+    explicit: dict[str, object] = {
+        "n": spec.n,
+        "max_tokens": spec.max_tokens,
+        "temperature": spec.temperature,
+        "seed": spec.seed,
+        "logprobs": 0,
+    }
+    if spec.top_p < 1.0:
+        explicit["top_p"] = spec.top_p
+    if spec.top_k > 0:
+        explicit["top_k"] = spec.top_k
+    defaults = engine.llm.model_config.get_diff_sampling_param()
+    defaults.pop("max_tokens", None)
+    return SamplingParams(**{**defaults, **explicit})
 
 
 # The callback that turns rollout completions into a scored row (the check's trainer side).
@@ -322,19 +265,19 @@ def run_ablation(
                 rows.extend(_prefix_rows(config, model_dir, prompts, sampling, score, update_scale, work))
             elif ablation.name == "generation_config_auto":
                 gen_dir = with_generation_defaults(model_dir, work / "with-generation-defaults")
-                engine = InProcessEngine(config, gen_dir)
+                engine = start_engine(config, gen_dir, sampling.seed)
                 try:
                     for row in (ablation, CONTROL_ROWS["generation_config_auto_openai"]):
-                        completions = engine.generate(prompts, sampling, openai_style=row is not ablation)
+                        completions = generate(engine, prompts, sampling, openai_style=row is not ablation)
                         rows.append(score(row.name, row, config, completions, model_dir))
                 finally:
-                    engine.close()
+                    engine.shutdown_in_process()
             else:
-                engine = InProcessEngine(config, model_dir)
+                engine = start_engine(config, model_dir, sampling.seed)
                 try:
-                    completions = engine.generate(prompts, sampling)
+                    completions = generate(engine, prompts, sampling)
                 finally:
-                    engine.close()
+                    engine.shutdown_in_process()
                 rows.append(score(ablation.name, ablation, config, completions, model_dir))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -344,16 +287,18 @@ def run_ablation(
 def _prefix_rows(config, model_dir, prompts, sampling, score, update_scale, work) -> list[object]:
     """Prefill at the old weights, update without reset, resample; then reset and resample."""
     new_dir = perturbed_copy(model_dir, work / "updated", update_scale, seed=sampling.seed + 1)
-    engine = InProcessEngine(config, model_dir, block_size=PREFIX_BLOCK_SIZE)
+    engine = start_engine(config, model_dir, sampling.seed, block_size=PREFIX_BLOCK_SIZE)
+    resample = dataclasses.replace(sampling, seed=sampling.seed + 7)
     rows = []
     try:
-        engine.generate(prompts, sampling)  # fills the prefix cache with old-weight KV
-        engine.load_weights_from(new_dir)  # config says: no reset
-        stale = engine.generate(prompts, dataclasses.replace(sampling, seed=sampling.seed + 7))
-        engine.reset_prefix_cache()
-        fresh = engine.generate(prompts, dataclasses.replace(sampling, seed=sampling.seed + 7))
+        generate(engine, prompts, sampling)  # fills the prefix cache with old-weight KV
+        # The service's swap, from a directory instead of a transfer; the config says: no reset.
+        engine.update_weights_in_process(1, "parity_check_load_dir", model_dir=str(new_dir))
+        stale = generate(engine, prompts, resample)
+        engine.reset_prefix_cache_in_process()
+        fresh = generate(engine, prompts, resample)
     finally:
-        engine.close()
+        engine.shutdown_in_process()
     broken = next(a for a in ABLATIONS if a.name == "prefix_cache_no_reset")
     rows.append(score(broken.name, broken, config, stale, new_dir))
     control = CONTROL_ROWS["prefix_cache_reset"]

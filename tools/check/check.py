@@ -373,7 +373,7 @@ def _ablation_rows(
         config.check.update_scale,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
-    return rows, "in-process vLLM engines built from the rollout service's engine arguments"
+    return rows, "the rollout service's engine (VllmEngine), one per row, in this process"
 
 
 def write_outputs(report: CheckReport, out: Path) -> None:
