@@ -33,9 +33,17 @@ from parity.config import ParityConfig
 from parity.rollout_queue import RolloutQueue
 from parity.sampling import SamplingTransform
 from trainer import objectives, offpolicy
+from trainer import precision as numerics
 from trainer.checkpoint import CheckpointStore, TrainerState, atomic_write_text
 from trainer.consumer import Batch, RolloutConsumer, token_versions
-from trainer.policy import SequenceInput, load_model, token_logprobs
+from trainer.device import resolve_device, to_device
+from trainer.policy import (
+    SequenceInput,
+    load_model,
+    scorer_for,
+    token_budget_batches,
+    token_logprobs,
+)
 from trainer.publisher import Publisher, PublishError
 from trainer.telemetry import Telemetry
 
@@ -66,7 +74,8 @@ class StepTotals:
     trainable_tokens: int
     trainable_seqs: int
     loss: float = 0.0
-    trainer_nonfinite_tokens: int = 0  # trainable tokens the trainer's mask excludes (zero loss)
+    # Per micro-batch counts of trainable tokens the trainer's mask excludes (zero loss).
+    nonfinite_counts: list[torch.Tensor] = field(default_factory=list)
     trainer_logprobs: list[torch.Tensor] = field(default_factory=list)
     rollout_logprobs: list[torch.Tensor] = field(default_factory=list)
     lags: list[int] = field(default_factory=list)
@@ -82,9 +91,10 @@ class StepTotals:
 
     @staticmethod
     def cat(chunks: list[torch.Tensor]) -> torch.Tensor:
+        """One host tensor (the chunks may live on the device: one copy per metric per step)."""
         import torch
 
-        return torch.cat(chunks) if chunks else torch.zeros(0)
+        return torch.cat(chunks).cpu() if chunks else torch.zeros(0)
 
 
 class Trainer:
@@ -119,8 +129,13 @@ class Trainer:
         torch.manual_seed(schedule.seed)
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
+        numerics.disable_tf32()
+        self.device = resolve_device(cfg.device)
         self.model_dir = models.resolve(self.model_name)
-        self.model = load_model(self.model_dir, cfg.dtype)
+        self.model = load_model(self.model_dir, cfg.dtype, self.device)
+        if cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.scorer = scorer_for(self.model, cfg.precision)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -169,11 +184,11 @@ class Trainer:
         self.ready = True
 
     def _frozen_copy(self):
-        copy = load_model(self.model_dir, self.config.dtype)
+        copy = load_model(self.model_dir, self.config.dtype, self.device)
         copy.eval()
         for param in copy.parameters():
             param.requires_grad_(False)
-        return copy
+        return scorer_for(copy, self.config.precision)
 
     def _read_published_file(self) -> int:
         path = self.run_dir / PUBLISHED_VERSION_FILE
@@ -332,34 +347,39 @@ class Trainer:
         """Forward/backward every trainable micro-batch, forward-only the rest; gather metric inputs."""
         import torch
 
-        cfg = self.config
         trainable = [s for s in sequences if s.trainable]
         frozen = [s for s in sequences if not s.trainable]
         totals = StepTotals(
             trainable_tokens=sum(len(s.rollout_logprobs) for s in trainable), trainable_seqs=len(trainable)
         )
-        size = cfg.micro_batch_size
-        for chunk_start in range(0, len(trainable), size):
-            chunk = trainable[chunk_start : chunk_start + size]
+        losses = []
+        for chunk in self._split(trainable):
             loss = self._micro_batch_loss(chunk, totals)
             if loss.requires_grad:
                 loss.backward()
-            totals.loss += float(loss.detach())
+            losses.append(loss.detach())
+        totals.loss = float(torch.stack(losses).sum()) if losses else 0.0
         with torch.no_grad():
-            for chunk_start in range(0, len(frozen), size):
-                chunk = frozen[chunk_start : chunk_start + size]
-                new_T, entropy_T = token_logprobs(self.model, [s.inputs for s in chunk])
+            for chunk in self._split(frozen):
+                new_T, entropy_T = token_logprobs(self.scorer, [s.inputs for s in chunk])
                 self._collect_metric_inputs(chunk, new_T, entropy_T, totals)
         return totals
+
+    def _split(self, sequences: list[ScoredSequence]) -> list[list[ScoredSequence]]:
+        cfg = self.config
+        return token_budget_batches(
+            sequences, lambda s: s.inputs, cfg.micro_batch_size, cfg.micro_batch_tokens
+        )
 
     def _collect_metric_inputs(self, chunk, new_T, entropy_T, totals: StepTotals):
         """Record the chunk's per-token metric inputs; returns its rollout logprobs [T]."""
         import torch
 
         rollout_T = torch.tensor([lp for s in chunk for lp in s.rollout_logprobs], dtype=torch.float32)
-        totals.trainer_logprobs.append(new_T.detach().float().cpu())
+        rollout_T = to_device(rollout_T, self.device)
+        totals.trainer_logprobs.append(new_T.detach().float())
         totals.rollout_logprobs.append(rollout_T)
-        totals.entropy.append(entropy_T.detach().cpu())
+        totals.entropy.append(entropy_T.detach())
         version = self.state.weight_version
         totals.lags.extend(lag for s in chunk for lag in offpolicy.token_lags(version, s.versions))
         return rollout_T
@@ -369,20 +389,20 @@ class Trainer:
 
         cfg = self.config
         total_tokens, total_seqs = totals.trainable_tokens, totals.trainable_seqs
-        new_T, entropy_T = token_logprobs(self.model, [s.inputs for s in chunk])
+        new_T, entropy_T = token_logprobs(self.scorer, [s.inputs for s in chunk])
         behaviour_T = self._collect_metric_inputs(chunk, new_T, entropy_T, totals)
         lengths = [len(s.rollout_logprobs) for s in chunk]
-        seq_index_T = torch.repeat_interleave(torch.arange(len(chunk)), torch.tensor(lengths))
-        seq_lengths_S = torch.tensor(lengths)
+        seq_lengths_S = to_device(torch.tensor(lengths), self.device)
+        seq_index_T = torch.repeat_interleave(torch.arange(len(chunk), device=self.device), seq_lengths_S)
         finite_T = torch.isfinite(new_T.detach())
-        totals.trainer_nonfinite_tokens += int((~finite_T).sum())
+        totals.nonfinite_counts.append((~finite_T).sum())
         # A token the trainer's mask excludes (-inf) cannot be trained on; it gets zero loss.
         new_safe_T = torch.where(finite_T, new_T, behaviour_T)
         if self.old_model is not None:
             old_T, known_T = self._recompute_old(chunk, behaviour_T)
             # Backend mismatch on every token, stale or not: trainer vs rollout at the same weights.
-            totals.at_version_trainer_logprobs.append(old_T[known_T].float().cpu())
-            totals.at_version_rollout_logprobs.append(behaviour_T[known_T].float().cpu())
+            totals.at_version_trainer_logprobs.append(old_T[known_T].float())
+            totals.at_version_rollout_logprobs.append(behaviour_T[known_T].float())
         elif cfg.is_correction != "none":
             old_T = new_safe_T.detach()  # decoupled PPO: the proximal policy is the current one
         else:
@@ -393,7 +413,7 @@ class Trainer:
         totals.is_weights.append(weights_T)
         totals.is_corrected.append(corrected_T)
         totals.kl_new_old.append(objectives.kl_k3(new_safe_T.detach(), old_T).masked_fill(~finite_T, 0.0))
-        adv_S = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
+        adv_S = to_device(torch.tensor([s.advantage for s in chunk], dtype=torch.float32), self.device)
         eps_low, eps_high = cfg.clip_range()
         if cfg.objective == "gspo":
             loss_S, clip_S = objectives.gspo_sequence_loss(
@@ -440,12 +460,13 @@ class Trainer:
         """
         import torch
 
-        versions_T = torch.tensor([v for s in chunk for v in s.versions])
+        versions = [v for s in chunk for v in s.versions]
+        versions_T = to_device(torch.tensor(versions), self.device)
         old_T = behaviour_T.clone()
         known_T = torch.zeros_like(versions_T, dtype=torch.bool)
-        params = dict(self.old_model.named_parameters())
+        params = dict(self.old_model.lm.named_parameters())
         with torch.no_grad():
-            for version in sorted(set(versions_T.tolist())):
+            for version in sorted(set(versions)):
                 snapshot = self._snapshots.get(version)
                 if snapshot is None:
                     continue
@@ -526,7 +547,7 @@ class Trainer:
                 "num_sequences": len(sequences),
                 "num_tokens": num_tokens,
                 "trainable_tokens": totals.trainable_tokens,
-                "trainer_nonfinite_tokens": totals.trainer_nonfinite_tokens,
+                "trainer_nonfinite_tokens": int(sum(int(c) for c in totals.nonfinite_counts)),
                 "loss": totals.loss,
                 "grad_norm": grad_norm,
                 "lr": self.config.lr,

@@ -8,6 +8,11 @@ Invariants:
   with `logprobs_mode=processed_logprobs` — so they are directly comparable with rollout logprobs.
 - Entropy is of that same processed distribution, computed without gradient.
 - Sequences are right-padded; position ids are 0..L-1 per row, as in generation.
+- The batch is built on the host and crosses to the model's device once per micro-batch (pinned on
+  CUDA); every tensor returned lives on that device.
+- The forward runs through `CompletionScorer`, one module holding the HF model: it is what FSDP2
+  shards (its forward hooks unshard the embeddings, final norm and head), and the place where the
+  decoder may run in bf16 while the head and log-softmax stay float32 (trainer/precision.py).
 
 Shapes: B sequences, L padded length, H hidden, V vocab, T completion tokens of the micro-batch.
 """
@@ -18,9 +23,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from parity.sampling import SamplingTransform, processed_logprobs
+from trainer import precision as numerics
+from trainer.device import to_device
 
 if TYPE_CHECKING:
     import torch
@@ -35,8 +42,8 @@ class SequenceInput:
     transform: SamplingTransform
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32"):
-    """AutoModelForCausalLM from a local directory (no hub), in train mode without dropout."""
+def load_model(model_dir: str | Path, dtype: str = "float32", device: Any = "cpu"):
+    """AutoModelForCausalLM from a local directory (no hub), on `device`, in train mode without dropout."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -44,6 +51,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32"):
         str(model_dir), dtype=getattr(torch, dtype), attn_implementation="sdpa"
     )
     model.config.use_cache = False
+    model.to(device)
     model.train()
     return model
 
@@ -53,21 +61,55 @@ def head_weight(model) -> tuple[torch.Tensor, torch.Tensor | None]:
     return head.weight, getattr(head, "bias", None)
 
 
-def token_logprobs(
-    model, sequences: Sequence[SequenceInput], with_entropy: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob of every completion token [T], entropy at each of those positions [T]).
-
-    Tokens are in sequence order, then position order. Gradient flows into the logprobs when the
-    caller has grad enabled; entropy never carries gradient.
-    """
+def _scorer_base():
     import torch
-    import torch.nn.functional as F
 
-    device = next(model.parameters()).device
-    lengths = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in sequences]
+    class CompletionScorer(torch.nn.Module):
+        """The HF model + how it is scored: decoder (maybe bf16), then a float32 head at the
+        completion positions only. `lm` is the HF model (its parameter names are the checkpoint's)."""
+
+        def __init__(self, lm, precision: str = "fp32", sharded: bool = False) -> None:
+            super().__init__()
+            self.lm = lm
+            self.precision = precision
+            self.sharded = sharded
+
+        def forward(self, input_ids_BL, mask_BL, rows_T, cols_T):
+            import torch.nn.functional as F
+
+            device = input_ids_BL.device
+            decoder = getattr(self.lm, self.lm.base_model_prefix)
+            with numerics.decoder_autocast(self.precision, device, self.sharded):
+                hidden_BLH = decoder(input_ids=input_ids_BL, attention_mask=mask_BL).last_hidden_state
+            hidden_TH = hidden_BLH[rows_T, cols_T]
+            with numerics.fp32_region(device):
+                weight_VH, bias_V = head_weight(self.lm)
+                bias = None if bias_V is None else bias_V.float()
+                return F.linear(hidden_TH.float(), weight_VH.float(), bias)
+
+    return CompletionScorer
+
+
+_SCORER_CLASS = None
+
+
+def scorer_for(model, precision: str = "fp32", sharded: bool = False):
+    """The CompletionScorer of `model` (itself when it already is one)."""
+    global _SCORER_CLASS
+    if _SCORER_CLASS is None:
+        _SCORER_CLASS = _scorer_base()
+    if isinstance(model, _SCORER_CLASS):
+        return model
+    return _SCORER_CLASS(model, precision, sharded)
+
+
+def pad_batch(sequences: Sequence[SequenceInput]):
+    """Host tensors of one micro-batch: (input_ids [B, L], mask [B, L], rows [T], cols [T], targets [T])."""
+    import torch
+
     if any(len(s.prompt_ids) == 0 or len(s.completion_ids) == 0 for s in sequences):
         raise ValueError("every sequence needs a non-empty prompt and completion")
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in sequences]
     max_len = max(lengths)
     input_ids_BL = torch.zeros(len(sequences), max_len, dtype=torch.long)
     mask_BL = torch.zeros(len(sequences), max_len, dtype=torch.long)
@@ -82,14 +124,63 @@ def token_logprobs(
         rows.extend([b] * len(seq.completion_ids))
         cols.extend(range(start, start + len(seq.completion_ids)))
         targets.extend(seq.completion_ids)
-    decoder = getattr(model, model.base_model_prefix)
-    hidden_BLH = decoder(
-        input_ids=input_ids_BL.to(device), attention_mask=mask_BL.to(device)
-    ).last_hidden_state
-    hidden_TH = hidden_BLH[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]
-    weight_VH, bias_V = head_weight(model)
-    logits_TV = F.linear(hidden_TH.float(), weight_VH.float(), None if bias_V is None else bias_V.float())
-    targets_T = torch.tensor(targets, dtype=torch.long, device=device)
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    return input_ids_BL, mask_BL, as_long(rows), as_long(cols), as_long(targets)
+
+
+def padded_tokens(sequences: Sequence[SequenceInput]) -> int:
+    """B x L of the micro-batch `pad_batch` builds (what its forward costs)."""
+    return len(sequences) * max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in sequences)
+
+
+def token_budget_batches(
+    sequences: Sequence[Any], key, max_sequences: int, max_tokens: int = 0
+) -> list[list[Any]]:
+    """Split into micro-batches of at most `max_sequences` sequences and, when `max_tokens` > 0, at
+    most `max_tokens` padded tokens (a longer single sequence goes alone). Sequences are grouped by
+    length (stable sort) so that each micro-batch pads little; `key(item)` gives an item's
+    SequenceInput."""
+    if max_tokens <= 0:
+        return [list(sequences[i : i + max_sequences]) for i in range(0, len(sequences), max_sequences)]
+    length = lambda item: len(key(item).prompt_ids) + len(key(item).completion_ids) - 1  # noqa: E731
+    batches: list[list[Any]] = []
+    current: list[Any] = []
+    longest = 0
+    for item in sorted(sequences, key=length):
+        grown = max(longest, length(item))
+        if current and (len(current) >= max_sequences or grown * (len(current) + 1) > max_tokens):
+            batches.append(current)
+            current, grown = [], length(item)
+        current.append(item)
+        longest = grown
+    if current:
+        batches.append(current)
+    return batches
+
+
+def token_logprobs(
+    model, sequences: Sequence[SequenceInput], with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob of every completion token [T], entropy at each of those positions [T]), on the
+    model's device.
+
+    `model` is an HF causal LM or its CompletionScorer. Tokens are in sequence order, then position
+    order. Gradient flows into the logprobs when the caller has grad enabled; entropy never carries
+    gradient.
+    """
+
+    scorer = scorer_for(model)
+    device = next(scorer.parameters()).device
+    input_ids_BL, mask_BL, rows_T, cols_T, targets_T = (to_device(t, device) for t in pad_batch(sequences))
+    logits_TV = scorer(input_ids_BL, mask_BL, rows_T, cols_T)
+    with numerics.fp32_region(device):
+        return _transformed_logprobs(logits_TV, targets_T, sequences, with_entropy)
+
+
+def _transformed_logprobs(logits_TV, targets_T, sequences, with_entropy: bool):
+    import torch
+
+    device = logits_TV.device
     # One processed_logprobs call per distinct transform (usually one per micro-batch).
     token_ranges: dict[SamplingTransform, list[int]] = defaultdict(list)
     offset = 0
@@ -99,7 +190,7 @@ def token_logprobs(
     entropy_T = torch.zeros(offset, dtype=torch.float32, device=device)
     indices, values = [], []
     for transform, index in token_ranges.items():
-        index_t = torch.tensor(index, dtype=torch.long, device=device)
+        index_t = torch.tensor(index, dtype=torch.long).to(device)
         # One transform for the whole micro-batch (the usual case): no gather, whose backward is a
         # [T, V] scatter-add.
         lp_tV = processed_logprobs(logits_TV if len(token_ranges) == 1 else logits_TV[index_t], transform)
@@ -115,3 +206,23 @@ def token_logprobs(
     # Put the per-transform pieces back in token order (differentiable gather by inverse permutation).
     order_T = torch.cat(indices)
     return torch.cat(values)[torch.argsort(order_T)], entropy_T
+
+
+def weight_buckets(model, bucket_bytes: int):
+    """Yield lists of (name, dtype, shape, tensor on the model's device) of about `bucket_bytes`
+    each, in named_parameters order, for a publisher to send without copying to the host. Sharded
+    (DTensor) parameters are all-gathered on the device (a collective: every rank must iterate)."""
+    bucket: list[tuple[str, Any, tuple[int, ...], Any]] = []
+    size = 0
+    lm = model.lm if hasattr(model, "lm") and hasattr(model, "precision") else model
+    for name, param in lm.named_parameters():
+        tensor = param.detach()
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        bucket.append((name, tensor.dtype, tuple(tensor.shape), tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket

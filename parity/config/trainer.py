@@ -3,6 +3,7 @@
 Invariants checked at startup (a bad value fails with the field named):
 - IS corrections are off by default (`is_correction=none`) and need `is_cap > 1` when on;
 - `max_lag >= 0`: entries whose oldest token is more than `max_lag` versions behind are dropped.
+- `precision=bf16` keeps float32 master weights, so it needs `dtype=float32`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,38 @@ class TrainerConfig(ServiceConfig):
 
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Parameter dtype; the lm_head is always computed in float32."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: CUDA when available (cuda:LOCAL_RANK under torchrun), else CPU."
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="fp32: everything float32 (parity checks). bf16: bf16 decoder compute over fp32 master "
+        "weights and fp32 AdamW state; the lm_head and log-softmax stay fp32 either way.",
+    )
+    world_size: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel ranks (FSDP2). >1: the service relaunches itself under torchrun; "
+        "rank 0 serves gRPC and reads Redis, the other ranks get their share of each batch from it.",
+    )
+    dist_timeout_s: float = Field(
+        300.0, gt=0, description="Timeout of every collective between trainer ranks."
+    )
+    micro_batch_tokens: int = Field(
+        0,
+        ge=0,
+        description="Padded tokens (sequences x longest) per micro-batch; 0 = micro_batch_size alone "
+        "decides. Sequences are grouped by length so that micro-batches pad little.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in backward (less memory)."
+    )
+    dedupe_window: int = Field(
+        100_000,
+        ge=0,
+        description="Rollout ids kept in each checkpoint to skip a producer's late duplicates, besides "
+        "the ids of entries at or above the replay floor (which are always kept).",
     )
     consumer_group: str = Field("trainer", description="Redis consumer group name.")
     consumer_name: str = Field(
@@ -78,6 +111,12 @@ class TrainerConfig(ServiceConfig):
         if value and (":" not in value or not value.rsplit(":", 1)[1].isdigit()):
             raise ValueError("must be host:port")
         return value
+
+    @model_validator(mode="after")
+    def _precision(self) -> TrainerConfig:
+        if self.precision == "bf16" and self.dtype != "float32":
+            raise ValueError("precision: bf16 keeps float32 master weights; it needs dtype=float32")
+        return self
 
     @model_validator(mode="after")
     def _is_cap(self) -> TrainerConfig:
