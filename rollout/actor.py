@@ -130,6 +130,7 @@ class Actor:
                     token_ids=r.token_ids,
                     logprobs=r.logprobs,
                     token_weight_versions=r.token_weight_versions,
+                    token_context_versions=r.token_context_versions,
                     text=r.text,
                     reward=reward,
                     finish_reason=FINISH_REASONS[r.finish_reason],

@@ -9,6 +9,13 @@ Invariants every engine keeps:
     failure the old weights keep serving and the version does not change.
   - After an applied update no request is scored against prefix-cache KV computed by older weights
     (the prefix cache is reset, unless `reset_prefix_cache_on_update` is off for fault tests).
+  - Admission is held while generation is paused (a client's PauseGeneration or an update's own
+    pause): a request is salted, labelled and prefilled at the version that serves its prefill,
+    never at the version that was current when it arrived (`admitted`).
+  - `token_context_versions[i]` is the oldest weight version whose KV token i attended to. A token
+    is clean at version v only if its own version and its context version are both v; in keep mode
+    tokens sampled after an in-flight update attend to older KV (mixed context), in recompute mode
+    the KV is recomputed at the new version (`context_versions`).
 
 The update protocol, as the service drives it (`RolloutEngine.update_weights`, the one copy; an
 engine supplies `_stage` and `_swap`):
@@ -69,6 +76,29 @@ class CompletionResult:
     token_weight_versions: list[int]
     text: str
     finish_reason: FinishReasonName
+    token_context_versions: list[int] = field(default_factory=list)
+
+
+def context_versions(token_versions: list[int], recompute_versions: set[int]) -> list[int]:
+    """Per token, the oldest weight version whose KV it attends to (see the module docstring).
+
+    The prompt's KV is computed at the first token's version (admission is held across pauses and a
+    request with no token yet is restarted after a swap, so a prefill never spans two versions).
+    Keep-mode updates leave earlier KV in place; an update in `recompute_versions` recomputed the
+    whole context, so from its first token on the context is that version.
+    """
+    contexts: list[int] = []
+    context = previous = None
+    for version in token_versions:
+        if context is None:
+            context = version
+        elif version != previous:
+            recomputed = [v for v in recompute_versions if previous < v <= version]
+            if recomputed:
+                context = max(recomputed)
+        contexts.append(context)
+        previous = version
+    return contexts
 
 
 @dataclass
@@ -99,6 +129,10 @@ class RolloutEngine(ABC):
         self.tokenizer = None
         self._running = 0  # groups being generated
         self._update_lock = asyncio.Lock()  # one weight update at a time
+        self._admission_open = asyncio.Event()  # cleared while paused: new requests wait (docstring)
+        self._admission_open.set()
+        self._kv_dropped_in_pause = False  # a recompute-mode pause dropped running KV
+        self.recompute_versions: set[int] = set()  # versions applied while running KV was dropped
 
     @abstractmethod
     async def start(self) -> None:
@@ -113,12 +147,32 @@ class RolloutEngine(ABC):
         """Yield the group's completions; with `stream`, each as soon as it finishes (else possibly
         all at the end, which is cheaper per decode step)."""
 
-    @abstractmethod
     async def pause(self, mode: Literal["keep", "recompute"]) -> None:
-        """Stop scheduling new tokens; running sequences are kept (or their KV dropped)."""
+        """Stop scheduling new tokens and hold new admissions; running sequences are kept (or, in
+        recompute mode, their KV dropped and recomputed on resume)."""
+        self._admission_open.clear()
+        if mode == "recompute":
+            self._kv_dropped_in_pause = True
+        await self._pause(mode)
+
+    async def resume(self) -> None:
+        await self._resume()
+        self._kv_dropped_in_pause = False
+        self._admission_open.set()
+
+    async def admitted(self) -> None:
+        """Wait until generation is not paused; a request builds its prompt (cache salt) after this."""
+        await self._admission_open.wait()
+
+    def context_versions(self, token_versions: list[int]) -> list[int]:
+        return context_versions(token_versions, self.recompute_versions)
 
     @abstractmethod
-    async def resume(self) -> None: ...
+    async def _pause(self, mode: Literal["keep", "recompute"]) -> None:
+        """The engine's own pause (see `pause`)."""
+
+    @abstractmethod
+    async def _resume(self) -> None: ...
 
     @abstractmethod
     async def shutdown(self) -> None: ...
@@ -159,6 +213,8 @@ class RolloutEngine(ABC):
             try:
                 result.error, result.swap_s = await self._swap(int(plan.version))
                 if not result.error:
+                    if self._kv_dropped_in_pause:
+                        self.recompute_versions.add(self.weight_version)
                     result.outcome = "applied"
                     result.weight_version = self.weight_version
             finally:

@@ -156,6 +156,7 @@ class ReferenceEngine(RolloutEngine):
 
         self._running += 1
         try:
+            await self.admitted()
             worker = loop.run_in_executor(None, run)
             while True:
                 item = await queue.get()
@@ -163,12 +164,13 @@ class ReferenceEngine(RolloutEngine):
                     break
                 if isinstance(item, BaseException):
                     raise item
+                item.token_context_versions = self.context_versions(item.token_weight_versions)
                 yield item
             await worker
         finally:
             self._running -= 1
 
-    async def pause(self, mode: Literal["keep", "recompute"]) -> None:
+    async def _pause(self, mode: Literal["keep", "recompute"]) -> None:
         self._unpaused.clear()
         await asyncio.to_thread(self._model_lock.acquire)  # wait for the running step
         try:
@@ -177,7 +179,7 @@ class ReferenceEngine(RolloutEngine):
         finally:
             self._model_lock.release()
 
-    async def resume(self) -> None:
+    async def _resume(self) -> None:
         self._unpaused.set()
 
     async def _stage(self, plan, fault_corrupt_tensor: str) -> dict:

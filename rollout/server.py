@@ -73,6 +73,7 @@ def completion_proto(result: CompletionResult) -> rollout_pb2.Completion:
         token_ids=result.token_ids,
         logprobs=result.logprobs,
         token_weight_versions=result.token_weight_versions,
+        token_context_versions=result.token_context_versions,
         text=result.text,
         finish_reason=FINISH_REASONS[result.finish_reason],
         weight_version_spans=[

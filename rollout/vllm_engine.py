@@ -17,6 +17,13 @@ Invariants:
     sequences keep their old-weight KV (that is what keep means, and their tokens are labelled with
     the new version from the update on), but their blocks are never reused by newer requests.
     Both guards are off with `reset_prefix_cache_on_update=false` (only for the fault test).
+  - The salt and the version label are those of the version that serves the request's prefill:
+    admission waits while generation is paused (`RolloutEngine.admitted`), and when an update's
+    cache reset is refused, every request that has produced no token yet (queued in vLLM, or with a
+    partial chunked prefill) is aborted and resubmitted after the swap with the new salt. Without
+    that, a request queued in the pause window reused KV blocks the old weights computed while its
+    tokens carried the new version (docs/rollout.md, "Stale prefix KV"). Requests are therefore
+    always streamed as deltas, so the engine knows which have produced a token.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -36,6 +44,16 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "rollout.worker_extension.ParityWorkerExtension"
 
 
+@dataclass
+class _Admission:
+    """One submission of a request to vLLM: the version it was salted with, and whether any of its
+    tokens has come back (a request without one may still be restarted at a new version)."""
+
+    version: int
+    produced: bool = False
+    restart: bool = False
+
+
 class VllmEngine(RolloutEngine):
     """`RolloutEngine` on vLLM V1 AsyncLLM."""
 
@@ -46,6 +64,8 @@ class VllmEngine(RolloutEngine):
         self.max_model_len = config.max_model_len
         self.top_p_impl = "vllm"  # what the worker reports once started: "bounded" or "vllm"
         self.llm = None
+        self._admissions: dict[str, _Admission] = {}  # vLLM request id -> its current submission
+        self.restarted_requests_total = 0
 
     def engine_args(self):
         from vllm import AsyncEngineArgs
@@ -103,41 +123,65 @@ class VllmEngine(RolloutEngine):
             logprobs=0,
             seed=spec.seed,
             stop=list(spec.stop) or None,
-            # Unary calls take the final output only (least per-step work); streams take deltas.
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            # Deltas even for unary calls: the engine must know which requests have produced a
+            # token when an update lands (module docstring). `stream` is kept for the interface.
+            output_kind=RequestOutputKind.DELTA,
         )
 
-    def _prompt(self, spec: GenerationSpec) -> dict:
+    def _prompt(self, spec: GenerationSpec, version: int | None = None) -> dict:
         """vLLM's prompt for `spec`, salted by the weight version at admission (module docstring)."""
         prompt: dict = {"prompt_token_ids": spec.prompt_token_ids}
         if self.config.prefix_caching and self.config.reset_prefix_cache_on_update:
-            prompt["cache_salt"] = f"v{self.weight_version}"
+            prompt["cache_salt"] = f"v{self.weight_version if version is None else version}"
         return prompt
 
     async def generate(self, spec: GenerationSpec, stream: bool = False) -> AsyncIterator[CompletionResult]:
         assert self.llm is not None, "start() first"
         params = self.sampling_params(spec, stream)
+        self._running += 1
+        try:
+            attempt = 0
+            while True:
+                await self.admitted()
+                request_id = spec.request_id if attempt == 0 else f"{spec.request_id}~restart{attempt}"
+                admission = self._admissions[request_id] = _Admission(version=self.weight_version)
+                try:
+                    # A restart only ever hits a submission with no token, so none of its
+                    # completions has been yielded: streaming stays exact.
+                    async for result in self._submit(spec, params, request_id, admission):
+                        yield result
+                finally:
+                    del self._admissions[request_id]
+                if not admission.restart:
+                    return
+                attempt += 1
+                self.restarted_requests_total += 1
+        finally:
+            self._running -= 1
+
+    async def _submit(self, spec: GenerationSpec, params, request_id: str, admission: _Admission):
+        """One submission; yields nothing if it was aborted for a restart (module docstring)."""
         token_ids: dict[int, list[int]] = {i: [] for i in range(spec.n)}
         logprobs: dict[int, list[float]] = {i: [] for i in range(spec.n)}
         texts: dict[int, list[str]] = {i: [] for i in range(spec.n)}
         done: set[int] = set()
-        self._running += 1
-        try:
-            stream = self.llm.generate(self._prompt(spec), params, request_id=spec.request_id)
-            async for output in stream:
-                for comp in output.outputs:
-                    i = comp.index
-                    new_ids = list(comp.token_ids)
-                    token_ids[i].extend(new_ids)
-                    texts[i].append(comp.text)
-                    if comp.logprobs:
-                        for tok, entry in zip(new_ids, comp.logprobs, strict=True):
-                            logprobs[i].append(float(entry[tok].logprob))
-                    if comp.finish_reason is not None and i not in done:
-                        done.add(i)
-                        yield self._result(comp, token_ids[i], logprobs[i], "".join(texts[i]))
-        finally:
-            self._running -= 1
+        outputs = self.llm.generate(self._prompt(spec, admission.version), params, request_id=request_id)
+        async for output in outputs:
+            if admission.restart:
+                continue  # drain vLLM's abort output; nothing of this submission is kept
+            for comp in output.outputs:
+                i = comp.index
+                new_ids = list(comp.token_ids)
+                if new_ids:
+                    admission.produced = True
+                token_ids[i].extend(new_ids)
+                texts[i].append(comp.text)
+                if comp.logprobs:
+                    for tok, entry in zip(new_ids, comp.logprobs, strict=True):
+                        logprobs[i].append(float(entry[tok].logprob))
+                if comp.finish_reason is not None and i not in done:
+                    done.add(i)
+                    yield self._result(comp, token_ids[i], logprobs[i], "".join(texts[i]))
 
     def _result(self, comp, token_ids: list[int], logprobs: list[float], text: str) -> CompletionResult:
         spans = comp.weight_versions
@@ -157,15 +201,16 @@ class VllmEngine(RolloutEngine):
             token_ids=token_ids,
             logprobs=logprobs,
             token_weight_versions=versions,
+            token_context_versions=self.context_versions(versions),
             text=text,
             finish_reason=finish_reason if finish_reason in FINISH_REASONS else "stop",  # type: ignore[arg-type]
         )
 
-    async def pause(self, mode: Literal["keep", "recompute"]) -> None:
+    async def _pause(self, mode: Literal["keep", "recompute"]) -> None:
         # recompute: keep the requests but clear the KV cache (their KV is recomputed on resume).
         await self.llm.pause_generation(mode="keep", clear_cache=mode == "recompute")
 
-    async def resume(self) -> None:
+    async def _resume(self) -> None:
         await self.llm.resume_generation()
 
     async def _rpc_one(self, method: str, **kwargs) -> dict:
@@ -190,7 +235,18 @@ class VllmEngine(RolloutEngine):
         if await self.llm.reset_prefix_cache():
             return
         # Kept sequences still hold blocks; the per-version cache salt keeps newer requests off them.
-        log.info("prefix cache not reset (blocks held by kept sequences); requests are salted by version")
+        # A request with no token yet was salted (and maybe part-prefilled) at the old version: it
+        # starts over at the new one once generation resumes (module docstring).
+        restart = [rid for rid, adm in self._admissions.items() if not adm.produced and not adm.restart]
+        for request_id in restart:
+            self._admissions[request_id].restart = True
+        if restart:
+            await self.llm.abort(restart)
+        log.info(
+            "prefix cache not reset (blocks held by kept sequences); %d request(s) without a token "
+            "restart at the new version",
+            len(restart),
+        )
 
     async def shutdown(self) -> None:
         if self.llm is not None:

@@ -59,6 +59,8 @@ def validate_group(group: rollouts_pb2.RolloutGroup) -> str:
             return f"{sample.rollout_id}: {len(sample.logprobs)} logprobs for {n} tokens"
         if sample.token_weight_versions and len(sample.token_weight_versions) != n:
             return f"{sample.rollout_id}: {len(sample.token_weight_versions)} versions for {n} tokens"
+        if sample.token_context_versions and len(sample.token_context_versions) != n:
+            return f"{sample.rollout_id}: {len(sample.token_context_versions)} context versions for {n} tokens"
     return ""
 
 
@@ -67,6 +69,13 @@ def token_versions(group: rollouts_pb2.RolloutGroup, sample: rollouts_pb2.Rollou
     if sample.token_weight_versions:
         return list(sample.token_weight_versions)
     return [int(group.min_weight_version)] * len(sample.token_ids)
+
+
+def token_context_versions(group: rollouts_pb2.RolloutGroup, sample: rollouts_pb2.RolloutSample) -> list[int]:
+    """Per token, the oldest version of the KV it attended to; without the field, its own version."""
+    if sample.token_context_versions:
+        return list(sample.token_context_versions)
+    return token_versions(group, sample)
 
 
 class RolloutConsumer:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from parity.v1 import common_pb2 as parity_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18parity/v1/rollouts.proto\x12\tparity.v1\x1a\x16parity/v1/common.proto\"\xdc\x02\n\x0cRolloutGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x05 \x01(\t\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.parity.v1.SamplingParams\x12)\n\x07samples\x18\x07 \x03(\x0b\x32\x18.parity.v1.RolloutSample\x12\x1a\n\x12min_weight_version\x18\x08 \x01(\x03\x12\x1a\n\x12max_weight_version\x18\t \x01(\x03\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x17\n\x0f\x63reated_at_unix\x18\x0b \x01(\x01\x12.\n\rlogprobs_mode\x18\x0c \x01(\x0e\x32\x17.parity.v1.LogprobsMode\"\xb5\x01\n\rRolloutSample\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x1d\n\x15token_weight_versions\x18\x04 \x03(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x0e\n\x06reward\x18\x06 \x01(\x02\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.parity.v1.FinishReasonb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18parity/v1/rollouts.proto\x12\tparity.v1\x1a\x16parity/v1/common.proto\"\xdc\x02\n\x0cRolloutGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x05 \x01(\t\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.parity.v1.SamplingParams\x12)\n\x07samples\x18\x07 \x03(\x0b\x32\x18.parity.v1.RolloutSample\x12\x1a\n\x12min_weight_version\x18\x08 \x01(\x03\x12\x1a\n\x12max_weight_version\x18\t \x01(\x03\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x17\n\x0f\x63reated_at_unix\x18\x0b \x01(\x01\x12.\n\rlogprobs_mode\x18\x0c \x01(\x0e\x32\x17.parity.v1.LogprobsMode\"\xd5\x01\n\rRolloutSample\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x1d\n\x15token_weight_versions\x18\x04 \x03(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x0e\n\x06reward\x18\x06 \x01(\x02\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.parity.v1.FinishReason\x12\x1e\n\x16token_context_versions\x18\x08 \x03(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,5 +35,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUTGROUP']._serialized_start=64
   _globals['_ROLLOUTGROUP']._serialized_end=412
   _globals['_ROLLOUTSAMPLE']._serialized_start=415
-  _globals['_ROLLOUTSAMPLE']._serialized_end=596
+  _globals['_ROLLOUTSAMPLE']._serialized_end=628
 # @@protoc_insertion_point(module_scope)

@@ -36,7 +36,7 @@ class RolloutGroup(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., task: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[RolloutSample, _Mapping]]] = ..., min_weight_version: _Optional[int] = ..., max_weight_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., created_at_unix: _Optional[float] = ..., logprobs_mode: _Optional[_Union[_common_pb2.LogprobsMode, str]] = ...) -> None: ...
 
 class RolloutSample(_message.Message):
-    __slots__ = ("rollout_id", "token_ids", "logprobs", "token_weight_versions", "text", "reward", "finish_reason")
+    __slots__ = ("rollout_id", "token_ids", "logprobs", "token_weight_versions", "text", "reward", "finish_reason", "token_context_versions")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class RolloutSample(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CONTEXT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -51,4 +52,5 @@ class RolloutSample(_message.Message):
     text: str
     reward: float
     finish_reason: _common_pb2.FinishReason
-    def __init__(self, rollout_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_weight_versions: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reward: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+    token_context_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rollout_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_weight_versions: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reward: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., token_context_versions: _Optional[_Iterable[int]] = ...) -> None: ...

