@@ -5,14 +5,24 @@ server reflection, and guards weight-changing methods with a shared token. The t
 interceptor, so a service cannot forget it: when a token is configured, every method listed in
 `protected_methods` needs `authorization: Bearer <token>` metadata, and off loopback a token is
 mandatory (`ServiceConfig.check_security`).
+
+Every server also has the one error boundary (`ErrorBoundaryInterceptor`, innermost in the chain):
+it decodes the request itself, so malformed protobuf bytes and invalid UTF-8 answer
+INVALID_ARGUMENT instead of gRPC's "Unexpected DecodeError" (UNKNOWN), and it maps whatever a
+handler raises through `parity.errors.status_for`. An exception nothing maps is a bug: the client
+gets INTERNAL with a trace id and the log gets the traceback under the same id. No handler's
+exception reaches a client as UNKNOWN. Received messages are capped at `max_message_bytes`
+(RESOURCE_EXHAUSTED from gRPC itself above it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import logging
 import signal
+import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
@@ -22,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from parity import tracing
 from parity.config import ServiceConfig
+from parity.errors import invalid, status_for
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +72,82 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
+def _trace_id() -> str:
+    """The current trace id when tracing is on (so the log and the trace agree), else a fresh one."""
+    parts = tracing.current_traceparent().split("-")
+    return parts[1] if len(parts) == 4 else uuid.uuid4().hex
+
+
+async def _refuse(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    """Abort the call with the status `exc` maps to; an unmapped exception is logged as a bug."""
+    refusal = status_for(exc)
+    if refusal is None:
+        trace_id = _trace_id()
+        log.error("bug in %s (trace id %s): %r", method, trace_id, exc, exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error (trace id {trace_id})")
+    log.debug("%s refused: %s %s", method, refusal.code.name, refusal.details)
+    await context.abort(refusal.code, refusal.details, refusal.trailing_metadata())
+
+
+def _decoder(method: str, deserializer: Callable[[bytes], object] | None) -> Callable[[bytes], object]:
+    def decode(raw: bytes) -> object:
+        if deserializer is None:
+            return raw
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # DecodeError, invalid UTF-8 in a string field, ...
+            raise invalid(
+                "request", f"cannot decode the {method} request ({len(raw)} bytes): {type(exc).__name__}: {exc}"
+            ) from None
+
+    return decode
+
+
+class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
+    """The one error boundary: request decoding and every handler exception map to a status code.
+
+    It wraps async unary-request handlers (unary-unary coroutines and unary-stream async
+    generators), the shape of every Parity RPC; any other handler passes through unchanged.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        method = handler_call_details.method
+        decode = _decoder(method, handler.request_deserializer)
+        if not handler.response_streaming and inspect.iscoroutinefunction(handler.unary_unary):
+            inner = handler.unary_unary
+
+            async def unary(raw: bytes, context: grpc.aio.ServicerContext):
+                try:
+                    return await inner(decode(raw), context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await _refuse(context, method, exc)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, response_serializer=handler.response_serializer
+            )
+        if handler.response_streaming and inspect.isasyncgenfunction(handler.unary_stream):
+            inner_stream = handler.unary_stream
+
+            async def stream(raw: bytes, context: grpc.aio.ServicerContext):
+                try:
+                    async for item in inner_stream(decode(raw), context):
+                        yield item
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await _refuse(context, method, exc)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, response_serializer=handler.response_serializer
+            )
+        return handler
+
+
 class GrpcServer:
     """An aio server with health, reflection and auth, bound per `ServiceConfig`."""
 
@@ -77,11 +164,12 @@ class GrpcServer:
         chain = [*tracing.server_interceptors(), *interceptors]
         if config.auth_token:
             chain.append(TokenAuthInterceptor(config.auth_token, protected_methods))
+        chain.append(ErrorBoundaryInterceptor())  # innermost: it sees the handler's own exceptions
         self.server = grpc.aio.server(
             interceptors=chain,
             options=[
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                ("grpc.max_receive_message_length", config.max_message_bytes),
             ],
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()

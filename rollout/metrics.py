@@ -28,6 +28,12 @@ ZERO_VARIANCE_DROPPED = Counter(
     "Groups not published because every sample had the same reward (--skip_zero_variance).",
 )
 UPDATES = Counter("parity_rollout_weight_updates", "Weight updates by outcome.", ["outcome"])
+INFLIGHT_REQUESTS = Gauge("parity_rollout_inflight_requests", "Generate RPCs admitted and not yet finished.")
+REFUSED_REQUESTS = Counter(
+    "parity_rollout_refused_requests",
+    "Generate RPCs refused with RESOURCE_EXHAUSTED, by the limit they hit.",
+    ["limit"],
+)
 
 
 class TokenRate:

@@ -8,12 +8,19 @@ Invariants:
     version the broadcast service reported at registration. From SIGTERM on, every RPC answers
     UNAVAILABLE while in-flight ones get `shutdown_grace_s` to finish.
   - PauseGeneration, ResumeGeneration and UpdateWeights are token-protected (GrpcServer).
+  - Handlers raise; the error boundary in GrpcServer answers (parity.errors.status_for): a bad field
+    is INVALID_ARGUMENT naming it, vLLM's own validation too, a dead engine UNAVAILABLE.
+  - Nothing CPU-heavy runs on the event loop: prompts are tokenised on one worker thread, at most
+    `max_tokenize_pending` at a time, after their size was checked (`max_prompt_bytes`).
+  - Generate/GenerateStream RPCs are admitted up to `max_inflight_requests` and
+    `max_inflight_tokens` (rollout.admission); the rest get RESOURCE_EXHAUSTED with a retry hint.
   - Every parity-relevant engine setting is logged at startup and returned by GetStatus.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import sys
@@ -27,13 +34,14 @@ from parity import tracing
 from parity.config import ParityConfig
 from parity.config.entry import entrypoint
 from parity.config.rollout import RolloutConfig
-from parity.errors import RequestError
+from parity.errors import RequestError, overloaded
 from parity.membership_client import MembershipClient
 from parity.metrics import serve_metrics
 from parity.server import GrpcServer, install_shutdown_handlers
 from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from parity.versions import compress_versions
 from rollout import metrics
+from rollout.admission import Admission
 from rollout.engine import FINISH_REASONS, CompletionResult, GenerationSpec, RolloutEngine
 from rollout.validation import (
     Limits,
@@ -103,6 +111,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.updates_failed = 0
         self.server: GrpcServer | None = None
         self._serving = False
+        self.admission = Admission(config.max_inflight_requests, config.effective_max_inflight_tokens)
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._tokenize_pending = 0
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -112,6 +123,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             max_n=self.config.max_n,
             max_tokens=self.config.effective_max_tokens,
             vocab_size=self.engine.vocab_size,
+            max_prompt_bytes=self.config.max_prompt_bytes,
         )
 
     @property
@@ -166,16 +178,39 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         )
 
     # -- generation ----------------------------------------------------------------------------
-    def spec_for(self, request: rollout_pb2.GenerateRequest) -> GenerationSpec:
+    async def tokenize(self, text: str, use_chat_template: bool) -> list[int]:
+        """The engine's tokenizer on the tokenizer thread; RESOURCE_EXHAUSTED past the pending bound."""
+        if self._tokenize_pending >= self.config.max_tokenize_pending:
+            raise overloaded(
+                "prompt_text",
+                f"{self._tokenize_pending} prompts waiting to be tokenised "
+                f"(rollout.max_tokenize_pending={self.config.max_tokenize_pending})",
+                retry_after_s=0.5,
+            )
+        self._tokenize_pending += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(
+                self._tokenizer_thread, self.engine.encode, text, use_chat_template
+            )
+        finally:
+            self._tokenize_pending -= 1
+
+    async def spec_for(self, request: rollout_pb2.GenerateRequest) -> GenerationSpec:
         self.check_available()
         check_unknown_fields(request)
-        check_prompt_fields(request)
+        check_prompt_fields(request, self.config.max_prompt_bytes)
         ids = (
-            self.engine.encode(request.prompt_text, request.use_chat_template)
+            await self.tokenize(request.prompt_text, request.use_chat_template)
             if request.prompt_text
             else None
         )
         return generation_spec(request, ids, self.limits)
+
+    @staticmethod
+    def cost_tokens(spec: GenerationSpec) -> int:
+        """What admission charges a request: the most KV its sequences can hold."""
+        return spec.n * (len(spec.prompt_token_ids) + spec.max_tokens)
 
     async def run_group(self, spec: GenerationSpec, stream: bool = False):
         """Yield completions as they finish, recording tokens and a `generate` span."""
@@ -194,13 +229,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             span.set_attribute("completion_tokens", generated)
 
     async def Generate(self, request, context):
-        try:
-            spec = self.spec_for(request)
+        spec = await self.spec_for(request)
+        with self.admission.admit(self.cost_tokens(spec)):
             results = [r async for r in self.run_group(spec)]
-        except RequestError as exc:
-            await context.abort(exc.code, exc.details)
-        except ValueError as exc:  # the engine's own validation (vLLM's SamplingParams)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
         results.sort(key=lambda r: r.index)
         return rollout_pb2.GenerateResponse(
             prompt_token_ids=spec.prompt_token_ids,
@@ -210,19 +241,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         )
 
     async def GenerateStream(self, request, context):
-        try:
-            check_unknown_fields(request)
-            spec = self.spec_for(request.request)
+        check_unknown_fields(request)
+        spec = await self.spec_for(request.request)
+        with self.admission.admit(self.cost_tokens(spec)):
             async for result in self.run_group(spec, stream=True):
                 yield rollout_pb2.GenerateStreamResponse(
                     prompt_token_ids=spec.prompt_token_ids,
                     completion=completion_proto(result),
                     request_id=spec.request_id,
                 )
-        except RequestError as exc:
-            await context.abort(exc.code, exc.details)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
 
     async def GetStatus(self, request, context):
         return rollout_pb2.RolloutServiceGetStatusResponse(

@@ -20,6 +20,13 @@ from google.protobuf.message import Message
 from parity.errors import RequestError, invalid
 from rollout.engine import GenerationSpec
 
+# vLLM's SamplingParams accepts temperatures in [0, 2]; both engines answer the same range.
+MAX_TEMPERATURE = 2.0
+MAX_SEED = 2**63 - 1  # torch generators take a signed 64-bit seed
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
 
 def check_unknown_fields(message: Message, path: str = "") -> None:
     """Reject fields this server does not know (a newer client, or a typo in a hand-built message)."""
@@ -45,6 +52,7 @@ class Limits:
     max_n: int
     max_tokens: int
     vocab_size: int
+    max_prompt_bytes: int = 1024 * 1024
 
 
 def generation_spec(request, prompt_token_ids: list[int] | None, limits: Limits) -> GenerationSpec:
@@ -65,13 +73,19 @@ def generation_spec(request, prompt_token_ids: list[int] | None, limits: Limits)
         )
     s = request.sampling
     temperature = float(s.temperature)
-    if not math.isfinite(temperature) or temperature < 0:
-        raise invalid("sampling.temperature", f"must be >= 0 (got {s.temperature})")
+    if not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise invalid(
+            "sampling.temperature", f"must be in [0, {MAX_TEMPERATURE:g}]; 0 is greedy (got {s.temperature})"
+        )
     top_p = float(s.top_p)
     if not math.isfinite(top_p) or top_p < 0 or top_p > 1:
         raise invalid("sampling.top_p", f"must be in (0, 1]; 0 means 1 (got {s.top_p})")
-    if s.top_k < 0:
-        raise invalid("sampling.top_k", f"must be >= 0; 0 disables it (got {s.top_k})")
+    if not 0 <= s.top_k <= limits.vocab_size:
+        raise invalid(
+            "sampling.top_k", f"must be in [0, vocab size {limits.vocab_size}]; 0 disables it (got {s.top_k})"
+        )
+    if s.seed > MAX_SEED:
+        raise invalid("sampling.seed", f"must be <= {MAX_SEED}; 0 means unseeded (got {s.seed})")
     if s.max_tokens <= 0:
         raise invalid("sampling.max_tokens", f"must be > 0 (got {s.max_tokens})")
     if s.max_tokens > limits.max_tokens:
@@ -91,6 +105,10 @@ def generation_spec(request, prompt_token_ids: list[int] | None, limits: Limits)
         raise invalid("sampling.n", f"greedy sampling (temperature 0) needs n = 1 (got {n})")
     if any(not stop for stop in s.stop):
         raise invalid("sampling.stop", "stop strings must be non-empty")
+    if len(s.stop) > MAX_STOP_STRINGS or any(len(stop) > MAX_STOP_CHARS for stop in s.stop):
+        raise invalid(
+            "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters"
+        )
     return GenerationSpec(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
@@ -104,8 +122,15 @@ def generation_spec(request, prompt_token_ids: list[int] | None, limits: Limits)
     )
 
 
-def check_prompt_fields(request) -> None:
-    """Exactly one of prompt_text / prompt_token_ids."""
+def check_prompt_fields(request, max_prompt_bytes: int) -> None:
+    """Exactly one of prompt_text / prompt_token_ids; sizes checked before anything is tokenised."""
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters ({len(request.request_id)})")
+    if len(request.prompt_text) > max_prompt_bytes or len(request.prompt_text.encode()) > max_prompt_bytes:
+        raise invalid(
+            "prompt_text",
+            f"{len(request.prompt_text.encode())} bytes; the limit is rollout.max_prompt_bytes={max_prompt_bytes}",
+        )
     if request.prompt_text and request.prompt_token_ids:
         raise invalid("prompt_text", "set prompt_text or prompt_token_ids, not both")
     if not request.prompt_text and not request.prompt_token_ids:

