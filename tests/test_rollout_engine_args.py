@@ -24,3 +24,16 @@ def test_head_dtype_reaches_vllm_model_config(tiny_model: Path, dtype: str, head
     model_config = args.create_model_config()  # what failed for head_dtype=model before the fix
     expected = torch.float32 if head_dtype == "float32" else getattr(torch, dtype)
     assert model_config.head_dtype == expected
+
+
+def test_prefill_is_never_chunked_on_cpu(tiny_model: Path) -> None:
+    """The seeded chunked-prefill crash's fix (tests/test_bad_input.py reproduces the crash)."""
+    from vllm.platforms import current_platform
+
+    config = load(["--model", "tiny", "--max_model_len", "4096"], home="rollout", environ={})
+    args = VllmEngine(config.config.rollout, tiny_model).engine_args()
+    if not current_platform.is_cpu():
+        assert args.enable_chunked_prefill is not False
+        return
+    assert args.enable_chunked_prefill is False
+    assert args.max_num_batched_tokens == 4096  # a whole context fits one step's budget
