@@ -6,13 +6,21 @@ in one packed stream of `total_bytes`, and the stream moves as consecutive bucke
 tensor. Both sides derive the identical layout from the metadata alone.
 
 Invariants:
-- The sender is rank 0; receivers are ranks >= 1. The broadcast service always hosts the TCPStore;
-  each group lives under its own store prefix (`Rendezvous.group_name`), so many groups share one
-  store port.
-- Groups are standalone `ProcessGroup` objects, never the process-wide default group, so one process
-  (the broadcast service) can hold several groups at once and lose one without affecting the others.
-- Every wait -- rendezvous, connect, each bucket -- fails after `Rendezvous.timeout_s` with an
-  exception; nothing hangs. A peer that dies mid-transfer raises on the other side.
+- The sender is rank 0 (the trainer); receivers are ranks >= 1 (rollout workers). The broadcast
+  service hosts the TCPStore, bound to the configured data host only (loopback by default), and never
+  joins a group: it moves no tensor bytes. Each group lives under its own store prefix
+  (`Rendezvous.group_name`), so many groups share one store port.
+- Joining needs the group's secret (`Rendezvous.secret`, handed out over authenticated gRPC). It is
+  never written to the store: after the group forms, every rank all-gathers HMAC(secret, group/rank)
+  and the join fails unless every peer proved it knows the secret, before any weight moves.
+- Two ranks of one NCCL group on one GPU are refused before NCCL is touched: ranks publish their
+  device UUIDs in the store and a duplicate fails every rank's join with the two ranks named.
+- Groups are standalone `ProcessGroup` objects, never the process-wide default group, so a process
+  can hold several groups at once and lose one without affecting the others. `GroupHolder` keeps one
+  persistent group per membership epoch and rebuilds it when the plan names another group.
+- Every wait -- rendezvous, connect, each bucket -- fails after `Rendezvous.timeout_s` (finite,
+  <= MAX_TIMEOUT_S) with an exception; nothing hangs. A peer that dies mid-transfer raises on the
+  other side, and a group that saw a failure is discarded, never reused.
 - `recv` returns views into one freshly allocated buffer: received bytes never touch tensors the
   caller is serving from (atomicity is the caller's swap).
 """
@@ -20,6 +28,10 @@ Invariants:
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import math
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,6 +61,10 @@ _DTYPE_SIZES = {
     "float8_e5m2": 1,
 }
 SUPPORTED_DTYPES = frozenset(_DTYPE_SIZES)
+# The most any rendezvous may ask a collective to wait (the broadcast's transfer_timeout_s is capped
+# at the same value): a NaN, infinite or absurd timeout is refused, never passed to a collective.
+MAX_TIMEOUT_S = 3600.0
+_DIGEST_BYTES = 32
 _hosted_stores: dict[tuple[str, int], object] = {}
 _hosted_lock = threading.Lock()
 
@@ -146,16 +162,94 @@ def _layout_of_tensors(tensors: Sequence[torch.Tensor]) -> Layout:
     return Layout.of(metas)
 
 
-def _hosted_store(host: str, port: int, timeout: datetime.timedelta) -> object:
-    """Start (once per process) the TCPStore server that every group uses, keyed by prefix."""
+def rendezvous_problem(rdv: common_pb2.Rendezvous) -> tuple[str, str] | None:
+    """(field, what is wrong) for a rendezvous no group may be joined with, else None."""
+    if rdv.backend not in ("gloo", "nccl"):
+        return "backend", f"must be gloo or nccl (got {rdv.backend!r})"
+    if rdv.world_size < 1 or not 0 <= rdv.rank < rdv.world_size:
+        return "rank", f"{rdv.rank} not in [0, world_size={rdv.world_size})"
+    if not rdv.host or not 0 < rdv.port < 65536:
+        return "port", f"host and a port in 1..65535 are required (got {rdv.host!r}:{rdv.port})"
+    if not rdv.group_name:
+        return "group_name", "required"
+    if not math.isfinite(rdv.timeout_s) or not 0 < rdv.timeout_s <= MAX_TIMEOUT_S:
+        return "timeout_s", f"must be finite and in (0, {MAX_TIMEOUT_S:.0f}] seconds (got {rdv.timeout_s})"
+    if len(rdv.secret) < 16:
+        return "secret", "the group's secret (>= 16 characters) is required to join"
+    return None
+
+
+def check_rendezvous(rdv: common_pb2.Rendezvous) -> None:
+    """Raise TransferError naming the field when `rdv` may not be joined (see rendezvous_problem)."""
+    problem = rendezvous_problem(rdv)
+    if problem is not None:
+        raise TransferError(f"rendezvous.{problem[0]}: {problem[1]}")
+
+
+def serve_store(host: str, port: int, timeout_s: float = 60.0) -> object:
+    """Start (once per process) the TCPStore server every group uses, keyed by prefix. It listens on
+    `host` only: the socket is bound here and handed to the store (torch's own server would bind
+    every interface whatever host it is given)."""
     import torch.distributed as dist
 
     with _hosted_lock:
         store = _hosted_stores.get((host, port))
         if store is None:
-            store = dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False, multi_tenant=True)
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(1024)
+            bound_port = listener.getsockname()[1]
+            store = dist.TCPStore(
+                host, bound_port, None, True, datetime.timedelta(seconds=timeout_s),
+                wait_for_workers=False, multi_tenant=True, master_listen_fd=listener.detach(),
+            )  # fmt: skip
             _hosted_stores[(host, port)] = store
+            _hosted_stores[(host, bound_port)] = store
         return store
+
+
+def stop_hosted_stores() -> None:
+    """Forget the hosted stores (their server stops when the last reference goes)."""
+    with _hosted_lock:
+        _hosted_stores.clear()
+
+
+def secret_proof(secret: str, group_name: str, rank: int) -> bytes:
+    """What rank `rank` of `group_name` presents to prove it was given the group's secret."""
+    return hmac.new(secret.encode(), f"{group_name}/{rank}".encode(), hashlib.sha256).digest()
+
+
+def cuda_device_uuid() -> str:
+    """The current CUDA device's UUID (what NCCL calls a duplicate GPU)."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+def refuse_shared_devices(
+    store: object, rank: int, world_size: int, device_uuid: str, timeout_s: float
+) -> None:
+    """Publish this rank's device UUID and fail if two ranks of the group report the same one
+    (before NCCL is touched: NCCL would fail with `Duplicate GPU detected`, or worse, hang)."""
+    import torch.distributed as dist
+
+    store.set(f"device/{rank}", device_uuid)  # type: ignore[attr-defined]
+    keys = [f"device/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+    except (dist.DistStoreError, RuntimeError) as exc:
+        raise TransferError(f"device check: not every rank reported its device in {timeout_s:.0f}s") from exc
+    seen: dict[str, int] = {}
+    for r, raw in enumerate(store.multi_get(keys)):  # type: ignore[attr-defined]
+        uuid = bytes(raw).decode()
+        if uuid in seen:
+            raise TransferError(
+                f"topology: ranks {seen[uuid]} and {r} of this group are on the same GPU ({uuid}); "
+                "NCCL refuses two ranks of one group on one device (use CUDA IPC for a colocated engine)"
+            )
+        seen[uuid] = r
 
 
 class TransferGroup:
@@ -169,23 +263,31 @@ class TransferGroup:
         self.timeout_s = timeout_s
 
     @classmethod
-    def join(cls, rendezvous: common_pb2.Rendezvous, host_store: bool = False) -> TransferGroup:
-        """Join the group named by `rendezvous`; blocks until every rank has joined or timeout_s."""
+    def join(
+        cls, rendezvous: common_pb2.Rendezvous, host_store: bool = False, device_uuid: str = ""
+    ) -> TransferGroup:
+        """Join the group named by `rendezvous`; blocks until every rank has joined or timeout_s.
+
+        `device_uuid`: this rank's device identity for the shared-GPU check (NCCL groups always run
+        it with the current CUDA device; a gloo group runs it only when one is given)."""
         import torch.distributed as dist
 
         rdv = rendezvous
-        if rdv.backend not in ("gloo", "nccl"):
-            raise TransferError(f"rendezvous.backend: must be gloo or nccl (got {rdv.backend!r})")
-        if not 0 <= rdv.rank < rdv.world_size or rdv.world_size < 2:
-            raise TransferError(f"rendezvous.rank: {rdv.rank} not in [0, world_size={rdv.world_size})")
-        if not rdv.group_name or rdv.timeout_s <= 0 or not rdv.port:
-            raise TransferError("rendezvous: group_name, port and timeout_s > 0 are required")
+        check_rendezvous(rdv)
+        if rdv.world_size < 2:
+            raise TransferError(f"rendezvous.world_size: a group needs a receiver (got {rdv.world_size})")
         timeout = datetime.timedelta(seconds=float(rdv.timeout_s))
         if host_store:
-            _hosted_store(rdv.host, rdv.port, timeout)
+            serve_store(rdv.host, rdv.port, float(rdv.timeout_s))
+        pg = None
         try:
             client = dist.TCPStore(rdv.host, rdv.port, None, False, timeout)
             store = dist.PrefixStore(f"parity/{rdv.group_name}/", client)
+            store.set(f"joined/{rdv.rank}", "1")  # lets the service name ranks that never came
+            if rdv.backend == "nccl" and not device_uuid:
+                device_uuid = cuda_device_uuid()
+            if device_uuid:
+                refuse_shared_devices(store, rdv.rank, rdv.world_size, device_uuid, float(rdv.timeout_s))
             if rdv.backend == "gloo":
                 options = dist.ProcessGroupGloo._Options()
                 options._timeout = timeout
@@ -195,17 +297,39 @@ class TransferGroup:
                     options._devices = [dist.ProcessGroupGloo.create_default_device()]
                 pg = dist.ProcessGroupGloo(store, rdv.rank, rdv.world_size, options)
             else:
-                import torch
-
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
                 pg = dist.ProcessGroupNCCL(store, rdv.rank, rdv.world_size, options)
-                # NCCL connects lazily; a tiny collective makes join() fail fast, like gloo.
-                probe = torch.zeros(1, device="cuda")
-                pg.allreduce([probe]).wait(timeout)
+            group = cls(pg, rdv.rank, rdv.world_size, rdv.backend, float(rdv.timeout_s))
+            group._prove_secret(rdv)  # also makes a lazily connecting NCCL fail fast, like gloo
+        except TransferError:
+            if pg is not None:
+                cls(pg, rdv.rank, rdv.world_size, rdv.backend, 1.0).close()
+            raise
         except Exception as exc:  # translate: timeouts and connect errors look alike to callers
+            if pg is not None:
+                cls(pg, rdv.rank, rdv.world_size, rdv.backend, 1.0).close()
             raise TransferError(f"join {rdv.group_name} as rank {rdv.rank}: {exc}") from exc
-        return cls(pg, rdv.rank, rdv.world_size, rdv.backend, float(rdv.timeout_s))
+        return group
+
+    def _prove_secret(self, rdv: common_pb2.Rendezvous) -> None:
+        """All-gather every rank's proof of the secret; fail unless every peer's is right."""
+        import torch
+
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        mine = torch.frombuffer(
+            bytearray(secret_proof(rdv.secret, rdv.group_name, self.rank)), dtype=torch.uint8
+        )
+        outputs = [
+            torch.zeros(_DIGEST_BYTES, dtype=torch.uint8, device=device) for _ in range(self.world_size)
+        ]
+        work = self._pg.allgather([outputs], [mine.to(device)])  # type: ignore[attr-defined]
+        self._wait(work, _DIGEST_BYTES * self.world_size)
+        for rank, proof in enumerate(outputs):
+            expected = secret_proof(rdv.secret, rdv.group_name, rank)
+            if not hmac.compare_digest(bytes(proof.cpu().tolist()), expected):
+                self.close()
+                raise TransferError(f"join {rdv.group_name}: rank {rank} did not prove the group's secret")
 
     # -- primitives -----------------------------------------------------------------------------
     def _issue(self, buffer: torch.Tensor) -> object:
@@ -310,11 +434,11 @@ class TransferGroup:
             raise TransferError(f"out: {buffer.numel()} bytes, the plan needs {layout.total_bytes}")
         pending: tuple[object, int, int] | None = None
         for start, end in layout.buckets(bucket_bytes):
+            work = self._issue(buffer[start:end])  # posted before the previous bucket's progress runs
             if pending is not None:
                 self._wait(pending[0], pending[1])
                 if progress is not None:
                     progress(pending[2])
-            work = self._issue(buffer[start:end])
             pending = (work, end - start, end)
         if pending is not None:
             self._wait(pending[0], pending[1])
@@ -341,3 +465,97 @@ class TransferGroup:
                 pg.shutdown()
         except Exception:  # best effort: the group is being discarded either way
             pass
+
+
+ONE_SHOT_PREFIX = "catchup-"  # groups named so are joined for one transfer and closed after it
+
+
+class GroupHolder:
+    """The persistent data group of one membership epoch, as one rank holds it.
+
+    `use(rdv)` yields the held group while plans name it (joining costs one rendezvous per epoch,
+    not per version) and joins the named one otherwise, closing the old. A group that raised is
+    discarded: after a timeout or a dead peer, gloo and NCCL groups are not reusable. Groups whose
+    name starts with ONE_SHOT_PREFIX (catch-up transfers) are joined and closed around one use and
+    leave the held epoch group alone."""
+
+    def __init__(self) -> None:
+        self.group: TransferGroup | None = None
+        self.name = ""
+        self._lock = threading.Lock()
+
+    def use(self, rdv: common_pb2.Rendezvous) -> _HeldGroup:
+        return _HeldGroup(self, rdv)
+
+    def _acquire(self, rdv: common_pb2.Rendezvous) -> TransferGroup:
+        if rdv.group_name.startswith(ONE_SHOT_PREFIX):
+            return TransferGroup.join(rdv)
+        held = self.group
+        if (
+            held is not None
+            and self.name == rdv.group_name
+            and (held.rank, held.world_size)
+            == (
+                rdv.rank,
+                rdv.world_size,
+            )
+        ):
+            return held
+        self.close()
+        self.group, self.name = TransferGroup.join(rdv), rdv.group_name
+        return self.group
+
+    def close(self) -> None:
+        """Tear the held group down (best effort, bounded by the group's own timeout)."""
+        group, self.group, self.name = self.group, None, ""
+        if group is not None:
+            group.close()
+
+
+class _HeldGroup:
+    def __init__(self, holder: GroupHolder, rdv: common_pb2.Rendezvous) -> None:
+        self.holder, self.rdv, self.group = holder, rdv, None
+
+    def __enter__(self) -> TransferGroup:
+        self.holder._lock.acquire()
+        try:
+            self.group = self.holder._acquire(self.rdv)
+        except BaseException:
+            self.holder._lock.release()
+            raise
+        return self.group
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self.rdv.group_name.startswith(ONE_SHOT_PREFIX):
+                self.group.close()
+            elif exc_type is not None:
+                self.holder.close()  # a group that failed is never reused
+        finally:
+            self.holder._lock.release()
+
+
+def available_bytes(device: str) -> int | None:
+    """Free memory where a receive buffer would go (None when it cannot be measured)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(nbytes: int, device: str, headroom: float = 0.9) -> None:
+    """TransferError unless `nbytes` fits in `headroom` of the free memory on `device` (checked
+    before allocating: an oversized plan must fail cleanly, not be OOM-killed mid-transfer)."""
+    free = available_bytes(device)
+    if free is not None and nbytes > headroom * free:
+        raise TransferError(
+            f"plan: {nbytes} bytes do not fit in {device} memory ({free} bytes free, {headroom:.0%} usable)"
+        )

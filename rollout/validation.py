@@ -18,6 +18,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
 from parity.errors import RequestError, invalid
+from parity.transport import rendezvous_problem
 from rollout.engine import GenerationSpec
 
 # vLLM's SamplingParams accepts temperatures in [0, 2]; both engines answer the same range.
@@ -160,8 +161,9 @@ def check_update_request(
         raise invalid("plan.rendezvous.backend", f"must be gloo or nccl (got {rdv.backend!r})")
     if rdv.world_size < 2 or not 1 <= rdv.rank < rdv.world_size:
         raise invalid("plan.rendezvous.rank", f"receiver rank must be in [1, {rdv.world_size})")
-    if not rdv.host or not rdv.port or not rdv.group_name or rdv.timeout_s <= 0:
-        raise invalid("plan.rendezvous", "host, port, group_name and timeout_s > 0 are required")
+    problem = rendezvous_problem(rdv)  # finite, bounded timeout_s; the group's secret; a port
+    if problem is not None:
+        raise invalid(f"plan.rendezvous.{problem[0]}", problem[1])
     for meta in plan.tensors:
         expected = checkpoint_shapes.get(meta.name)
         if expected is None:

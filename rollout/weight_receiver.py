@@ -1,19 +1,39 @@
-"""Receive one weight version over torch.distributed into staging tensors, and verify it.
+"""Receive one weight version over the epoch's data group into staging tensors, and verify it.
 
-Shared by the vLLM worker extension (runs inside vLLM's worker process) and the reference engine
-(runs in the service process). Nothing here touches the serving weights: the caller swaps the
-staged tensors in only when `StagedWeights.error` is empty, so a failed or corrupted transfer
-leaves the old weights serving.
+Shared by the vLLM worker extension (runs inside vLLM's worker process), the reference engine (runs
+in the service process) and the tests' stand-in receiver. Nothing here touches the serving weights:
+the caller swaps the staged tensors in only when `StagedWeights.error` is empty, so a failed or
+corrupted transfer leaves the old weights serving.
+
+The group is held across versions (`parity.transport.GroupHolder`: one join per membership epoch),
+the plan's size is checked against free memory before anything is allocated, and each tensor is
+checksummed as soon as its last byte arrives, while the next bucket is on the wire.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from parity.transport import GroupHolder
+
+
+_holder: GroupHolder | None = None
+
+
+def process_holder() -> GroupHolder:
+    """This process's epoch group (one receiver per process: a vLLM worker, or a service)."""
+    global _holder
+    from parity.transport import GroupHolder
+
+    if _holder is None:
+        _holder = GroupHolder()
+    return _holder
 
 
 @dataclass
@@ -26,6 +46,7 @@ class StagedWeights:
     error: str = ""
     transfer_s: float = 0.0
     verify_s: float = 0.0
+    buffer: torch.Tensor | None = None  # the packed bytes `tensors` view
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         return list(zip(self.names, self.tensors, strict=True))
@@ -40,35 +61,57 @@ class StagedWeights:
         }
 
 
-def receive_and_verify(plan, device: str = "cpu", fault_corrupt_tensor: str = "") -> StagedWeights:
-    """Join `plan.rendezvous`, receive every tensor, verify checksums. Never raises on a bad transfer."""
-    from parity import checksum
-    from parity.transport import TransferGroup
+def receive_and_verify(
+    plan,
+    device: str = "cpu",
+    fault_corrupt_tensor: str = "",
+    holder: GroupHolder | None = None,
+    out: torch.Tensor | None = None,
+    on_bucket: Callable[[int], None] | None = None,
+) -> StagedWeights:
+    """Receive every tensor of `plan` through its group and verify checksums. Never raises on a bad
+    transfer. `holder` keeps the epoch's group between versions (default: this process's holder;
+    every rank of an epoch holds its group, so a receiver may not close it on its own); `out` is a
+    spare packed buffer of the right size to receive into (else one is allocated); `on_bucket(end)`
+    runs after each bucket (tests use it to slow a receiver down)."""
+    import torch
 
-    staged = StagedWeights(names=[meta.name for meta in plan.tensors])
+    from parity.transport import Layout, StreamVerifier, TransferError, check_fits
+
+    metas = list(plan.tensors)
+    staged = StagedWeights(names=[meta.name for meta in metas])
     start = time.perf_counter()
-    group = None
+    holder = holder or process_holder()
     try:
-        group = TransferGroup.join(plan.rendezvous)
-        staged.tensors = group.recv(list(plan.tensors), int(plan.bucket_bytes), device=device)
+        layout = Layout.of(metas)
+        if fault_corrupt_tensor and fault_corrupt_tensor not in staged.names:
+            raise TransferError(f"fault_corrupt_tensor: {fault_corrupt_tensor!r} is not in the plan")
+        if out is None or out.numel() != layout.total_bytes or out.device.type != device.split(":")[0]:
+            check_fits(layout.total_bytes, device)
+            out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+        verifier = StreamVerifier(out, metas)
+        corrupt_at = layout.offsets[staged.names.index(fault_corrupt_tensor)] if fault_corrupt_tensor else -1
+
+        def progress(end: int) -> None:
+            nonlocal corrupt_at
+            if 0 <= corrupt_at < end:  # flip one byte in flight, as a bad link or copy would
+                out[corrupt_at] ^= 0xFF
+                corrupt_at = -1
+            verifier.advance(end)
+            if on_bucket is not None:
+                on_bucket(end)
+
+        with holder.use(plan.rendezvous) as group:
+            group.recv_packed(metas, int(plan.bucket_bytes), out=out, progress=progress)
     except Exception as exc:  # a transfer failure must leave the old weights serving
         staged.error = f"transfer of version {plan.version} failed: {type(exc).__name__}: {exc}"
-        staged.tensors = []
-        return staged
-    finally:
-        if group is not None:
-            group.close()  # best effort by design; never raises
         staged.transfer_s = time.perf_counter() - start
-    if fault_corrupt_tensor:
-        if fault_corrupt_tensor not in staged.names:
-            staged.error = f"fault_corrupt_tensor: {fault_corrupt_tensor!r} is not in the plan"
-            return staged
-        victim = staged.tensors[staged.names.index(fault_corrupt_tensor)]
-        victim.view(-1)[0] += 1.0
-    start = time.perf_counter()
-    staged.checksums = [checksum.tensor_checksum(t) for t in staged.tensors]
-    bad = checksum.mismatched(list(plan.tensors), staged.tensors)
-    staged.verify_s = time.perf_counter() - start
+        return staged
+    received = time.perf_counter()
+    staged.transfer_s = received - start
+    bad = verifier.mismatched()  # the tail: tensors finished by the last bucket
+    staged.buffer, staged.tensors, staged.checksums = out, verifier.tensors, verifier.checksums
+    staged.verify_s = time.perf_counter() - received
     if bad:
         staged.error = f"checksum mismatch in version {plan.version} for tensor(s): {', '.join(bad)}"
     return staged

@@ -15,7 +15,7 @@ import pytest
 
 from parity import checksum
 from parity.server import bearer
-from parity.transport import TransferGroup
+from parity.transport import GroupHolder
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -64,33 +64,42 @@ def test_update_through_broadcast_reaches_vllm_and_reference_and_generation_matc
     before = greedy(vllm_stub)
     assert set(before.token_weight_versions) == {0}
 
-    named = version_weights(tiny_model, 1)
-    metas = checksum.describe(named)
-    request = pb.PublishVersionRequest(
-        version=1,
-        model="tiny",
-        tensors=metas,
-        checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64,
-        bucket_bytes=1 << 20,
-    )
-    plan = stub.PublishVersion(request, metadata=bearer(TOKEN), timeout=10).plan
-    group = TransferGroup.join(plan.rendezvous)
-    group.send([t for _, t in named], plan.bucket_bytes)
-    group.close()
-    done = stub.WaitVersion(
-        pb.WaitVersionRequest(version=1, state=pb.VERSION_STATE_DISTRIBUTED, timeout_s=120), timeout=130
-    )
-    assert done.reached and done.version.state == pb.VERSION_STATE_DISTRIBUTED, done
-    # Both acked APPLIED; the service compared each ack's checksums with the trainer's (else FAILED).
-    status = stub.GetStatus(pb.WeightBroadcastServiceGetStatusRequest(), timeout=10)
-    for worker in status.workers:
-        assert (worker.weight_version, worker.state, worker.last_error) == (1, pb.WORKER_STATE_SERVING, ""), (
-            worker
+    trainer = GroupHolder()  # rank 0 of the epoch's group, held across versions (trainer/publisher.py)
+    groups = []
+    for version in (1, 2):
+        named = version_weights(tiny_model, version)
+        request = pb.PublishVersionRequest(
+            version=version,
+            model="tiny",
+            tensors=checksum.describe(named),
+            checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64,
+            bucket_bytes=1 << 20,
         )
-    assert status.updates_failed_total == 0
+        plan = stub.PublishVersion(request, metadata=bearer(TOKEN), timeout=10).plan
+        assert plan.rendezvous.world_size == 3  # trainer -> both workers directly, no relay
+        with trainer.use(plan.rendezvous) as group:
+            group.send([t for _, t in named], plan.bucket_bytes)
+            groups.append(group)
+        done = stub.WaitVersion(
+            pb.WaitVersionRequest(version=version, state=pb.VERSION_STATE_DISTRIBUTED, timeout_s=120),
+            timeout=130,
+        )
+        assert done.reached and done.version.state == pb.VERSION_STATE_DISTRIBUTED, done
+        # Both acked APPLIED with the trainer's checksums (else FAILED): their versions are verified.
+        status = stub.GetStatus(pb.WeightBroadcastServiceGetStatusRequest(), timeout=10)
+        for worker in status.workers:
+            assert (worker.weight_version, worker.state, worker.last_error, worker.verified) == (
+                version,
+                pb.WORKER_STATE_SERVING,
+                "",
+                True,
+            ), worker
+        assert status.updates_failed_total == 0
+    assert groups[0] is groups[1]  # one epoch: the vLLM worker process and the reference kept it too
+    trainer.close()
 
     ours, theirs = greedy(vllm_stub), greedy(reference_stub)
-    assert set(ours.token_weight_versions) == {1} and set(theirs.token_weight_versions) == {1}
+    assert set(ours.token_weight_versions) == {2} and set(theirs.token_weight_versions) == {2}
     assert list(ours.token_ids) == list(theirs.token_ids)
     assert max(abs(a - b) for a, b in zip(ours.logprobs, theirs.logprobs, strict=True)) < TOL
     # and the weights really changed: the same prompt scores differently than under version 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import time
 import traceback
 
@@ -10,7 +11,14 @@ import pytest
 
 from parity import checksum
 from parity.ports import free_port
-from parity.transport import Layout, TransferError, TransferGroup
+from parity.transport import (
+    GroupHolder,
+    Layout,
+    TransferError,
+    TransferGroup,
+    check_rendezvous,
+    serve_store,
+)
 from parity.v1 import common_pb2
 
 BUCKET_BYTES = 4096  # small, so every transfer spans many buckets and splits tensors across them
@@ -34,7 +42,12 @@ def _named(seed: int) -> list[tuple[str, object]]:
     return [(f"t{i}", t) for i, t in enumerate(_tensors(seed))]
 
 
-def _rendezvous(port: int, rank: int, world_size: int, timeout_s: float, name: str) -> common_pb2.Rendezvous:
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def _rendezvous(
+    port: int, rank: int, world_size: int, timeout_s: float, name: str, secret: str = SECRET
+) -> common_pb2.Rendezvous:
     return common_pb2.Rendezvous(
         host="127.0.0.1",
         port=port,
@@ -43,6 +56,7 @@ def _rendezvous(port: int, rank: int, world_size: int, timeout_s: float, name: s
         backend="gloo",
         group_name=name,
         timeout_s=timeout_s,
+        secret=secret,
     )
 
 
@@ -189,3 +203,113 @@ def test_mismatched_names_the_bad_tensors() -> None:
     tensors[3] = tensors[3].float()
     assert checksum.mismatched(metas, tensors) == ["t2", "t3"]
     assert metas[0].dtype == "float32" and list(metas[0].shape) == [33, 17]
+
+
+def _join_all(port: int, rdvs: list, device_uuids: list[str] | None = None) -> list:
+    """Join every rendezvous from its own thread (one process, separate groups); per rank the group
+    or the exception."""
+    out: list = [None] * len(rdvs)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = TransferGroup.join(rdvs[i], device_uuid=device_uuids[i] if device_uuids else "")
+        except Exception as exc:
+            out[i] = exc
+
+    serve_store("127.0.0.1", port)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(rdvs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_a_rank_without_the_groups_secret_is_refused_before_any_byte_moves() -> None:
+    port = free_port()
+    rdvs = [_rendezvous(port, r, 3, 10.0, "secret-test") for r in range(3)]
+    rdvs[2] = _rendezvous(port, 2, 3, 10.0, "secret-test", secret="not-the-group-secret!")
+    out = _join_all(port, rdvs)
+    assert all(isinstance(o, TransferError) for o in out), out
+    assert "rank 2 did not prove the group's secret" in str(out[0])
+    rdvs = [_rendezvous(port, r, 2, 10.0, "secret-ok") for r in range(2)]
+    groups = _join_all(port, rdvs)
+    assert all(isinstance(g, TransferGroup) for g in groups), groups
+    for group in groups:
+        group.close()
+
+
+def test_two_ranks_reporting_one_device_are_refused_before_the_backend_is_touched() -> None:
+    port = free_port()
+    rdvs = [_rendezvous(port, r, 3, 10.0, "dup-gpu") for r in range(3)]
+    out = _join_all(port, rdvs, device_uuids=["GPU-a", "GPU-b", "GPU-a"])
+    assert all(isinstance(o, TransferError) for o in out), out
+    assert "ranks 0 and 2 of this group are on the same GPU (GPU-a)" in str(out[1])
+    ok = _join_all(
+        port, [_rendezvous(port, r, 2, 10.0, "distinct-gpu") for r in range(2)], ["GPU-a", "GPU-b"]
+    )
+    assert all(isinstance(g, TransferGroup) for g in ok), ok
+    for group in ok:
+        group.close()
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -1.0, 0.0, 1e30, 3601.0])
+def test_rendezvous_timeouts_must_be_finite_and_bounded(timeout_s: float) -> None:
+    with pytest.raises(TransferError, match=r"rendezvous\.timeout_s: must be finite"):
+        check_rendezvous(_rendezvous(1234, 0, 2, timeout_s, "t"))
+    with pytest.raises(TransferError, match=r"rendezvous\.secret"):
+        check_rendezvous(_rendezvous(1234, 0, 2, 5.0, "t", secret=""))
+    check_rendezvous(_rendezvous(1234, 0, 2, 3600.0, "t"))
+
+
+def test_the_store_listens_on_the_configured_host_only() -> None:
+    import psutil
+
+    store = serve_store("127.0.0.1", 0)
+    listening = [
+        c.laddr
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port
+    ]
+    assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
+
+
+def test_a_held_group_is_reused_per_epoch_rebuilt_on_a_new_one_and_dropped_after_a_failure() -> None:
+    import torch
+
+    port = free_port()
+    serve_store("127.0.0.1", port)
+    holders = [GroupHolder(), GroupHolder()]
+    sent: list = []
+
+    def rank(r: int, name: str, fail: bool = False) -> None:
+        rdv = _rendezvous(port, r, 2, 3.0, name)
+        try:
+            with holders[r].use(rdv) as group:
+                if r == 0:
+                    sent.append(group)
+                    if not fail:
+                        group.send([torch.arange(10.0)], BUCKET_BYTES)
+                    else:
+                        raise TransferError("the trainer died")
+                elif not fail:
+                    group.recv(checksum.describe([("x", torch.arange(10.0))]), BUCKET_BYTES)
+        except TransferError:
+            pass
+
+    def both(name: str, fail: bool = False) -> None:
+        threads = [threading.Thread(target=rank, args=(r, name, fail)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+
+    both("epoch1")
+    both("epoch1")
+    assert sent[0] is sent[1]  # one join for the epoch
+    both("epoch2")
+    assert sent[2] is not sent[1] and holders[0].name == "epoch2"
+    both("epoch2", fail=True)
+    assert holders[0].group is None  # a group that raised is never used again
+    for holder in holders:
+        holder.close()

@@ -1,11 +1,21 @@
-"""Publishing weight versions to the weight-broadcast service.
+"""Publishing weight versions: the trainer is rank 0 of the epoch's data group.
 
-The order of one publish (the trainer never waits for the fan-out to rollout workers):
+The order of one publish:
 
     plan = broadcast.PublishVersion(version=v, tensors=describe(params), WSUM64, bucket_bytes)
-    TransferGroup.join(plan.rendezvous).send(params in plan.tensors order, plan.bucket_bytes)
-    broadcast.WaitVersion(v, COMMITTED)          # received + checksums verified (optional)
-    trainer.version = v                          # only now: a failed publish leaves it unchanged
+    GroupHolder.use(plan.rendezvous).send(params in plan.tensors order)   # straight to the workers
+    broadcast.WaitVersion(v, DISTRIBUTED)     # every worker acked; FAILED if none verified it
+    trainer.version = v                       # only now: a failed publish leaves it unchanged
+
+The data group is held for the whole membership epoch (one rendezvous per epoch, not per version);
+the service names a new group when membership changes or a transfer fails, and the holder then
+tears the old one down and joins the new. A failed send waits until the service has settled the
+version (FAILED), so the caller may publish the same number again at once.
+
+Catch-up: after each publish the trainer keeps a host copy of the version it sent (the snapshot)
+and a background thread long-polls `AwaitCatchUp`. A worker that joined late, or whose update
+failed, gets the snapshot through a one-shot group of the trainer and the workers behind; the epoch
+group and the training loop are not involved.
 
 Versions: v = previous + 1, starting above max(checkpoint's published version, the broadcast's
 latest) so that a trainer restarted from an older checkpoint never reuses a version number. With
@@ -16,6 +26,7 @@ The tensors are the model's parameters by name (tied weights appear once, as vLL
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +44,7 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
+CATCH_UP_POLL_S = 5.0
 
 
 class PublishError(RuntimeError):
@@ -47,8 +59,16 @@ class PublishResult:
     committed: bool
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """A version the trainer can still send: host copies in plan order."""
+
+    version: int
+    tensors: tuple
+
+
 class Publisher:
-    """Publishes the model's parameters as consecutive versions."""
+    """Publishes the model's parameters as consecutive versions (see the module docstring)."""
 
     def __init__(
         self,
@@ -58,19 +78,28 @@ class Publisher:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         wait_committed_s: float = 30.0,
         rpc_timeout_s: float = 60.0,
+        keep_snapshot: bool = True,
     ) -> None:
+        from parity.transport import GroupHolder
+
         self.address = broadcast_address
         self.model_name = model_name
         self.metadata = bearer(auth_token)
         self.bucket_bytes = bucket_bytes
         self.wait_committed_s = wait_committed_s
         self.rpc_timeout_s = rpc_timeout_s
+        self.keep_snapshot = keep_snapshot
         self._channel = (
             tracing.instrument_channel(grpc.insecure_channel(broadcast_address, options=GRPC_OPTIONS))
             if broadcast_address
             else None
         )
         self._stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(self._channel) if self._channel else None
+        self._holder = GroupHolder()
+        self._snapshot = Snapshot(0, ())
+        self._closed = threading.Event()
+        self._catch_up_thread: threading.Thread | None = None
+        self.catch_ups_sent = 0
 
     def latest_version(self) -> int:
         """The broadcast service's latest version (0 in local mode)."""
@@ -88,15 +117,21 @@ class Publisher:
         """Send the parameters as `version`; raise PublishError (version unchanged) on failure.
 
         `links_from`: traceparents of the train_step spans this version contains (span links)."""
+        named = [(name, param.detach().contiguous()) for name, param in model.named_parameters()]
+        return self.publish_tensors(named, version, links_from)
+
+    def publish_tensors(
+        self, named: Sequence[tuple[str, object]], version: int, links_from=()
+    ) -> PublishResult:
+        """`publish` for named tensors (CPU or CUDA; e.g. the trainer's on-device buckets)."""
         start = time.perf_counter()
         attrs = {tracing.ATTR_WEIGHT_VERSION: version}
         with tracing.span("publish_version", attrs, links_from=links_from) as span:
             if self._stub is None:
                 return PublishResult(version, 0, time.perf_counter() - start, committed=True)
             from parity.checksum import describe
-            from parity.transport import TransferGroup
+            from parity.transport import TransferError
 
-            named = [(name, param.detach().contiguous()) for name, param in model.named_parameters()]
             metas = describe(named)
             request = broadcast_pb2.PublishVersionRequest(
                 version=version,
@@ -115,37 +150,105 @@ class Publisher:
                 ordered = [by_name[meta.name] for meta in plan.tensors]
             except KeyError as exc:
                 raise PublishError(f"plan names tensor {exc} that the trainer does not have") from None
-            group = TransferGroup.join(plan.rendezvous)
-            try:
-                sent = group.send(ordered, int(plan.bucket_bytes) or self.bucket_bytes)
-            finally:
-                group.close()
-            committed = self._wait_committed(version)
+            sent = 0
+            if plan.rendezvous.world_size > 1:  # else: no worker in the epoch, nothing to send
+                try:
+                    with self._holder.use(plan.rendezvous) as group:
+                        sent = group.send(ordered, int(plan.bucket_bytes) or self.bucket_bytes)
+                except TransferError as exc:
+                    self._wait_final(version, plan)  # settle it, so the number may be published again
+                    raise PublishError(f"transfer of version {version}: {exc}") from exc
+            info = self._wait_final(version, plan)
+            if info is not None and info.state == broadcast_pb2.VERSION_STATE_FAILED:
+                raise PublishError(f"version {version} failed: {info.error}")
+            committed = info is not None and info.state in (
+                broadcast_pb2.VERSION_STATE_COMMITTED,
+                broadcast_pb2.VERSION_STATE_DISTRIBUTED,
+            )
+            if committed and self.keep_snapshot:
+                self._keep(version, ordered)
             seconds = time.perf_counter() - start
             span.set_attribute(tracing.ATTR_BYTES, sent)
             span.set_attribute("parity.committed", committed)
             log.info("published version %d: %.1f MB in %.2fs", version, sent / 1e6, seconds)
             return PublishResult(version, sent, seconds, committed)
 
-    def _wait_committed(self, version: int) -> bool:
+    def _wait_final(self, version: int, plan: common_pb2.TransferPlan) -> broadcast_pb2.VersionInfo | None:
+        """Wait until every worker of the epoch acked `version` (DISTRIBUTED) or it FAILED; None
+        when waiting is off (wait_committed_s <= 0)."""
         if self.wait_committed_s <= 0 or self._stub is None:
-            return False
+            return None
+        # a version settles within its workers' RPC deadline: rendezvous + transfer, then the acks
+        wait_s = self.wait_committed_s + 2 * float(plan.rendezvous.timeout_s)
         try:
             reply = self._stub.WaitVersion(
                 broadcast_pb2.WaitVersionRequest(
-                    version=version,
-                    state=broadcast_pb2.VERSION_STATE_COMMITTED,
-                    timeout_s=self.wait_committed_s,
+                    version=version, state=broadcast_pb2.VERSION_STATE_DISTRIBUTED, timeout_s=wait_s
                 ),
-                timeout=self.wait_committed_s + 10,
+                timeout=wait_s + 10,
                 metadata=self.metadata,
             )
         except grpc.RpcError as exc:
             raise PublishError(f"WaitVersion({version}): {exc.code().name}: {exc.details()}") from exc
-        if reply.version.state == broadcast_pb2.VERSION_STATE_FAILED:
-            raise PublishError(f"version {version} failed at the broadcast service: {reply.version.error}")
-        return bool(reply.reached)
+        if reply.version.state == broadcast_pb2.VERSION_STATE_RECEIVING:
+            raise PublishError(f"version {version} not settled within {wait_s:.0f}s")
+        return reply.version
+
+    # -- catch-up -------------------------------------------------------------------------------
+    def _keep(self, version: int, ordered: Sequence) -> None:
+        tensors = tuple(t.detach().to("cpu", copy=True) for t in ordered)
+        self._snapshot = Snapshot(version, tensors)  # replaced whole: a catch-up holds the old one
+        if self._catch_up_thread is None:
+            self._catch_up_thread = threading.Thread(target=self._catch_up_loop, name="catch-up", daemon=True)
+            self._catch_up_thread.start()
+
+    def _catch_up_loop(self) -> None:
+        while not self._closed.is_set():
+            snapshot = self._snapshot
+            try:
+                reply = self._stub.AwaitCatchUp(
+                    broadcast_pb2.AwaitCatchUpRequest(
+                        have_version=snapshot.version, timeout_s=CATCH_UP_POLL_S
+                    ),
+                    timeout=CATCH_UP_POLL_S + 10,
+                    metadata=self.metadata,
+                )
+            except grpc.RpcError as exc:
+                if self._closed.is_set():
+                    return
+                log.warning("AwaitCatchUp: %s", exc.code().name)
+                self._closed.wait(1.0)
+                continue
+            if reply.HasField("plan"):
+                self._send_catch_up(reply.plan, snapshot)
+
+    def _send_catch_up(self, plan: common_pb2.TransferPlan, snapshot: Snapshot) -> None:
+        from parity.transport import TransferError, TransferGroup
+
+        if plan.version != snapshot.version:  # cannot happen: the service asks for what we hold
+            log.error("catch-up asks for v%d, the trainer holds v%d", plan.version, snapshot.version)
+            return
+        start = time.perf_counter()
+        try:
+            group = TransferGroup.join(plan.rendezvous)
+            try:
+                sent = group.send(list(snapshot.tensors), int(plan.bucket_bytes) or self.bucket_bytes)
+            finally:
+                group.close()
+        except TransferError as exc:
+            log.warning("catch-up of v%d failed: %s", plan.version, exc)
+            return
+        self.catch_ups_sent += 1
+        log.info(
+            "catch-up: v%d to %d worker(s), %.1f MB in %.2fs",
+            plan.version,
+            plan.rendezvous.world_size - 1,
+            sent / 1e6,
+            time.perf_counter() - start,
+        )
 
     def close(self) -> None:
+        self._closed.set()
+        self._holder.close()
         if self._channel is not None:
             self._channel.close()

@@ -37,6 +37,7 @@ class VersionEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VERSION_EVENT_KIND_SUPERSEDED: _ClassVar[VersionEventKind]
     VERSION_EVENT_KIND_WORKER_JOINED: _ClassVar[VersionEventKind]
     VERSION_EVENT_KIND_WORKER_DROPPED: _ClassVar[VersionEventKind]
+    VERSION_EVENT_KIND_EPOCH_STARTED: _ClassVar[VersionEventKind]
 VERSION_STATE_UNSPECIFIED: VersionState
 VERSION_STATE_RECEIVING: VersionState
 VERSION_STATE_COMMITTED: VersionState
@@ -58,6 +59,7 @@ VERSION_EVENT_KIND_FAILED: VersionEventKind
 VERSION_EVENT_KIND_SUPERSEDED: VersionEventKind
 VERSION_EVENT_KIND_WORKER_JOINED: VersionEventKind
 VERSION_EVENT_KIND_WORKER_DROPPED: VersionEventKind
+VERSION_EVENT_KIND_EPOCH_STARTED: VersionEventKind
 
 class PublishVersionRequest(_message.Message):
     __slots__ = ("version", "model", "tensors", "checksum_algorithm", "bucket_bytes")
@@ -74,6 +76,20 @@ class PublishVersionRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorMeta, _Mapping]]] = ..., checksum_algorithm: _Optional[_Union[_common_pb2.ChecksumAlgorithm, str]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
 class PublishVersionResponse(_message.Message):
+    __slots__ = ("plan",)
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    plan: _common_pb2.TransferPlan
+    def __init__(self, plan: _Optional[_Union[_common_pb2.TransferPlan, _Mapping]] = ...) -> None: ...
+
+class AwaitCatchUpRequest(_message.Message):
+    __slots__ = ("have_version", "timeout_s")
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    have_version: int
+    timeout_s: float
+    def __init__(self, have_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class AwaitCatchUpResponse(_message.Message):
     __slots__ = ("plan",)
     PLAN_FIELD_NUMBER: _ClassVar[int]
     plan: _common_pb2.TransferPlan
@@ -118,7 +134,7 @@ class VersionInfo(_message.Message):
     def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., state: _Optional[_Union[VersionState, str]] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., published_at_unix: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "weight_version", "state", "last_error", "last_heartbeat_unix", "updates_applied", "updates_failed", "last_update_seconds", "last_paused_seconds", "last_attempted_version")
+    __slots__ = ("worker_id", "address", "weight_version", "state", "last_error", "last_heartbeat_unix", "updates_applied", "updates_failed", "last_update_seconds", "last_paused_seconds", "last_attempted_version", "verified", "epoch")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +146,8 @@ class WorkerInfo(_message.Message):
     LAST_UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LAST_PAUSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LAST_ATTEMPTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     weight_version: int
@@ -141,7 +159,9 @@ class WorkerInfo(_message.Message):
     last_update_seconds: float
     last_paused_seconds: float
     last_attempted_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_error: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., updates_applied: _Optional[int] = ..., updates_failed: _Optional[int] = ..., last_update_seconds: _Optional[float] = ..., last_paused_seconds: _Optional[float] = ..., last_attempted_version: _Optional[int] = ...) -> None: ...
+    verified: bool
+    epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_error: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., updates_applied: _Optional[int] = ..., updates_failed: _Optional[int] = ..., last_update_seconds: _Optional[float] = ..., last_paused_seconds: _Optional[float] = ..., last_attempted_version: _Optional[int] = ..., verified: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "address", "weight_version")
@@ -190,18 +210,22 @@ class WeightBroadcastServiceGetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WeightBroadcastServiceGetStatusResponse(_message.Message):
-    __slots__ = ("latest_version", "versions", "workers", "backend", "updates_failed_total")
+    __slots__ = ("latest_version", "versions", "workers", "backend", "updates_failed_total", "epoch", "epoch_members")
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     UPDATES_FAILED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     latest_version: int
     versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     backend: str
     updates_failed_total: int
-    def __init__(self, latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backend: _Optional[str] = ..., updates_failed_total: _Optional[int] = ...) -> None: ...
+    epoch: int
+    epoch_members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backend: _Optional[str] = ..., updates_failed_total: _Optional[int] = ..., epoch: _Optional[int] = ..., epoch_members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WatchVersionsRequest(_message.Message):
     __slots__ = ("after_version",)

@@ -26,9 +26,10 @@ if _version_not_supported:
 
 
 class WeightBroadcastServiceStub:
-    """The single source of truth for weight versions. The trainer publishes a version once; this
-    service receives it over torch.distributed, verifies it, keeps it, and fans it out to every
-    registered rollout worker (prepare -> pause -> transfer -> verify -> swap -> resume -> ack).
+    """The control plane of weight sync: version registry, membership epochs, checksums, ordering and
+    per-worker verified acks. It moves no tensor bytes: the trainer (rank 0) broadcasts each version
+    straight to every rollout worker of the current membership epoch over one torch.distributed group
+    whose rendezvous (and secret) this service hands out.
     """
 
     def __init__(self, channel):
@@ -41,6 +42,11 @@ class WeightBroadcastServiceStub:
                 '/parity.v1.WeightBroadcastService/PublishVersion',
                 request_serializer=parity_dot_v1_dot_broadcast__pb2.PublishVersionRequest.SerializeToString,
                 response_deserializer=parity_dot_v1_dot_broadcast__pb2.PublishVersionResponse.FromString,
+                _registered_method=True)
+        self.AwaitCatchUp = channel.unary_unary(
+                '/parity.v1.WeightBroadcastService/AwaitCatchUp',
+                request_serializer=parity_dot_v1_dot_broadcast__pb2.AwaitCatchUpRequest.SerializeToString,
+                response_deserializer=parity_dot_v1_dot_broadcast__pb2.AwaitCatchUpResponse.FromString,
                 _registered_method=True)
         self.WaitVersion = channel.unary_unary(
                 '/parity.v1.WeightBroadcastService/WaitVersion',
@@ -75,14 +81,24 @@ class WeightBroadcastServiceStub:
 
 
 class WeightBroadcastServiceServicer:
-    """The single source of truth for weight versions. The trainer publishes a version once; this
-    service receives it over torch.distributed, verifies it, keeps it, and fans it out to every
-    registered rollout worker (prepare -> pause -> transfer -> verify -> swap -> resume -> ack).
+    """The control plane of weight sync: version registry, membership epochs, checksums, ordering and
+    per-worker verified acks. It moves no tensor bytes: the trainer (rank 0) broadcasts each version
+    straight to every rollout worker of the current membership epoch over one torch.distributed group
+    whose rendezvous (and secret) this service hands out.
     """
 
     def PublishVersion(self, request, context):
-        """Announce version v with its tensor metadata and checksums. The response says where the
-        trainer sends the tensors (the trainer is rank 0 of a two-member group).
+        """Announce version v with its tensor metadata and checksums. The response's plan names the
+        current epoch's group: the trainer joins it as rank 0 (world_size 1: no worker to send to).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AwaitCatchUp(self, request, context):
+        """The trainer long-polls this with the version it still holds: when a worker is behind that
+        version (a late joiner, or one whose update failed), the answer is a plan for a one-shot
+        catch-up group of the trainer and those workers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,6 +153,11 @@ def add_WeightBroadcastServiceServicer_to_server(servicer, server):
                     request_deserializer=parity_dot_v1_dot_broadcast__pb2.PublishVersionRequest.FromString,
                     response_serializer=parity_dot_v1_dot_broadcast__pb2.PublishVersionResponse.SerializeToString,
             ),
+            'AwaitCatchUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitCatchUp,
+                    request_deserializer=parity_dot_v1_dot_broadcast__pb2.AwaitCatchUpRequest.FromString,
+                    response_serializer=parity_dot_v1_dot_broadcast__pb2.AwaitCatchUpResponse.SerializeToString,
+            ),
             'WaitVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.WaitVersion,
                     request_deserializer=parity_dot_v1_dot_broadcast__pb2.WaitVersionRequest.FromString,
@@ -176,9 +197,10 @@ def add_WeightBroadcastServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class WeightBroadcastService:
-    """The single source of truth for weight versions. The trainer publishes a version once; this
-    service receives it over torch.distributed, verifies it, keeps it, and fans it out to every
-    registered rollout worker (prepare -> pause -> transfer -> verify -> swap -> resume -> ack).
+    """The control plane of weight sync: version registry, membership epochs, checksums, ordering and
+    per-worker verified acks. It moves no tensor bytes: the trainer (rank 0) broadcasts each version
+    straight to every rollout worker of the current membership epoch over one torch.distributed group
+    whose rendezvous (and secret) this service hands out.
     """
 
     @staticmethod
@@ -198,6 +220,33 @@ class WeightBroadcastService:
             '/parity.v1.WeightBroadcastService/PublishVersion',
             parity_dot_v1_dot_broadcast__pb2.PublishVersionRequest.SerializeToString,
             parity_dot_v1_dot_broadcast__pb2.PublishVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitCatchUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/parity.v1.WeightBroadcastService/AwaitCatchUp',
+            parity_dot_v1_dot_broadcast__pb2.AwaitCatchUpRequest.SerializeToString,
+            parity_dot_v1_dot_broadcast__pb2.AwaitCatchUpResponse.FromString,
             options,
             channel_credentials,
             insecure,

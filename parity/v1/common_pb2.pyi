@@ -84,7 +84,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class Rendezvous(_message.Message):
-    __slots__ = ("host", "port", "rank", "world_size", "backend", "group_name", "timeout_s")
+    __slots__ = ("host", "port", "rank", "world_size", "backend", "group_name", "timeout_s", "secret")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class Rendezvous(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     rank: int
@@ -99,7 +100,8 @@ class Rendezvous(_message.Message):
     backend: str
     group_name: str
     timeout_s: float
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., group_name: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    secret: str
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., group_name: _Optional[str] = ..., timeout_s: _Optional[float] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class TransferPlan(_message.Message):
     __slots__ = ("version", "tensors", "bucket_bytes", "checksum_algorithm", "rendezvous")

@@ -1,18 +1,23 @@
-"""Membership of rollout workers: register, heartbeat, drop on silence.
+"""Membership of rollout workers and the epochs of the data group.
 
 Invariants:
-- One record per worker_id. Registering again (a restarted worker) replaces the record: the new
-  incarnation reports the version it loaded, and the fan-out brings it to the latest before it serves.
-- A worker silent for `heartbeat_timeout_s` is dropped, except while an update to it is in flight
-  (that update has its own deadline, after which the worker is judged again).
-- `weight_version` is what the worker serves as far as the service knows: set from its registration,
-  from acknowledged updates, and from heartbeats while no update is in flight.
+- One record per worker_id. Registering again (a restarted worker) replaces the record.
+- A worker's recorded `weight_version` comes only from a verified ack (its reported checksums equal
+  the trainer's); `verified` says so. A registration's self-report is kept as `claimed_version` (it
+  only decides whether the worker needs a catch-up); heartbeats prove liveness and nothing else.
+- A membership epoch is one data group: the trainer as rank 0 and the epoch's workers as ranks 1..N,
+  with a fresh group name and secret. Any join, leave, drop or failed transfer marks the epoch stale;
+  the next version then forms a new epoch from the live workers that are not excluded. Groups are
+  never reused after a failure, so a new epoch never meets an old epoch's store keys.
+- A worker that never joined a group, or could not be reached, is excluded from epochs for
+  `exclude_s`, so one dead member cannot fail version after version.
+- A worker silent for `heartbeat_timeout_s` is dropped, except while an update to it is in flight.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -29,7 +34,9 @@ _WORKER_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 class WorkerRecord:
     worker_id: str
     address: str
-    weight_version: int
+    claimed_version: int
+    weight_version: int = 0  # verified only (see the module docstring)
+    verified: bool = False
     state: int = WorkerState.WORKER_STATE_SERVING
     last_error: str = ""
     last_heartbeat_unix: float = field(default_factory=time.time)
@@ -40,8 +47,14 @@ class WorkerRecord:
     last_failure_monotonic: float = 0.0
     last_update_seconds: float = 0.0
     last_paused_seconds: float = 0.0
-    kick: asyncio.Event = field(default_factory=asyncio.Event)
-    driver: asyncio.Task | None = None
+    excluded_until: float = 0.0  # monotonic; kept out of epochs until then
+    epoch: int = 0
+    busy: bool = False  # an UpdateWeights to it is in flight
+
+    @property
+    def known_version(self) -> int:
+        """What the worker holds, as well as the service knows it (verified, else its claim)."""
+        return self.weight_version if self.verified else self.claimed_version
 
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(
@@ -56,11 +69,19 @@ class WorkerRecord:
             last_update_seconds=self.last_update_seconds,
             last_paused_seconds=self.last_paused_seconds,
             last_attempted_version=self.attempted_version,
+            verified=self.verified,
+            epoch=self.epoch,
         )
 
-    @property
-    def updating(self) -> bool:
-        return self.state == WorkerState.WORKER_STATE_UPDATING
+
+@dataclass(frozen=True)
+class Epoch:
+    """One data group: its number, members in rank order (rank 1 first), name and secret."""
+
+    number: int
+    members: tuple[str, ...]
+    group_name: str
+    secret: str
 
 
 def validate_registration(request: pb.RegisterWorkerRequest) -> None:
@@ -76,19 +97,21 @@ def validate_registration(request: pb.RegisterWorkerRequest) -> None:
 
 
 class Membership:
-    """Live workers by id, plus the recently dropped ones for GetStatus."""
+    """Live workers by id, the recently dropped ones for GetStatus, and the current epoch."""
 
-    def __init__(self, max_workers: int, heartbeat_timeout_s: float) -> None:
+    def __init__(self, max_workers: int, heartbeat_timeout_s: float, exclude_s: float) -> None:
         self.max_workers = max_workers
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.exclude_s = exclude_s
         self.live: dict[str, WorkerRecord] = {}
         self.dropped: dict[str, WorkerRecord] = {}
+        self.epoch = Epoch(0, (), "", "")
+        self.stale = True
 
-    def register(self, request: pb.RegisterWorkerRequest) -> tuple[WorkerRecord, WorkerRecord | None]:
-        """Add (or replace) a worker; returns (new record, replaced record or None)."""
+    def register(self, request: pb.RegisterWorkerRequest) -> WorkerRecord:
+        """Add (or replace) a worker."""
         validate_registration(request)
-        previous = self.live.pop(request.worker_id, None)
-        if previous is None and len(self.live) >= self.max_workers:
+        if request.worker_id not in self.live and len(self.live) >= self.max_workers:
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "worker_id",
@@ -97,12 +120,13 @@ class Membership:
         record = WorkerRecord(
             worker_id=request.worker_id,
             address=request.address,
-            weight_version=request.weight_version,
+            claimed_version=request.weight_version,
             attempted_version=request.weight_version,
         )
         self.live[record.worker_id] = record
         self.dropped.pop(record.worker_id, None)
-        return record, previous
+        self.stale = True
+        return record
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> WorkerRecord:
         record = self.live.get(request.worker_id)
@@ -112,20 +136,22 @@ class Membership:
                 "worker_id",
                 f"{request.worker_id!r} is not registered (dropped or never joined); call RegisterWorker",
             )
-        if request.weight_version < 0:
-            raise invalid("weight_version", "must be >= 0")
         record.last_seen_monotonic = time.monotonic()
         record.last_heartbeat_unix = time.time()
-        # Only upwards: a heartbeat sent before a swap can arrive after its ack. A worker's version
-        # goes down only by restarting, and a restart re-registers.
-        if not record.updating and request.weight_version > record.weight_version:
-            record.weight_version = request.weight_version  # the worker knows what it serves
-            record.attempted_version = max(record.attempted_version, request.weight_version)
-            record.kick.set()
         return record
 
     def unregister(self, worker_id: str) -> WorkerRecord | None:
-        return self.live.pop(worker_id, None)
+        record = self.live.pop(worker_id, None)
+        if record is not None:
+            self.stale = True
+        return record
+
+    def exclude(self, worker_id: str, reason: str) -> None:
+        record = self.live.get(worker_id)
+        if record is not None:
+            record.excluded_until = time.monotonic() + self.exclude_s
+            record.last_error = reason
+        self.stale = True
 
     def expired(self) -> list[WorkerRecord]:
         """Remove and return workers silent for longer than the heartbeat timeout."""
@@ -133,7 +159,7 @@ class Membership:
         gone = [
             r
             for r in self.live.values()
-            if not r.updating and now - r.last_seen_monotonic > self.heartbeat_timeout_s
+            if not r.busy and now - r.last_seen_monotonic > self.heartbeat_timeout_s
         ]
         for record in gone:
             record.state = WorkerState.WORKER_STATE_DROPPED
@@ -141,7 +167,22 @@ class Membership:
             self.dropped[record.worker_id] = record
             while len(self.dropped) > 100:
                 self.dropped.pop(next(iter(self.dropped)))
+            self.stale = True
         return gone
 
-    def attempted_versions(self) -> list[int]:
-        return [r.attempted_version for r in self.live.values()]
+    def eligible(self) -> list[WorkerRecord]:
+        now = time.monotonic()
+        return [r for r in self.live.values() if r.excluded_until <= now]
+
+    def current_epoch(self) -> tuple[Epoch, bool]:
+        """The epoch the next version goes to: (epoch, whether it is new). A stale epoch, or one
+        whose members are no longer the eligible workers, is replaced."""
+        members = tuple(r.worker_id for r in self.eligible())
+        if self.stale or members != self.epoch.members or self.epoch.number == 0:
+            number = self.epoch.number + 1
+            self.epoch = Epoch(
+                number, members, f"epoch{number}-{secrets.token_hex(4)}", secrets.token_hex(16)
+            )
+            self.stale = False
+            return self.epoch, True
+        return self.epoch, False

@@ -1,37 +1,32 @@
-"""The version registry: the single source of truth for weight versions.
+"""The version registry: the single source of truth for weight versions (metadata only).
 
 Invariants:
 - Versions are monotonic. A publish is accepted only as `head + 1`, where head is the newest version
   that has not FAILED (any version >= 1 when the registry is empty), so a failed version may be
   re-published with the same number and nothing ever goes backwards.
-- The first accepted publish registers the schema (model name, tensor names, shapes, dtypes, order);
-  every later publish must match it exactly, or it is rejected before any byte moves.
-- States only move forward: RECEIVING -> COMMITTED -> DISTRIBUTED, or RECEIVING -> FAILED, or
-  COMMITTED -> SUPERSEDED (a newer version committed before any worker started this one).
-- Each version's bytes live in one packed `WeightBuffer`. Readers (fan-out to workers) may start
-  while the trainer's bytes are still arriving: they wait on the buffer's watermark (cut-through).
-  Buffers of versions older than the newest committed one are released.
-- All mutation happens on the service's event loop; only `WeightBuffer` is shared with threads.
+- The schema (model name, tensor names, shapes, dtypes, order) is registered by the first version
+  that COMMITS, i.e. that a worker verified. A publish that fails (bogus sizes, nobody could receive
+  it) leaves no trace but its FAILED record, so the next valid publish succeeds. Once registered,
+  every publish must match the schema exactly, or it is rejected before any byte moves.
+- States only move forward: RECEIVING -> COMMITTED (a worker verified every checksum, or the epoch
+  had no worker) -> DISTRIBUTED (every worker of the epoch acked), or RECEIVING -> FAILED.
+- The registry holds no tensor bytes: the trainer sends them straight to the workers.
+- All mutation happens on the service's event loop.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 
 from parity.errors import RequestError, invalid
-from parity.transport import SUPPORTED_DTYPES, Layout, TransferError
+from parity.transport import SUPPORTED_DTYPES, Layout
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import common_pb2
 from services.broadcast.events import EventLog, Kind
-
-if TYPE_CHECKING:
-    import torch
 
 State = pb.VersionState
 _PROGRESS = {
@@ -39,36 +34,6 @@ _PROGRESS = {
     State.VERSION_STATE_COMMITTED: 2,
     State.VERSION_STATE_DISTRIBUTED: 3,
 }
-
-
-class WeightBuffer:
-    """One version's packed bytes plus a watermark: bytes [0, watermark) are valid."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.watermark = 0
-        self.error = ""
-        self.leases = 0  # fan-out senders reading it (changed on the event loop only)
-        self._cond = threading.Condition()
-
-    def advance(self, end: int) -> None:
-        with self._cond:
-            self.watermark = max(self.watermark, end)
-            self._cond.notify_all()
-
-    def fail(self, error: str) -> None:
-        with self._cond:
-            self.error = error or "failed"
-            self._cond.notify_all()
-
-    def wait_for(self, end: int, timeout_s: float) -> None:
-        """Block until bytes [0, end) are valid; TransferError on failure or timeout."""
-        with self._cond:
-            ok = self._cond.wait_for(lambda: self.watermark >= end or bool(self.error), timeout_s)
-            if self.error:
-                raise TransferError(f"source version failed: {self.error}")
-            if not ok:
-                raise TransferError(f"source bytes [0, {end}) not received within {timeout_s:.0f}s")
 
 
 @dataclass
@@ -79,11 +44,10 @@ class VersionRecord:
     layout: Layout
     bucket_bytes: int
     state: int = State.VERSION_STATE_RECEIVING
-    buffer: WeightBuffer | None = None
+    epoch: int = 0
     published_at_unix: float = field(default_factory=time.time)
     receive_seconds: float = 0.0
     error: str = ""
-    started_workers: set[str] = field(default_factory=set)
     traceparent: str = ""  # of the publish_version span: parent of every transfer of this version
 
     def plan(self, rendezvous: common_pb2.Rendezvous) -> common_pb2.TransferPlan:
@@ -137,9 +101,6 @@ class VersionRegistry:
         self.records: OrderedDict[int, VersionRecord] = OrderedDict()
         self.model = ""
         self.schema: list[tuple[str, tuple[int, ...], str]] = []
-        # Buffers of superseded versions, reused once no sender reads them: page-faulting a fresh
-        # multi-GB buffer per version costs more than the transfer itself on a busy host.
-        self.retired: list[WeightBuffer] = []
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -155,14 +116,6 @@ class VersionRegistry:
 
     def get(self, version: int) -> VersionRecord | None:
         return self.records.get(version)
-
-    def fanout_target(self) -> VersionRecord | None:
-        """The newest version whose bytes are (or are becoming) available to push to workers."""
-        for version in sorted(self.records, reverse=True):
-            record = self.records[version]
-            if record.state in (*_COMMITTED_OR_LATER, State.VERSION_STATE_RECEIVING) and record.buffer:
-                return record
-        return None
 
     # -- publish --------------------------------------------------------------------------------
     def validate(self, request: pb.PublishVersionRequest) -> None:
@@ -231,21 +184,16 @@ class VersionRegistry:
             detail = f"missing {missing[:5]}" if missing else "same names in a different order"
             raise invalid("tensors", f"must list every tensor of the model in registered order ({detail})")
 
-    def begin(self, request: pb.PublishVersionRequest, bucket_bytes: int, device: str) -> VersionRecord:
-        """Accept a validated publish: allocate its buffer and record it as RECEIVING."""
-
+    def begin(self, request: pb.PublishVersionRequest, bucket_bytes: int, epoch: int) -> VersionRecord:
+        """Accept a validated publish: record it as RECEIVING (nothing is allocated here)."""
         metas = list(request.tensors)
-        layout = Layout.of(metas)
-        if not self.schema:
-            self.model = request.model
-            self.schema = [(m.name, tuple(m.shape), m.dtype) for m in metas]
         record = VersionRecord(
             version=request.version,
             model=request.model,
             metas=metas,
-            layout=layout,
+            layout=Layout.of(metas),
             bucket_bytes=bucket_bytes,
-            buffer=WeightBuffer(self._allocate(layout.total_bytes, device)),
+            epoch=epoch,
         )
         self.records.pop(request.version, None)  # a failed attempt at this number is replaced
         self.records[request.version] = record
@@ -254,51 +202,27 @@ class VersionRegistry:
         self.events.emit(Kind.VERSION_EVENT_KIND_PUBLISHED, record.version)
         return record
 
-    def _allocate(self, nbytes: int, device: str) -> torch.Tensor:
-        import torch
-
-        for old in self.retired:
-            if old.leases == 0 and old.tensor.numel() == nbytes and old.tensor.device.type == device:
-                self.retired.remove(old)
-                return old.tensor
-        self.retired = [b for b in self.retired if b.leases > 0]  # wrong size or busy: let go
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def _retire(self, record: VersionRecord) -> None:
-        if record.buffer is not None:
-            self.retired.append(record.buffer)
-            record.buffer = None
-
     # -- transitions ----------------------------------------------------------------------------
     def commit(self, record: VersionRecord, receive_seconds: float) -> None:
+        """A worker verified `record` (or there was nobody to send it to): it is the model's now."""
+        if record.state != State.VERSION_STATE_RECEIVING:
+            return
+        if not self.schema:
+            self.model = record.model
+            self.schema = [(m.name, tuple(m.shape), m.dtype) for m in record.metas]
         record.receive_seconds = receive_seconds
         record.state = State.VERSION_STATE_COMMITTED
         self.events.emit(Kind.VERSION_EVENT_KIND_COMMITTED, record.version)
-        for older in self.records.values():
-            if older.version >= record.version:
-                continue
-            self._retire(older)  # fan-outs already running hold a lease on it
-            if older.state == State.VERSION_STATE_COMMITTED and not older.started_workers:
-                older.state = State.VERSION_STATE_SUPERSEDED
-                self.events.emit(Kind.VERSION_EVENT_KIND_SUPERSEDED, older.version)
+
+    def distributed(self, record: VersionRecord) -> None:
+        if record.state == State.VERSION_STATE_COMMITTED:
+            record.state = State.VERSION_STATE_DISTRIBUTED
+            self.events.emit(Kind.VERSION_EVENT_KIND_DISTRIBUTED, record.version)
 
     def fail(self, record: VersionRecord, error: str) -> None:
         record.state = State.VERSION_STATE_FAILED
         record.error = error
-        if record.buffer is not None:
-            record.buffer.fail(error)
-        self._retire(record)
         self.events.emit(Kind.VERSION_EVENT_KIND_FAILED, record.version, error=error)
-
-    def update_distributed(self, attempted_by_live_workers: list[int]) -> None:
-        """Mark COMMITTED versions DISTRIBUTED once every live worker has attempted them (or newer)."""
-        floor = min(attempted_by_live_workers, default=None)
-        for record in self.records.values():
-            if record.state != State.VERSION_STATE_COMMITTED:
-                continue
-            if floor is None or floor >= record.version:
-                record.state = State.VERSION_STATE_DISTRIBUTED
-                self.events.emit(Kind.VERSION_EVENT_KIND_DISTRIBUTED, record.version)
 
 
 _COMMITTED_OR_LATER = (State.VERSION_STATE_COMMITTED, State.VERSION_STATE_DISTRIBUTED)

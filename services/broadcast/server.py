@@ -6,7 +6,8 @@
 It reads the `broadcast` section of the run config (`--field`, `--broadcast.field`,
 `PARITY_BROADCAST_<FIELD>`, or a file via `--config`/`PARITY_CONFIG`). It binds to loopback by
 default; off loopback it refuses to start without an auth token (PARITY_BROADCAST_AUTH_TOKEN). The TCPStore
-for rendezvous listens on --store_port (0 picks one) and is the only data-plane port it opens.
+for the data groups' rendezvous listens on --data_host:--store_port only (0 picks a port); it is the
+only data-plane port the service opens, and the service never joins a data group itself.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ log = logging.getLogger("parity.broadcast")
 
 async def serve(config: BroadcastConfig) -> int:
     from parity import metrics, tracing
-    from parity.ports import free_port
     from parity.server import GrpcServer, install_shutdown_handlers
+    from parity.transport import serve_store
     from parity.v1 import broadcast_pb2_grpc
     from services.broadcast.service import PROTECTED_METHODS, SERVICE, WeightBroadcastService
 
     tracing.init("parity-broadcast")
     server = GrpcServer(config, [SERVICE], protected_methods=PROTECTED_METHODS)
-    store_port = config.store_port or free_port(config.data_host)
+    store = serve_store(config.data_host, config.store_port, config.transfer_timeout_s)
+    store_port = store.port
     service = WeightBroadcastService(config, store_port)
     broadcast_pb2_grpc.add_WeightBroadcastServiceServicer_to_server(service, server.server)
     await server.start()

@@ -1,19 +1,21 @@
-"""`parity.v1.WeightBroadcastService`: the gRPC face of registry, membership and fan-out.
+"""`parity.v1.WeightBroadcastService`: the gRPC face of registry, membership epochs and coordinator.
 
 Invariants:
 - Every RPC validates its input first and answers INVALID_ARGUMENT / FAILED_PRECONDITION /
   RESOURCE_EXHAUSTED with details naming the field; a bad request never changes state.
-- PublishVersion returns as soon as the plan exists: the service receives in the background, so the
-  trainer's cost is its own send. It never waits for workers.
-- State is mutated only on the event loop; blocking transfers run in threads.
+- Every RPC that changes state needs the token when one is set: PublishVersion, AwaitCatchUp,
+  RegisterWorker, UnregisterWorker and Heartbeat (GrpcServer's protected methods).
+- PublishVersion returns the plan at once (the epoch's group, rank 0); the coordinator tells the
+  workers. The service moves no tensor bytes: it hosts the TCPStore and keeps the books.
+- State is mutated only on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -21,20 +23,20 @@ import grpc
 from parity import tracing
 from parity.config.broadcast import BroadcastConfig
 from parity.errors import RequestError
-from parity.transport import TransferError
 from parity.v1 import broadcast_pb2 as pb
-from parity.v1 import broadcast_pb2_grpc, common_pb2
+from parity.v1 import broadcast_pb2_grpc
 from services.broadcast import telemetry
+from services.broadcast.coordinator import Coordinator
 from services.broadcast.events import EventLog, Kind
-from services.broadcast.fanout import FanOut, pairwise_rendezvous
-from services.broadcast.ingest import receive_and_verify
 from services.broadcast.membership import Membership, WorkerState
 from services.broadcast.registry import VersionRegistry, is_final_for, reached
 
 log = logging.getLogger(__name__)
 SERVICE = "parity.v1.WeightBroadcastService"
-# Joining the data plane or changing the version needs the token (when one is configured).
-PROTECTED_METHODS = tuple(f"/{SERVICE}/{m}" for m in ("PublishVersion", "RegisterWorker", "UnregisterWorker"))
+PROTECTED_METHODS = tuple(
+    f"/{SERVICE}/{m}"
+    for m in ("PublishVersion", "AwaitCatchUp", "RegisterWorker", "UnregisterWorker", "Heartbeat")
+)
 MAX_WAIT_S = 3600.0
 
 
@@ -44,8 +46,10 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
         self.store_port = store_port
         self.events = EventLog()
         self.registry = VersionRegistry(self.events, config.history_versions, config.max_version_bytes)
-        self.membership = Membership(config.max_workers, config.heartbeat_timeout_s)
-        self.fanout = FanOut(config, self.registry, store_port, self._after_attempt)
+        self.membership = Membership(
+            config.max_workers, config.heartbeat_timeout_s, exclude_s=config.retry_failed_after_s
+        )
+        self.coordinator = Coordinator(config, self.registry, self.membership, store_port, self._changed)
         self._tasks: set[asyncio.Task] = set()
 
     # -- background -----------------------------------------------------------------------------
@@ -54,15 +58,12 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _after_attempt(self) -> None:
-        self.registry.update_distributed(self.membership.attempted_versions())
-
-    def _kick_all(self) -> None:
-        for worker in self.membership.live.values():
-            worker.kick.set()
+    def _changed(self) -> None:
+        telemetry.LATEST_VERSION.set(self.registry.latest_committed)
+        telemetry.WORKERS.set(len(self.membership.live))
 
     async def reap_forever(self) -> None:
-        """Drop silent workers; re-kick failed ones once their retry delay has passed."""
+        """Drop silent workers (a new epoch forms at the next version)."""
         period = min(1.0, self.config.heartbeat_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
@@ -72,42 +73,15 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
                     worker.worker_id,
                     self.config.heartbeat_timeout_s,
                 )
-                await self.fanout.stop(worker)
                 self.events.emit(
                     Kind.VERSION_EVENT_KIND_WORKER_DROPPED, worker.weight_version, worker.worker_id
                 )
-                self._after_attempt()
-            telemetry.WORKERS.set(len(self.membership.live))
-            now = time.monotonic()
-            for worker in self.membership.live.values():
-                if (
-                    worker.state == WorkerState.WORKER_STATE_FAILED
-                    and now - worker.last_failure_monotonic >= self.config.retry_failed_after_s
-                ):
-                    worker.kick.set()
+            self._changed()
 
     async def close(self) -> None:
-        for worker in list(self.membership.live.values()):
-            await self.fanout.stop(worker)
         for task in list(self._tasks):
             task.cancel()
-
-    async def _ingest(self, rendezvous: common_pb2.Rendezvous, record) -> None:
-        try:
-            receive_s, _verify_s, bad = await asyncio.to_thread(receive_and_verify, rendezvous, record)
-        except TransferError as exc:
-            telemetry.FAILURES.labels("trainer_transfer").inc()
-            self.registry.fail(record, f"transfer from trainer: {exc}")
-            return
-        if bad:
-            telemetry.FAILURES.labels("trainer_checksum").inc()
-            self.registry.fail(record, f"checksum mismatch on {len(bad)} tensor(s): {', '.join(bad[:5])}")
-            return
-        telemetry.BYTES.labels("received").inc(record.layout.total_bytes)
-        self.registry.commit(record, receive_s)
-        telemetry.LATEST_VERSION.set(self.registry.latest_committed)
-        self._after_attempt()
-        self._kick_all()
+        await self.coordinator.close()
 
     # -- RPCs -----------------------------------------------------------------------------------
     async def PublishVersion(self, request: pb.PublishVersionRequest, context: grpc.aio.ServicerContext):
@@ -117,25 +91,44 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
                 self.registry.validate(request)
             except RequestError as exc:
                 await context.abort(exc.code, exc.details)
+            epoch, new = self.membership.current_epoch()
+            if new:
+                self.events.emit(Kind.VERSION_EVENT_KIND_EPOCH_STARTED, epoch.number)
+                log.info(
+                    "epoch %d: %d worker(s): %s", epoch.number, len(epoch.members), ", ".join(epoch.members)
+                )
             bucket_bytes = request.bucket_bytes or self.config.bucket_bytes
-            record = self.registry.begin(request, bucket_bytes, self.config.device)
+            record = self.registry.begin(request, bucket_bytes, epoch.number)
             record.traceparent = tracing.current_traceparent()
-            trainer_rdv, rendezvous = pairwise_rendezvous(
-                self.config.data_host,
-                self.store_port,
-                self.config.backend,
-                f"publish-v{record.version}-{uuid.uuid4().hex[:8]}",
-                self.config.transfer_timeout_s,
-            )
-            self._spawn(self._ingest(rendezvous, record))
-            self._kick_all()  # cut-through: workers may start while the trainer sends
+            self._spawn(self.coordinator.distribute(record, epoch))
             log.info(
-                "v%d published: %d tensors, %.1f MB",
+                "v%d published to epoch %d: %d tensors, %.1f MB",
                 record.version,
+                epoch.number,
                 len(record.metas),
                 record.layout.total_bytes / 1e6,
             )
-            return pb.PublishVersionResponse(plan=record.plan(trainer_rdv))
+            rdv = self.coordinator.rendezvous(epoch.group_name, epoch.secret, 0, len(epoch.members) + 1)
+            return pb.PublishVersionResponse(plan=record.plan(rdv))
+
+    async def AwaitCatchUp(self, request: pb.AwaitCatchUpRequest, context: grpc.aio.ServicerContext):
+        if request.have_version < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "have_version: must be >= 0")
+        if not math.isfinite(request.timeout_s) or not 0 <= request.timeout_s <= MAX_WAIT_S:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be finite and in [0, {MAX_WAIT_S:.0f}]"
+            )
+        deadline = time.monotonic() + request.timeout_s
+        while True:
+            record = self.registry.get(request.have_version)
+            if record is not None and request.have_version == self.registry.latest_committed:
+                plan = await self.coordinator.catch_up(record)
+                if plan is not None:
+                    return pb.AwaitCatchUpResponse(plan=plan)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return pb.AwaitCatchUpResponse()
+            await self.events.changed(min(remaining, 1.0))  # retry timers move without events
 
     async def WaitVersion(self, request: pb.WaitVersionRequest, context: grpc.aio.ServicerContext):
         if request.version < 1:
@@ -146,9 +139,9 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "state: must be a VersionState other than UNSPECIFIED"
             )
-        if not 0 <= request.timeout_s <= MAX_WAIT_S:
+        if not math.isfinite(request.timeout_s) or not 0 <= request.timeout_s <= MAX_WAIT_S:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be in [0, {MAX_WAIT_S:.0f}]"
+                grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s: must be finite and in [0, {MAX_WAIT_S:.0f}]"
             )
         deadline = time.monotonic() + request.timeout_s
         while True:
@@ -166,16 +159,16 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
 
     async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext):
         try:
-            worker, previous = self.membership.register(request)
+            worker = self.membership.register(request)
         except RequestError as exc:
             await context.abort(exc.code, exc.details)
-        if previous is not None:
-            await self.fanout.stop(previous)
-        self.fanout.start(worker)
-        self.events.emit(Kind.VERSION_EVENT_KIND_WORKER_JOINED, worker.weight_version, worker.worker_id)
-        telemetry.WORKERS.set(len(self.membership.live))
+        self.events.emit(Kind.VERSION_EVENT_KIND_WORKER_JOINED, worker.claimed_version, worker.worker_id)
+        self._changed()
         log.info(
-            "worker %s joined at %s serving v%d", worker.worker_id, worker.address, worker.weight_version
+            "worker %s joined at %s, says it serves v%d",
+            worker.worker_id,
+            worker.address,
+            worker.claimed_version,
         )
         return pb.RegisterWorkerResponse(
             latest_version=self.registry.latest_committed,
@@ -197,9 +190,9 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"worker_id: {request.worker_id!r} is not registered"
             )
-        await self.fanout.stop(worker)
+        worker.state = WorkerState.WORKER_STATE_DROPPED
         self.events.emit(Kind.VERSION_EVENT_KIND_WORKER_DROPPED, worker.weight_version, worker.worker_id)
-        self._after_attempt()
+        self._changed()
         return pb.UnregisterWorkerResponse()
 
     async def GetStatus(
@@ -212,7 +205,9 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
             versions=[r.info() for r in self.registry.records.values()],
             workers=workers,
             backend=self.config.backend,
-            updates_failed_total=self.fanout.failures_total,
+            updates_failed_total=self.coordinator.failures_total,
+            epoch=self.membership.epoch.number,
+            epoch_members=list(self.membership.epoch.members),
         )
 
     async def WatchVersions(

@@ -11,14 +11,14 @@ UPDATE_SECONDS = Histogram(
 )
 BYTES = Counter(
     "parity_broadcast_bytes",
-    "Weight bytes moved over torch.distributed: received from the trainer or sent to workers.",
+    "Weight bytes delivered over the data group: direction=received counts each worker's verified "
+    "ack of a version (the service itself moves no tensor bytes).",
     ["direction"],
 )
 FAILURES = Counter(
     "parity_broadcast_update_failures",
-    "Failed transfers by reason: trainer_transfer, trainer_checksum, checksum, transfer, timeout, "
-    "unreachable, rpc, internal.",
+    "Failed worker updates by reason: checksum, transfer, timeout, unreachable, rpc, internal.",
     ["reason"],
 )
-LATEST_VERSION = Gauge("parity_broadcast_latest_version", "Latest version received and verified.")
+LATEST_VERSION = Gauge("parity_broadcast_latest_version", "Latest version a worker verified (COMMITTED).")
 WORKERS = Gauge("parity_broadcast_workers", "Registered (live) rollout workers.")

@@ -10,7 +10,8 @@ start; the real one is `rollout/`.
         [--state_file F] [--enable_fault_injection] [--bucket_delay_s 0.2] [--port_file F]
 
 Invariants (the same as the real worker's):
-- Updates are serialised; received bytes go to a fresh buffer, never into the served weights.
+- Updates are serialised; received bytes go to a spare buffer, never into the served weights; the
+  epoch's data group is held between versions (rollout.weight_receiver, as the real worker does).
 - Only if every tensor's shape, dtype and WSUM64 match the plan are the new tensors swapped in;
   otherwise the old weights and version stay and the answer is FAILED naming the tensors.
 - After each swap `--state_file` holds {"version", "checksums"} of the weights it serves (for tests).
@@ -55,46 +56,21 @@ class StandinReceiver:
         tmp.write_text(json.dumps(state))
         tmp.replace(path)
 
-    def _receive(self, plan, corrupt: str) -> tuple[object, list, list[int], list[str], float]:
-        """Blocking: join, receive, (optionally corrupt), checksum.
-        Returns (buffer, tensors, sums, bad names, seconds)."""
-        import torch
+    def _receive(self, plan, corrupt: str):
+        """Blocking: receive and verify through the rollout workers' own receiver (its process-wide
+        epoch group, streaming checksums, memory check), into the spare buffer when it fits."""
+        from rollout.weight_receiver import receive_and_verify
 
-        from parity.transport import Layout, StreamVerifier, TransferGroup
-
-        start = time.monotonic()
-        layout = Layout.of(plan.tensors)
-        spare = self.spare_buffer
-        buffer = spare if spare is not None and spare.numel() == layout.total_bytes else None
-        if buffer is None:
-            buffer = torch.empty(layout.total_bytes, dtype=torch.uint8)
-        verifier = StreamVerifier(buffer, plan.tensors)
-        corrupt_at = -1
-        if corrupt:
-            index = [m.name for m in plan.tensors].index(corrupt)
-            corrupt_at = layout.offsets[index]
         delay = self.args.bucket_delay_s
-
-        def progress(end: int) -> None:
-            nonlocal corrupt_at
-            if 0 <= corrupt_at < end:
-                buffer[corrupt_at] ^= 0xFF  # flip one byte in flight, as a bad link or copy would
-                corrupt_at = -1
-            verifier.advance(end)  # checksum finished tensors while the next bucket arrives
-            if delay:
-                time.sleep(delay)
-
-        group = TransferGroup.join(plan.rendezvous)
-        try:
-            group.recv_packed(plan.tensors, plan.bucket_bytes, out=buffer, progress=progress)
-        finally:
-            group.close()
-        bad = verifier.mismatched()
-        tensors, sums = verifier.tensors, verifier.checksums
-        return buffer, tensors, sums, bad, time.monotonic() - start
+        return receive_and_verify(
+            plan,
+            "cpu",
+            corrupt,
+            out=self.spare_buffer,
+            on_bucket=(lambda _end: time.sleep(delay)) if delay else None,
+        )
 
     async def UpdateWeights(self, request, context: grpc.aio.ServicerContext):
-        from parity.transport import TransferError
         from parity.v1 import rollout_pb2
 
         plan = request.plan
@@ -111,6 +87,11 @@ class StandinReceiver:
                 grpc.StatusCode.INVALID_ARGUMENT, f"fault_corrupt_tensor: no tensor {corrupt!r}"
             )
         corrupt = corrupt or self.args.corrupt_tensor_at.get(plan.version, "")
+        if self.args.never_join:  # chaos: registered, but never comes to the data group
+            await asyncio.sleep(float(plan.rendezvous.timeout_s) + 1)
+            return rollout_pb2.UpdateWeightsResponse(
+                outcome=rollout_pb2.UPDATE_OUTCOME_FAILED, weight_version=self.version, error="never joined"
+            )
         async with self.lock:
             if plan.version == self.version:
                 return rollout_pb2.UpdateWeightsResponse(
@@ -121,39 +102,33 @@ class StandinReceiver:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"plan.version: {plan.version} is older than the served {self.version}",
                 )
+            # receive + verify while "generating", as the real worker does; pause only for the swap
+            staged = await asyncio.to_thread(self._receive, plan, corrupt)
+            if staged.error:
+                if staged.buffer is not None:
+                    self.spare_buffer = staged.buffer
+                return rollout_pb2.UpdateWeightsResponse(
+                    outcome=rollout_pb2.UPDATE_OUTCOME_FAILED,
+                    weight_version=self.version,
+                    error=f"{staged.error}; kept version {self.version}",
+                    checksums=staged.checksums,
+                    transfer_seconds=staged.transfer_s,
+                )
             paused_at = time.monotonic()  # pause(keep): a real engine stops scheduling here
-            try:
-                buffer, tensors, sums, bad, transfer_s = await asyncio.to_thread(self._receive, plan, corrupt)
-            except TransferError as exc:
-                return rollout_pb2.UpdateWeightsResponse(
-                    outcome=rollout_pb2.UPDATE_OUTCOME_FAILED,
-                    weight_version=self.version,
-                    error=f"transfer: {exc}",
-                    paused_seconds=time.monotonic() - paused_at,
-                )
-            if bad:
-                self.spare_buffer = buffer
-                return rollout_pb2.UpdateWeightsResponse(
-                    outcome=rollout_pb2.UPDATE_OUTCOME_FAILED,
-                    weight_version=self.version,
-                    error=f"checksum mismatch on {', '.join(bad[:5])}; kept version {self.version}",
-                    checksums=sums,
-                    transfer_seconds=transfer_s,
-                    paused_seconds=time.monotonic() - paused_at,
-                )
             # the swap: reference assignments; the buffer served until now becomes the spare
-            self.spare_buffer, self.served_buffer = self.served_buffer, buffer
-            self.weights, self.version = tensors, plan.version
-            self._write_state()
+            self.spare_buffer, self.served_buffer = self.served_buffer, staged.buffer
+            self.weights, self.version = staged.tensors, plan.version
             paused_s = time.monotonic() - paused_at  # resume
+            self._write_state()
         if self.version >= self.latest_seen:
             await self.server.set_serving(True)
-        log.info("now serving v%d (transfer %.2fs, paused %.2fs)", self.version, transfer_s, paused_s)
+        log.info("now serving v%d (transfer %.2fs, paused %.4fs)", self.version, staged.transfer_s, paused_s)
         return rollout_pb2.UpdateWeightsResponse(
             outcome=rollout_pb2.UPDATE_OUTCOME_APPLIED,
             weight_version=self.version,
-            checksums=sums,
-            transfer_seconds=transfer_s,
+            checksums=staged.checksums,
+            transfer_seconds=staged.transfer_s,
+            verify_seconds=staged.verify_s,
             paused_seconds=paused_s,
         )
 
@@ -214,6 +189,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--bucket_delay_s", type=float, default=0.0, help="test-only: sleep after each bucket"
+    )
+    parser.add_argument(
+        "--never_join", action="store_true", help="chaos: register and heartbeat, never join a data group"
     )
     args = parser.parse_args(list(argv))
     pairs = [p.split("=", 1) for p in args.corrupt_tensor_at.split(",") if p]

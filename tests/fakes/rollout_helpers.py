@@ -114,6 +114,7 @@ def transfer_plan(state: dict, version: int, bucket_bytes: int = 1 << 20, timeou
         backend="gloo",
         group_name=f"test-v{version}-{uuid.uuid4().hex[:8]}",
         timeout_s=timeout_s,
+        secret=uuid.uuid4().hex,  # the join's proof of the group secret (parity.transport)
     )
     plan = common_pb2.TransferPlan(
         version=version,
