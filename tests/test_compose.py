@@ -139,24 +139,55 @@ def test_service_graph_and_startup_order(compose) -> None:
     assert services["rollout-2"]["profiles"] == ["gpu2"], "extra GPUs are opt-in"
 
 
-def test_gpu_reservations_pin_trainer_to_gpu0_and_rollouts_to_gpus_1_plus(compose) -> None:
-    def devices(name: str) -> list[dict[str, Any]]:
-        return compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+def nccl_group_gpus(compose: dict[str, Any]) -> dict[str, list[str]]:
+    """GPU ids of every rank of the weight-sync NCCL group: the trainer (rank 0) and each rollout
+    service. Raises if the topology rule is broken: two ranks on one GPU (NCCL: "Duplicate GPU
+    detected"), a rank without exactly one GPU, or a GPU on the broadcast service (the control plane
+    joins no group)."""
+    services = compose["services"]
+    reservations = {
+        name: [
+            device
+            for device in service.get("deploy", {})
+            .get("resources", {})
+            .get("reservations", {})
+            .get("devices", [])
+            if "gpu" in device.get("capabilities", [])
+        ]
+        for name, service in services.items()
+    }
+    if reservations.get("broadcast"):
+        raise AssertionError("broadcast: the control plane must not reserve a GPU")
+    ranks = ["trainer", *sorted(n for n in services if n == "rollout" or n.startswith("rollout-"))]
+    gpus: dict[str, list[str]] = {}
+    owner: dict[str, str] = {}
+    for name in ranks:
+        devices = reservations.get(name, [])
+        if len(devices) != 1 or len(devices[0].get("device_ids", [])) != 1:
+            raise AssertionError(f"{name}: a rank of the NCCL group needs exactly one GPU, has {devices}")
+        gpus[name] = list(devices[0]["device_ids"])
+        gpu = gpus[name][0]
+        if gpu in owner:
+            raise AssertionError(f"{owner[gpu]} and {name} share GPU {gpu}: two ranks of one NCCL group")
+        owner[gpu] = name
+    return gpus
 
-    pinned = {}
-    for name in ("trainer", "rollout", "rollout-2", "broadcast"):
-        (device,) = devices(name)
-        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-        pinned[name] = device["device_ids"]
-    assert pinned["trainer"] == ["0"]
-    assert pinned["rollout"] == ["1"] and pinned["rollout-2"] == ["2"]
-    assert not set(pinned["trainer"]) & (set(pinned["rollout"]) | set(pinned["rollout-2"]))
-    for name in ("redis", "otel-collector", "jaeger", "prometheus"):
+
+def test_gpu_topology_no_two_ranks_of_the_nccl_group_share_a_gpu(compose) -> None:
+    gpus = nccl_group_gpus(compose)
+    assert gpus == {"trainer": ["0"], "rollout": ["1"], "rollout-2": ["2"]}
+    for name in ("redis", "otel-collector", "jaeger", "prometheus", "broadcast"):
         assert "deploy" not in compose["services"][name]
     overridden = load_compose({**ENV, "PARITY_ROLLOUT_GPU": "3"})
-    assert overridden["services"]["rollout"]["deploy"]["resources"]["reservations"]["devices"][0][
-        "device_ids"
-    ] == ["3"]
+    assert nccl_group_gpus(overridden)["rollout"] == ["3"]
+    # the rule bites: a rollout service moved onto the trainer's GPU, or two rollouts on one GPU
+    for env in ({"PARITY_ROLLOUT_GPU": "0"}, {"PARITY_ROLLOUT_2_GPU": "1"}):
+        with pytest.raises(AssertionError, match="share GPU"):
+            nccl_group_gpus(load_compose({**ENV, **env}))
+    with_gpu = load_compose(ENV)
+    with_gpu["services"]["broadcast"]["deploy"] = with_gpu["services"]["trainer"]["deploy"]
+    with pytest.raises(AssertionError, match="broadcast"):
+        nccl_group_gpus(with_gpu)
 
 
 def test_parity_services_health_ipc_volumes_and_nccl(compose) -> None:
