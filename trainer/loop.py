@@ -22,6 +22,7 @@ sampling from weights the trainer no longer has.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from parity import mismatch, tracing
 from parity.config import ParityConfig
-from parity.rollout_queue import RolloutQueue
+from parity.rollout_queue import MIN_ID, RolloutQueue
 from parity.sampling import SamplingTransform
 from trainer import objectives, offpolicy
 from trainer import precision as numerics
@@ -120,10 +121,12 @@ class Trainer:
         self.in_step = False  # between taking a batch and finishing its publish
 
     # ---- setup -----------------------------------------------------------------------------------
-    def setup(self) -> None:
+    def setup_model(self) -> None:
+        """Device, model (sharded when world_size > 1), optimizer, scheduler; no queue, no publisher."""
         import torch
 
         from parity import models
+        from trainer import fsdp
 
         cfg, schedule = self.config, self.schedule
         torch.manual_seed(schedule.seed)
@@ -131,11 +134,17 @@ class Trainer:
             torch.set_num_threads(cfg.torch_threads)
         numerics.disable_tf32()
         self.device = resolve_device(cfg.device)
+        self.rank, self.world_size = fsdp.world()
+        self.distributed = self.world_size > 1
+        if self.distributed:
+            fsdp.init_process_group(self.device, cfg.dist_timeout_s)
         self.model_dir = models.resolve(self.model_name)
         self.model = load_model(self.model_dir, cfg.dtype, self.device)
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.scorer = scorer_for(self.model, cfg.precision)
+        if self.distributed:
+            fsdp.shard_scorer(self.scorer, cfg.precision)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -143,14 +152,28 @@ class Trainer:
             betas=(0.9, 0.999),
             eps=1e-8,
         )
+        warmup = cfg.lr_warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
         self.ref_model = self._frozen_copy() if cfg.kl_coef > 0 else None
         self.old_model = self._frozen_copy() if cfg.old_logprobs == "recompute" else None
-        self.store = CheckpointStore(self.run_dir, keep=cfg.keep_checkpoints)
+        self.flops_per_token = fsdp_free_flops_per_token(self.model)
+
+    def setup(self) -> None:
+        cfg, schedule = self.config, self.schedule
+        self.setup_model()
+        self.store = CheckpointStore(
+            self.run_dir, keep=cfg.keep_checkpoints, model_source=str(self.model_dir)
+        )
         self.telemetry = Telemetry(self.run_dir)
-        restored = self.store.load(self.model, self.optimizer)
+        restored = self.store.load(self.model, self.optimizer, scheduler=self.scheduler)
         self.state = restored or TrainerState()
         self.telemetry.resume(self.state.step)
         self.applied_ids = set(self.state.applied_rollout_ids)
+        # rollout id -> stream entry id it was trained from (insertion order = training order).
+        entries = self.state.applied_rollout_entries or [MIN_ID] * len(self.state.applied_rollout_ids)
+        self.applied_entries = dict(zip(self.state.applied_rollout_ids, entries, strict=True))
         self.queue = RolloutQueue(schedule.redis_url, schedule.stream, cfg.consumer_group, cfg.stream_maxlen)
         self.queue.rewind(self.state.replay_floor)
         self.queue.set_replay_floor(self.state.replay_floor)
@@ -188,7 +211,12 @@ class Trainer:
         copy.eval()
         for param in copy.parameters():
             param.requires_grad_(False)
-        return scorer_for(copy, self.config.precision)
+        scorer = scorer_for(copy, self.config.precision)
+        if self.distributed:
+            from trainer import fsdp
+
+            fsdp.shard_scorer(scorer, self.config.precision)
+        return scorer
 
     def _read_published_file(self) -> int:
         path = self.run_dir / PUBLISHED_VERSION_FILE
@@ -245,9 +273,6 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> dict[str, Any]:
         """One optimizer step on `batch`; acks its entries; records metrics."""
-        import torch
-
-        cfg = self.config
         start = time.perf_counter()
         version = self.state.weight_version
         sequences, rewards, zero_groups = self._prepare(batch)
@@ -262,17 +287,8 @@ class Trainer:
             links_from=batch.traceparents,
         ) as span:
             self._step_traceparents.append(tracing.current_traceparent())
-            self.optimizer.zero_grad(set_to_none=True)
-            totals = self._micro_batches(sequences)
-            grad_norm = float(
-                torch.nn.utils.clip_grad_norm_(
-                    [p for p in self.model.parameters() if p.requires_grad], cfg.grad_clip
-                )
-            )
-            if totals.trainable_tokens > 0 and torch.isfinite(torch.tensor(grad_norm)):
-                self.optimizer.step()
-                self._unpublished_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
+            totals, grad_norm, stepped = self.local_update(sequences)
+            self._unpublished_steps += int(stepped)
             self.queue.ack(batch.all_entry_ids())
             step_time_s = time.perf_counter() - start
             metrics = self._metrics(batch, sequences, rewards, zero_groups, totals, grad_norm, step_time_s)
@@ -284,6 +300,9 @@ class Trainer:
             self.state.step += 1
             metrics["step"] = self.state.step
             self.applied_ids.update(trained_ids)
+            for group, entry_id in zip(batch.groups, batch.entry_ids, strict=True):
+                for sample in group.samples:
+                    self.applied_entries[sample.rollout_id] = entry_id
             self.state.rollouts_trained_total += len(trained_ids)
             self.state.dropped_stale_total += batch.dropped_stale
             self.state.duplicates_skipped_total += batch.duplicates
@@ -314,6 +333,25 @@ class Trainer:
         return metrics
 
     # ---- the step's pieces -----------------------------------------------------------------------
+    def local_update(
+        self, sequences: list[ScoredSequence], global_counts: tuple[int, int] | None = None
+    ) -> tuple[StepTotals, float, bool]:
+        """Gradients of this rank's `sequences`, clip, AdamW + scheduler step: (totals, grad norm,
+        whether the optimizer stepped). `global_counts` = (trainable tokens, trainable sequences)
+        of the whole batch over all ranks (the loss normaliser); this rank's own counts when None."""
+        import torch
+
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = self._micro_batches(sequences, global_counts)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip))
+        stepped = totals.trainable_tokens > 0 and math.isfinite(grad_norm)
+        if stepped:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return totals, grad_norm, stepped
+
     def _prepare(self, batch: Batch) -> tuple[list[ScoredSequence], list[float], int]:
         import torch
 
@@ -343,15 +381,16 @@ class Trainer:
                 )
         return sequences, rewards, zero_groups
 
-    def _micro_batches(self, sequences: list[ScoredSequence]) -> StepTotals:
+    def _micro_batches(
+        self, sequences: list[ScoredSequence], global_counts: tuple[int, int] | None = None
+    ) -> StepTotals:
         """Forward/backward every trainable micro-batch, forward-only the rest; gather metric inputs."""
         import torch
 
         trainable = [s for s in sequences if s.trainable]
         frozen = [s for s in sequences if not s.trainable]
-        totals = StepTotals(
-            trainable_tokens=sum(len(s.rollout_logprobs) for s in trainable), trainable_seqs=len(trainable)
-        )
+        tokens, seqs = global_counts or (sum(len(s.rollout_logprobs) for s in trainable), len(trainable))
+        totals = StepTotals(trainable_tokens=tokens, trainable_seqs=seqs)
         losses = []
         for chunk in self._split(trainable):
             loss = self._micro_batch_loss(chunk, totals)
@@ -550,7 +589,7 @@ class Trainer:
                 "trainer_nonfinite_tokens": int(sum(int(c) for c in totals.nonfinite_counts)),
                 "loss": totals.loss,
                 "grad_norm": grad_norm,
-                "lr": self.config.lr,
+                "lr": float(self.scheduler.get_last_lr()[0]),
                 "is_weight_mean": float(is_w.mean()) if is_w.numel() else 1.0,
                 "is_corrected_frac": float(is_corr.mean()) if is_corr.numel() else 0.0,
                 "kl_ref": float(kl_ref.mean()) if kl_ref.numel() else 0.0,
@@ -599,8 +638,8 @@ class Trainer:
         floor = self.queue.consumed_floor()
         with self.lock:
             self.state.replay_floor = floor
-            self.state.applied_rollout_ids = sorted(self.applied_ids)
-        path = self.store.save(self.model, self.optimizer, self.state)
+            self._bound_dedupe(floor)
+        path = self.store.save(self.model, self.optimizer, self.state, self.scheduler)
         self.queue.set_replay_floor(floor)
         self._checkpointed = (self.state.step, self.state.weight_version)
         log.info(
@@ -612,6 +651,36 @@ class Trainer:
         )
         return path
 
+    def _bound_dedupe(self, floor: str) -> None:
+        """Keep the rollout ids a restart can still meet: those of entries at or above the replay
+        floor (redelivered by the rewind) and the newest `dedupe_window` (a producer's late
+        duplicate). Older ids are dropped from the checkpoint and from memory."""
+        window = self.config.dedupe_window
+        ordered = list(self.applied_entries.items())
+        recent = {rid for rid, _ in ordered[max(0, len(ordered) - window) :]} if window else set()
+        floor_key = stream_key(floor)
+        kept = [(rid, e) for rid, e in ordered if rid in recent or stream_key(e) >= floor_key]
+        self.applied_entries = dict(kept)
+        self.applied_ids.intersection_update(self.applied_entries)  # the consumer shares this set
+        self.state.applied_rollout_ids = [rid for rid, _ in kept]
+        self.state.applied_rollout_entries = [e for _, e in kept]
+
     def close(self) -> None:
         self.publisher.close()
         self.queue.close()
+
+
+def fsdp_free_flops_per_token(model) -> float:
+    """Training FLOPs per token, 6 x parameters outside the input embedding (forward 2N, backward
+    4N; attention's sequence-length term left out). Counted before sharding."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    non_embedding = total - embed.numel() + (embed.numel() if head is embed else 0)
+    return 6.0 * non_embedding
+
+
+def stream_key(entry_id: str) -> tuple[int, int]:
+    """A Redis stream id "ms-seq" as a sortable pair."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -80,6 +80,9 @@ class TrainerConfig(ServiceConfig):
     objective: Objective = Field("grpo", description="grpo | ppo (baseline-only advantages) | gspo.")
     loss_agg: LossAgg = Field("token", description="token: mean over all tokens; sequence: mean of means.")
     lr: float = Field(3e-5, gt=0, le=1.0, description="AdamW learning rate.")
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="Linear learning-rate warm-up over this many optimizer steps; 0 = constant."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     clip_eps_low: float = Field(0.2, gt=0, description="PPO/GRPO ratio clip below 1 (1 - eps).")

@@ -1,0 +1,94 @@
+"""Data parallelism inside the trainer: process group, FSDP2 sharding, full weights from shards.
+
+Invariants:
+- One process per device; the backend is NCCL on CUDA and gloo on CPU; every collective has the
+  group's timeout (`trainer.dist_timeout_s`), so a lost rank is an error, never a hang.
+- `fully_shard` wraps each decoder layer, then the CompletionScorer as the root: the root's group
+  holds the embeddings, final norm and lm_head with float32 params (the head stays fp32); the layers
+  get the precision policy (bf16 params, fp32 gradient reduction in bf16 mode).
+- Each rank's loss is already divided by the *global* token (or sequence) count, so gradients are
+  summed across ranks (divide factor 1), not averaged: N ranks then give the 1-rank gradient.
+- Parameters are DTensors after sharding; `full_parameters` all-gathers them (collective).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from trainer.precision import mixed_precision_policy
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) from the torchrun environment; (0, 1) outside it."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_process_group(device: torch.device, timeout_s: float) -> None:
+    """Join the torchrun group (env://) unless already in one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    log.info("rank %d/%d joined (%s)", dist.get_rank(), dist.get_world_size(), backend)
+
+
+def is_sharded(module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def shard_scorer(scorer, precision: str, reshard_after_forward: bool = True):
+    """FSDP2 over the default process group; returns the same (now sharded) scorer."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    decoder = getattr(scorer.lm, scorer.lm.base_model_prefix)
+    for layer in decoder.layers:
+        fully_shard(
+            layer, mp_policy=mixed_precision_policy(precision), reshard_after_forward=reshard_after_forward
+        )
+    fully_shard(scorer, mp_policy=mixed_precision_policy(precision, for_head=True))
+    scorer.sharded = True
+    for module in scorer.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # Plain SUM reductions (gloo has no PREMUL_SUM; NCCL's zero-copy path wants SUM too).
+            module.set_force_sum_reduction_for_comms(True)
+    return scorer
+
+
+def full_parameters(module) -> dict[str, torch.Tensor]:
+    """name -> full (unsharded) parameter on this rank's device (all-gathers DTensors)."""
+    out = {}
+    for name, param in module.named_parameters():
+        tensor = param.detach()
+        out[name] = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return out
+
+
+def all_reduce_sum(value: float, device: torch.device) -> float:
+    """Sum of a float over the ranks (itself when not distributed)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return float(tensor[0])
+
+
+def shard_of(items: list, rank: int, world_size: int) -> list:
+    """This rank's share of a batch: every world_size-th item from `rank` (balanced lengths)."""
+    return items[rank::world_size]
