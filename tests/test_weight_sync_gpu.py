@@ -1,0 +1,153 @@
+"""GPU paths of weight sync (marked `gpu`; skipped without CUDA -- not run on the CPU-only CI host).
+
+- CUDA IPC: a producer process exports one packed CUDA buffer, a consumer process on the same GPU
+  maps it without a copy and verifies every checksum (parity.cuda_ipc).
+- CUDA tensors over the data group: gloo on one GPU, sender and receiver in separate processes.
+- The topology rule at runtime: two NCCL ranks on one GPU are refused before NCCL is touched.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+
+import pytest
+
+from parity import checksum
+from parity.ports import free_port
+from parity.v1 import common_pb2
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+if not _cuda():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+SECRET = "gpu-test-secret-0123456789abcdef"
+
+
+def _named(device: str) -> list[tuple[str, object]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(5)
+    return [
+        ("a", torch.randn(1024, 1024, generator=gen).to(device)),
+        ("b", torch.randn(333, generator=gen).to(torch.bfloat16).to(device)),
+        ("c", torch.randn(64, 64, generator=gen).to(device)),
+    ]
+
+
+def _consumer(handle_json: str, metas_bytes: list[bytes], results) -> None:
+    try:
+        import torch
+
+        from parity.cuda_ipc import IpcHandle, import_buffer
+        from parity.transport import Layout, views
+
+        metas = [common_pb2.TensorMeta.FromString(b) for b in metas_bytes]
+        start = time.perf_counter()
+        buffer = import_buffer(IpcHandle.from_json(handle_json))
+        torch.cuda.synchronize()
+        map_s = time.perf_counter() - start
+        tensors = views(buffer, metas, Layout.of(metas))
+        results.put(("ok", checksum.mismatched(metas, tensors), map_s, buffer.data_ptr() != 0))
+    except Exception:
+        results.put(("error", traceback.format_exc(), 0.0, False))
+
+
+def test_cuda_ipc_handoff_maps_the_producers_buffer_and_verifies() -> None:
+    from parity.cuda_ipc import export_buffer
+    from parity.transport import Layout, pack
+
+    named = _named("cuda")
+    metas = checksum.describe(named)
+    buffer = pack([t for _, t in named], Layout.of(metas), device="cuda")
+    handle = export_buffer(buffer)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(
+        target=_consumer, args=(handle.to_json(), [m.SerializeToString() for m in metas], results)
+    )
+    proc.start()
+    status, bad, map_s, mapped = results.get(timeout=120)
+    proc.join(30)
+    assert status == "ok", bad
+    assert bad == [] and mapped
+    print(f"mapped {buffer.numel() / 2**20:.1f} MiB in {map_s * 1000:.2f} ms")
+
+
+def _rank(rank: int, port: int, results) -> None:
+    try:
+        import torch
+
+        from parity.transport import TransferGroup
+
+        rdv = common_pb2.Rendezvous(
+            host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", group_name="gpu-gloo",
+            timeout_s=60, secret=SECRET,
+        )  # fmt: skip
+        group = TransferGroup.join(rdv, host_store=rank == 0)
+        named = _named("cuda")
+        if rank == 0:
+            group.send([t for _, t in named], 1 << 20)
+            results.put((0, []))
+        else:
+            metas = checksum.describe(named)
+            got = group.recv(metas, 1 << 20, device="cuda")
+            assert all(t.is_cuda for t in got)
+            torch.cuda.synchronize()
+            results.put((1, checksum.mismatched(metas, got)))
+        group.close()
+    except Exception:
+        results.put((rank, ["error: " + traceback.format_exc()]))
+
+
+def test_cuda_tensors_over_the_data_group_gloo_on_one_gpu() -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    outcome = dict(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(30)
+    assert outcome == {0: [], 1: []}, outcome
+
+
+def _nccl_rank(rank: int, port: int, results) -> None:
+    from parity.transport import TransferError, TransferGroup
+
+    rdv = common_pb2.Rendezvous(
+        host="127.0.0.1", port=port, rank=rank, world_size=2, backend="nccl", group_name="dup",
+        timeout_s=30, secret=SECRET,
+    )  # fmt: skip
+    try:
+        TransferGroup.join(rdv, host_store=rank == 0)
+        results.put((rank, "joined"))
+    except TransferError as exc:
+        results.put((rank, str(exc)))
+
+
+def test_two_nccl_ranks_on_one_gpu_are_refused_before_nccl() -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_nccl_rank, args=(r, port, results)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    outcome = dict(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(30)
+    for message in outcome.values():
+        assert "ranks 0 and 1 of this group are on the same GPU" in message, outcome
