@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -26,6 +28,8 @@ from pathlib import Path
 
 from parity import health
 from parity.ports import free_port
+
+_URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]+@")
 
 
 def wait_healthy(
@@ -152,6 +156,24 @@ def start_service(
     return ServiceProcess(name=name, proc=proc, port_file=port_file, log_path=log_path)
 
 
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by ***, for logs and records."""
+    return _URL_PASSWORD.sub(r"\1***@", url)
+
+
+def write_redis_conf(workdir: Path, password: str) -> Path:
+    """The private server's config file, mode 0600: its password never goes on an argv."""
+    path = workdir / "redis.conf"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    lines = ["appendonly yes", "appendfsync everysec"]
+    if password:
+        lines.append(f"requirepass {password}")
+    with os.fdopen(fd, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    return path
+
+
 def start_redis(
     log_dir: str | Path,
     env: dict[str, str] | None = None,
@@ -159,14 +181,21 @@ def start_redis(
     timeout_s: float = 15.0,
     attempts: int = 3,
     adopt: Callable[[ServiceProcess], None] | None = None,
+    password: str | None = None,
+    port: int = 0,
 ) -> tuple[ServiceProcess, str]:
-    """A private redis-server on a free loopback port, no persistence: (its process, its URL).
+    """A private redis-server on a free loopback port: (its process, its URL).
 
-    Its data and log (redis.log) go under `log_dir`. `proc_title` is appended to the process title
-    (redis rewrites its title over its environment, so a marker meant to be found there must be in
-    the title). `adopt` is called with each child as soon as it is spawned, before waiting on it, so
-    a caller's cleanup covers a start that is interrupted. A port lost to a race is retried on
-    another port, `attempts` times in all.
+    It requires a password (`password`; None draws a random one, "" means none) and keeps an
+    append-only file (`appendfsync everysec`: an acked entry survives a kill -9 of Redis, at most
+    the last second is at risk on a machine crash). Both are in `redis.conf` (mode 0600) under
+    `log_dir/redis`, with its data; the URL (`redis://:PASSWORD@127.0.0.1:PORT/0`) carries the
+    password, so callers pass it through the environment and log it through `redact_url`.
+    `port` restarts a server on the port it had (same directory: it replays its append-only file).
+    `proc_title` is appended to the process title (redis rewrites its title over its environment, so a
+    marker meant to be found there must be in the title). `adopt` is called with each child as soon
+    as it is spawned, before waiting on it, so a caller's cleanup covers a start that is interrupted.
+    A port lost to a race is retried on another port, `attempts` times in all.
     """
     binary = shutil.which("redis-server")
     if binary is None:
@@ -177,10 +206,13 @@ def start_redis(
     workdir = log_dir / "redis"
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "redis.log"
+    if password is None:
+        password = secrets.token_hex(16)
+    conf = write_redis_conf(workdir, password)
     child = None
-    for _attempt in range(attempts):
-        port = free_port()
-        cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    for _attempt in range(attempts if not port else 1):
+        bind_port = port or free_port()
+        cmd = [binary, str(conf), "--port", str(bind_port), "--bind", "127.0.0.1", "--save", ""]
         cmd += ["--dir", str(workdir), "--logfile", str(log_path)]
         if proc_title:
             cmd += ["--proc-title-template", f"{{title}} {{listen-addr}} {proc_title}"]
@@ -192,15 +224,16 @@ def start_redis(
             env={**os.environ, **(env or {})},
         )
         child = ServiceProcess(name="redis", proc=proc, port_file=workdir / "unused", log_path=log_path)
-        child.port = port
+        child.port = bind_port
         if adopt is not None:
             adopt(child)
-        client = redis.Redis(port=port, socket_timeout=1.0)
+        client = redis.Redis(port=bind_port, password=password or None, socket_timeout=1.0)
         deadline = time.monotonic() + timeout_s
         while proc.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
                 client.ping()
-                return child, f"redis://127.0.0.1:{port}/0"
+                auth = f":{password}@" if password else ""
+                return child, f"redis://{auth}127.0.0.1:{bind_port}/0"
             time.sleep(0.05)
         stop_groups([child], grace_s=2.0)  # lost the port race or too slow: try another port
     raise RuntimeError(f"redis-server did not start:\n{child.log_tail() if child else ''}")

@@ -17,6 +17,14 @@ backpressure. The trainer consumes through the consumer group. Invariants:
   deliver them again on restart. Without a floor nothing acknowledged is trimmed (safe default).
 - **Dedupe is the consumer's job** (by rollout id; the trainer persists its set with the checkpoint
   so that it always matches the weights it describes).
+- **Redis outages are waited out.** Every command goes through `ReconnectingRedis`: on a lost
+  connection (Redis killed, restarting, loading its append-only file) it retries with capped
+  exponential backoff (`BACKOFF_START_S` doubling to `BACKOFF_CAP_S`, so it is back within
+  `BACKOFF_CAP_S` of Redis answering again) for up to `OUTAGE_TIMEOUT_S`, then raises. While it
+  waits, `redis_connected()` is False and the `parity_redis_connected` gauge is 0; services turn
+  NOT_SERVING from it. A retried XADD whose first attempt reached Redis can leave the group twice
+  in the stream: the consumer's dedupe by rollout id skips the copy (trained once). A wrong
+  password is not an outage: it raises at once.
 
 Entry fields: b"group" (RolloutGroup protobuf bytes), b"traceparent", b"group_id", b"min_version",
 b"max_version". Nothing is pickled.
@@ -25,10 +33,14 @@ b"max_version". Nothing is pickled.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Literal
 
 import redis
+from prometheus_client import Gauge
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from parity.v1 import rollouts_pb2
 
@@ -82,6 +94,63 @@ class QueueEntry:
     error: str = ""
 
 
+BACKOFF_START_S = 0.05
+BACKOFF_CAP_S = 2.0
+OUTAGE_TIMEOUT_S = 600.0
+
+REDIS_CONNECTED = Gauge(
+    "parity_redis_connected", "1 while the last Redis command succeeded, 0 while Redis is unreachable."
+)
+_connected: bool | None = None  # None until the first command; this process's view of Redis
+
+
+def redis_connected() -> bool | None:
+    """Whether this process's last Redis command succeeded (None before the first one)."""
+    return _connected
+
+
+def _set_connected(connected: bool) -> None:
+    global _connected
+    if connected != _connected:
+        if _connected is not None or not connected:
+            log.warning("redis %s", "reconnected" if connected else "unreachable: retrying with backoff")
+        _connected = connected
+        REDIS_CONNECTED.set(1.0 if connected else 0.0)
+
+
+class ReconnectingRedis(redis.Redis):
+    """A Redis client whose commands wait out an outage (module docstring, "Redis outages")."""
+
+    outage_timeout_s = OUTAGE_TIMEOUT_S
+
+    def execute_command(self, *args, **options):
+        delay_s = BACKOFF_START_S
+        down_since: float | None = None
+        while True:
+            try:
+                result = super().execute_command(*args, **options)
+            except redis.AuthenticationError:
+                raise
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                _set_connected(False)
+                now = time.monotonic()
+                down_since = down_since if down_since is not None else now
+                if now - down_since > self.outage_timeout_s:
+                    raise redis.ConnectionError(
+                        f"redis unreachable for {now - down_since:.0f}s (limit {self.outage_timeout_s:.0f}s): {exc}"
+                    ) from exc
+                time.sleep(delay_s)
+                delay_s = min(BACKOFF_CAP_S, 2 * delay_s)
+                continue
+            _set_connected(True)
+            return result
+
+
+def connect(redis_url: str) -> ReconnectingRedis:
+    """A client for `redis_url` that reconnects on its own (redis-py's own retries off)."""
+    return ReconnectingRedis.from_url(redis_url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2.0)
+
+
 def _text(value: bytes | str | None) -> str:
     if value is None:
         return ""
@@ -100,7 +169,7 @@ class RolloutQueue:
     ) -> None:
         if maxlen <= 0:
             raise ValueError(f"maxlen: must be > 0 (got {maxlen})")
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis = connect(redis_url)
         self.stream = stream
         self.group = group
         self.maxlen = maxlen

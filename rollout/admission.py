@@ -3,9 +3,9 @@
 An RPC is admitted when, with it, at most `max_requests` RPCs and `max_tokens` tokens are in flight
 (a request costs n * (prompt tokens + max_tokens), the most KV it can hold). Otherwise it is refused
 at once with RESOURCE_EXHAUSTED and a retry hint (`retry-after-ms` trailing metadata and in the
-details): the recent mean time an admitted request took, scaled by how many requests are ahead of
-it. Refusing instead of queueing keeps the admitted requests' latency near what the engine does
-with that many sequences, and tells a client when to come back.
+details): the recent mean time an admitted request took, about when a slot frees up. Refusing
+instead of queueing keeps the admitted requests' latency near what the engine does with that many
+sequences, and tells a client when to come back.
 
 A request over the token budget on its own is still admitted when nothing else is in flight, so a
 large but valid request is never refused forever. The actor's in-process groups bypass this cap (it
@@ -38,15 +38,17 @@ class Admission:
         self._mean_s: float | None = None
 
     def retry_after_s(self) -> float:
-        """The hint sent with a refusal: about when one admitted request will have finished."""
-        mean = self._mean_s if self._mean_s is not None else 1.0
-        return max(_MIN_RETRY_S, mean / max(1, self.max_requests) * max(1, self.requests - self.max_requests + 1))
+        """The hint sent with a refusal: the recent mean time of an admitted request (about when a
+        slot frees up; 1 s before any request has finished)."""
+        return max(_MIN_RETRY_S, self._mean_s if self._mean_s is not None else 1.0)
 
     @contextlib.contextmanager
     def admit(self, cost_tokens: int) -> Iterator[None]:
         """Hold a slot for the duration of the block, or raise RESOURCE_EXHAUSTED (RequestError)."""
         if self.requests >= self.max_requests:
-            self._refuse("in_flight_requests", f"{self.requests} Generate requests in flight (max {self.max_requests})")
+            self._refuse(
+                "in_flight_requests", f"{self.requests} Generate requests in flight (max {self.max_requests})"
+            )
         if self.requests and self.tokens + cost_tokens > self.max_tokens:
             self._refuse(
                 "in_flight_tokens",
@@ -63,7 +65,9 @@ class Admission:
             self.tokens -= cost_tokens
             metrics.INFLIGHT_REQUESTS.set(self.requests)
             took = time.monotonic() - started
-            self._mean_s = took if self._mean_s is None else (1 - _EWMA_WEIGHT) * self._mean_s + _EWMA_WEIGHT * took
+            self._mean_s = (
+                took if self._mean_s is None else (1 - _EWMA_WEIGHT) * self._mean_s + _EWMA_WEIGHT * took
+            )
 
     def _refuse(self, field: str, message: str) -> None:
         self.refused_total += 1

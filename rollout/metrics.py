@@ -28,6 +28,7 @@ ZERO_VARIANCE_DROPPED = Counter(
     "Groups not published because every sample had the same reward (--skip_zero_variance).",
 )
 UPDATES = Counter("parity_rollout_weight_updates", "Weight updates by outcome.", ["outcome"])
+ACTOR_RESTARTS = Counter("parity_rollout_actor_restarts", "Times the actor loop crashed and was restarted.")
 INFLIGHT_REQUESTS = Gauge("parity_rollout_inflight_requests", "Generate RPCs admitted and not yet finished.")
 REFUSED_REQUESTS = Counter(
     "parity_rollout_refused_requests",

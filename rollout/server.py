@@ -12,6 +12,9 @@ Invariants:
     is INVALID_ARGUMENT naming it, vLLM's own validation too, a dead engine UNAVAILABLE.
   - Nothing CPU-heavy runs on the event loop: prompts are tokenised on one worker thread, at most
     `max_tokenize_pending` at a time, after their size was checked (`max_prompt_bytes`).
+  - With the actor on, health is also NOT_SERVING while Redis is unreachable (the actor's queue waits
+    it out, parity.rollout_queue) and while a crashed actor loop waits to restart (capped backoff;
+    `parity_rollout_actor_restarts_total`). Generate RPCs are still answered meanwhile.
   - Generate/GenerateStream RPCs are admitted up to `max_inflight_requests` and
     `max_inflight_tokens` (rollout.admission); the rest get RESOURCE_EXHAUSTED with a retry hint.
   - Every parity-relevant engine setting is logged at startup and returned by GetStatus.
@@ -114,6 +117,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.admission = Admission(config.max_inflight_requests, config.effective_max_inflight_tokens)
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._tokenize_pending = 0
+        self.actor_failed = False
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -130,16 +134,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def caught_up(self) -> bool:
         return self.registered and self.engine.weight_version >= self.required_version
 
+    @property
+    def actor_healthy(self) -> bool:
+        """No actor, or an actor whose loop runs and whose Redis answers."""
+        if not self.config.actor:
+            return True
+        from parity.rollout_queue import redis_connected
+
+        return not self.actor_failed and redis_connected() is not False
+
     async def refresh_serving(self) -> None:
-        """SERVING once caught up (and never again after shutdown began)."""
-        serving = self.caught_up and not self.shutting_down
+        """SERVING once caught up with a healthy actor (and never again after shutdown began)."""
+        serving = self.caught_up and self.actor_healthy and not self.shutting_down
         if serving != self._serving and self.server is not None:
             self._serving = serving
             await self.server.set_serving(serving)
             log.info(
-                "health: %s (weight_version %d)",
+                "health: %s (weight_version %d%s)",
                 "SERVING" if serving else "NOT_SERVING",
                 self.engine.weight_version,
+                "" if self.actor_healthy else ", actor down or redis unreachable",
             )
 
     def check_available(self) -> None:
@@ -343,6 +357,33 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.ResumeGenerationResponse()
 
 
+ACTOR_RESTART_START_S = 1.0
+ACTOR_RESTART_CAP_S = 30.0
+
+
+async def supervise_actor(actor, servicer: RolloutServicer) -> None:
+    """Run the actor loop; when it crashes, NOT_SERVING, then restart it after a capped backoff."""
+    delay_s = ACTOR_RESTART_START_S
+    while not servicer.shutting_down:
+        started = time.monotonic()
+        try:
+            await actor.run()
+            return  # finished (max_groups) or shutting down
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            servicer.actor_failed = True
+            await servicer.refresh_serving()
+            metrics.ACTOR_RESTARTS.inc()
+            if time.monotonic() - started > 10 * ACTOR_RESTART_CAP_S:
+                delay_s = ACTOR_RESTART_START_S  # it ran a long while: a fresh fault
+            log.error("actor loop crashed (%r); restarting in %.0fs", exc, delay_s)
+            await asyncio.sleep(delay_s)
+            delay_s = min(ACTOR_RESTART_CAP_S, 2 * delay_s)
+            servicer.actor_failed = False
+            await servicer.refresh_serving()
+
+
 async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     tracing.init("parity-rollout")
     config = run_config.rollout
@@ -393,7 +434,8 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     async def tick() -> None:
         while True:
             servicer.rate.tick()
-            await asyncio.sleep(1.0)
+            await servicer.refresh_serving()  # follows Redis and the actor loop
+            await asyncio.sleep(0.5)
 
     background.append(asyncio.create_task(tick()))
     if config.broadcast_address:
@@ -417,8 +459,7 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     if config.actor:
         from rollout.actor import Actor
 
-        actor = Actor(run_config, servicer)
-        background.append(asyncio.create_task(actor.run()))
+        background.append(asyncio.create_task(supervise_actor(Actor(run_config, servicer), servicer)))
     await stopped.wait()
     if config.broadcast_address:
         await link.unregister()

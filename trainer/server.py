@@ -9,6 +9,8 @@ step, publish, checkpoint and exit 0. A crash in the loop exits 1.
 RPCs: GetStatus (always answers); RequestCheckpoint and Stop change what is persisted, so they are
 protected by the shared token (UNAUTHENTICATED without it), answer UNAVAILABLE while the trainer is
 still loading, and FAILED_PRECONDITION once it has finished (RequestCheckpoint also while stopping).
+Health is NOT_SERVING while Redis is unreachable: the queue retries with capped backoff
+(parity.rollout_queue, "Redis outages") and training continues where it was once Redis is back.
 """
 
 from __future__ import annotations
@@ -101,10 +103,26 @@ async def serve(run_config: ParityConfig) -> int:
     install_shutdown_handlers(on_shutdown)
     loop = asyncio.get_running_loop()
     rc = 0
+
+    async def follow_redis() -> None:  # NOT_SERVING while the queue waits out a Redis outage
+        from parity.rollout_queue import redis_connected
+
+        serving = True
+        while True:
+            await asyncio.sleep(0.5)
+            now = redis_connected() is not False
+            if now != serving:
+                serving = now
+                await server.set_serving(serving)
+
     try:
         await loop.run_in_executor(None, trainer.setup)
         await server.set_serving(True)
-        await loop.run_in_executor(None, trainer.run)
+        watcher = asyncio.create_task(follow_redis())
+        try:
+            await loop.run_in_executor(None, trainer.run)
+        finally:
+            watcher.cancel()
         log.info("done: step %d, version %d", trainer.state.step, trainer.state.weight_version)
     except Exception:
         log.exception("trainer failed")

@@ -84,10 +84,10 @@ class RolloutConfig(ServiceConfig):
         "tokenised (tokenising 1 MiB takes ~2 s of one core here).",
     )
     max_tokenize_pending: int = Field(
-        4,
+        64,
         ge=1,
         description="Prompts tokenised or waiting to be (on one worker thread, off the event loop); more "
-        "get RESOURCE_EXHAUSTED.",
+        "get RESOURCE_EXHAUSTED. With max_prompt_bytes this bounds the text held for tokenising.",
     )
     max_inflight_requests: int = Field(
         64,

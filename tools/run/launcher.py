@@ -33,6 +33,7 @@ from pathlib import Path
 from parity.config import ParityConfig, env_for, write_config
 from parity.config.entry import entrypoint
 from parity.config.loader import CONFIG_FILE_ENV, config_env_keys
+from parity.procs import redact_url
 from tools.run.supervisor import (
     MARKER_ENV,
     ChildDied,
@@ -254,7 +255,7 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str]) -> int:
     stream = f"{cfg.run.stream}:{marker[:16]}"
     config_path = run_dir / "config.toml"
     record: dict = {
-        "argv": argv,
+        "argv": [redact_url(a) for a in argv],
         "run_dir": str(run_dir),
         "marker": marker,
         "stream": stream,
@@ -267,7 +268,7 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str]) -> int:
         redis_url = run.redis_url
         if not redis_url:
             redis_url = sup.start_redis()
-            log(f"redis-server started at {redis_url}")
+            log(f"redis-server started at {redact_url(redis_url)} (password required, append-only file)")
         # The broadcast service reads its section before its address exists; the others read the
         # file again once it names that address.
         write_config(child_config(cfg, run_dir, redis_url, "", stream), config_path)
@@ -291,6 +292,7 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str]) -> int:
         record["config"] = child_cfg.model_dump(
             exclude={s: {"auth_token"} for s in ("rollout", "trainer", "broadcast")}
         )
+        record["config"]["run"]["redis_url"] = redact_url(redis_url)
         record["broadcast"] = {"address": broadcast_address}
         record["rollout_services"] = {
             n: {"address": sup.children[n].address, **rollout_status(sup.children[n].address)}
@@ -330,7 +332,7 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str]) -> int:
     _write_json(run_dir / "config.json", record)
     from tools.run.plots import write_results
 
-    write_results(cfg, run_dir, metrics.rows, evals, timings, argv)
+    write_results(cfg, run_dir, metrics.rows, evals, timings, [redact_url(a) for a in argv])
     log(f"done in {format_duration(timings['wall_s'])}; summary: {run_dir / 'summary.md'}")
     if len(evals) == 2:
         before, after = evals[0]["accuracy"], evals[1]["accuracy"]
