@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -38,6 +39,7 @@ from typing import Literal
 from parity.config.rollout import RolloutConfig
 from parity.versions import expand_spans, parse_version_label
 from rollout.engine import FINISH_REASONS, CompletionResult, GenerationSpec, RolloutEngine, plan_to_bytes
+from rollout.weight_receiver import rendezvous_ready
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +220,10 @@ class VllmEngine(RolloutEngine):
         return _one_reply(method, await self.llm.collective_rpc(method, kwargs=kwargs))
 
     async def _stage(self, plan, fault_corrupt_tensor: str) -> dict:
+        # the rendezvous completes here, off the engine core: a dead one never blocks generation
+        error = await asyncio.to_thread(rendezvous_ready, plan.rendezvous)
+        if error:
+            return {"error": error, "checksums": [], "transfer_s": 0.0, "verify_s": 0.0}
         return await self._rpc_one(
             "parity_stage_weights", plan_bytes=plan_to_bytes(plan), fault_corrupt_tensor=fault_corrupt_tensor
         )

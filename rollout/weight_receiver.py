@@ -115,3 +115,38 @@ def receive_and_verify(
     if bad:
         staged.error = f"checksum mismatch in version {plan.version} for tensor(s): {', '.join(bad)}"
     return staged
+
+
+_ready_groups: set[str] = set()  # epoch groups this process's worker already joined (held there)
+
+
+def rendezvous_ready(rdv) -> str:
+    """Blocking, in the service process: make sure every rank of `rdv`'s group has come to the store
+    before the worker is asked to join, so that a dead rendezvous fails here, outside the engine
+    (a vLLM worker joins inside a collective_rpc, which the engine core serves between steps: a
+    rendezvous that never completes would stall generation for its whole timeout). Marks this rank
+    as arriving, waits for the others (timeout_s); "" when all came, else the error. An epoch group
+    the worker already holds needs no rendezvous."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from parity.transport import ONE_SHOT_PREFIX, rendezvous_problem
+
+    if rdv.group_name in _ready_groups:
+        return ""
+    problem = rendezvous_problem(rdv)
+    if problem is not None:
+        return f"rendezvous.{problem[0]}: {problem[1]}"
+    timeout = datetime.timedelta(seconds=float(rdv.timeout_s))
+    try:
+        client = dist.TCPStore(rdv.host, rdv.port, None, False, timeout)
+        store = dist.PrefixStore(f"parity/{rdv.group_name}/", client)
+        store.set(f"joined/{rdv.rank}", "1")
+        store.wait([f"joined/{r}" for r in range(rdv.world_size)], timeout)
+    except Exception as exc:  # a timeout or an unreachable store: nothing was joined, nothing paused
+        return f"rendezvous {rdv.group_name}: not every rank arrived within {rdv.timeout_s:g}s ({exc})"
+    if not rdv.group_name.startswith(ONE_SHOT_PREFIX):
+        _ready_groups.clear()  # one epoch group is held at a time
+        _ready_groups.add(rdv.group_name)
+    return ""

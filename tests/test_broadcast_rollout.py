@@ -108,3 +108,49 @@ def test_update_through_broadcast_reaches_vllm_and_reference_and_generation_matc
         or max(abs(a - b) for a, b in zip(ours.logprobs, before.logprobs, strict=True)) > 100 * TOL
     )
     chan.close()
+
+
+@pytest.mark.slow
+def test_a_dead_rendezvous_fails_the_update_and_never_pauses_generation(
+    start_services, tiny_model: Path
+) -> None:
+    """Issue #20: an UpdateWeights whose group never forms (no trainer ever joins) must fail within
+    its timeout_s without pausing, or blocking, generation on the vLLM engine."""
+    import threading
+    import time
+
+    from parity.ports import free_port
+    from parity.transport import serve_store
+    from tests.fakes.rollout_helpers import transfer_plan
+
+    vllm = start_services(
+        "rollout", "--model", str(tiny_model), "--auth_token", TOKEN, "--max_model_len", "512"
+    )
+    stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(vllm.address))
+    greedy(stub)  # warm
+    plan, _sender, _ = transfer_plan(dict(version_weights(tiny_model, 1)), 1, timeout_s=6.0)
+    plan.rendezvous.port = free_port()
+    serve_store("127.0.0.1", plan.rendezvous.port)  # the store answers; rank 0 never comes
+    reply: list = []
+    update = threading.Thread(
+        target=lambda: reply.append(
+            stub.UpdateWeights(
+                rollout_pb2.UpdateWeightsRequest(plan=plan), metadata=bearer(TOKEN), timeout=60
+            )
+        )
+    )
+    start = time.monotonic()
+    update.start()
+    latencies = []
+    while update.is_alive():
+        t0 = time.monotonic()
+        greedy(stub)
+        latencies.append(time.monotonic() - t0)
+    update.join()
+    assert (
+        reply[0].outcome == rollout_pb2.UPDATE_OUTCOME_FAILED and "not every rank arrived" in reply[0].error
+    )
+    assert time.monotonic() - start < 6.0 + 5.0
+    assert len(latencies) >= 3 and max(latencies) < 3.0, latencies  # generation went on throughout
+    status = stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
+    assert status.weight_version == 0 and status.paused_seconds_total == 0.0 and not status.paused

@@ -117,7 +117,15 @@ class Publisher:
         """Send the parameters as `version`; raise PublishError (version unchanged) on failure.
 
         `links_from`: traceparents of the train_step spans this version contains (span links)."""
-        named = [(name, param.detach().contiguous()) for name, param in model.named_parameters()]
+        from trainer.policy import weight_buckets
+
+        # on-device tensors as the policy exposes them (sharded parameters gathered bucket by bucket,
+        # wrappers unwrapped); checksums need every tensor before PublishVersion, so all are kept
+        named = [
+            (name, tensor.contiguous())
+            for bucket in weight_buckets(model, self.bucket_bytes)
+            for name, _dtype, _shape, tensor in bucket
+        ]
         return self.publish_tensors(named, version, links_from)
 
     def publish_tensors(

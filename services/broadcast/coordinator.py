@@ -134,9 +134,13 @@ class Coordinator:
         plan = record.plan(self.rendezvous(group_name, secret, rank, world))
         worker.busy, worker.state = True, WorkerState.WORKER_STATE_UPDATING
         worker.attempted_version = max(worker.attempted_version, record.version)
-        attrs = {"parity.weight_version": record.version, "parity.worker_id": worker_id}
+        attrs = {
+            "parity.weight_version": record.version,
+            "parity.worker_id": worker_id,
+            "bytes": record.layout.total_bytes,
+        }
         error, code, reply = "", None, None
-        with tracing.span("broadcast_update", attrs, kind="client", parent_traceparent=record.traceparent):
+        with tracing.span("broadcast_transfer", attrs, kind="client", parent_traceparent=record.traceparent):
             try:
                 reply = await self._stub(worker).UpdateWeights(
                     rollout_pb2.UpdateWeightsRequest(plan=plan),
@@ -153,7 +157,9 @@ class Coordinator:
         worker.last_update_seconds = elapsed
         worker.last_paused_seconds = reply.paused_seconds if reply is not None else 0.0
         if reply is not None and not error:
-            error = check_reply(reply, record)
+            # the service's own check: the worker's checksums of what it received equal the trainer's
+            with tracing.span("verify", attrs, parent_traceparent=record.traceparent):
+                error = check_reply(reply, record)
         if not error:
             worker.weight_version, worker.verified = record.version, True
             if not group_name.startswith(ONE_SHOT_PREFIX):
