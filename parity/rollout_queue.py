@@ -20,7 +20,8 @@ backpressure. The trainer consumes through the consumer group. Invariants:
 - **Redis outages are waited out.** Every command goes through `ReconnectingRedis`: on a lost
   connection (Redis killed, restarting, loading its append-only file) it retries with capped
   exponential backoff (`BACKOFF_START_S` doubling to `BACKOFF_CAP_S`, so it is back within
-  `BACKOFF_CAP_S` of Redis answering again) for up to `OUTAGE_TIMEOUT_S`, then raises. While it
+  `BACKOFF_CAP_S` of Redis answering again) for up to `OUTAGE_TIMEOUT_S`, then raises (a client
+  that never reached Redis gives up after `FIRST_CONNECT_TIMEOUT_S`: a wrong URL). While it
   waits, `redis_connected()` is False and the `parity_redis_connected` gauge is 0; services turn
   NOT_SERVING from it. A retried XADD whose first attempt reached Redis can leave the group twice
   in the stream: the consumer's dedupe by rollout id skips the copy (trained once). A wrong
@@ -97,6 +98,7 @@ class QueueEntry:
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
 OUTAGE_TIMEOUT_S = 600.0
+FIRST_CONNECT_TIMEOUT_S = 15.0  # a client that never reached Redis: a wrong URL, not an outage
 
 REDIS_CONNECTED = Gauge(
     "parity_redis_connected", "1 while the last Redis command succeeded, 0 while Redis is unreachable."
@@ -122,6 +124,7 @@ class ReconnectingRedis(redis.Redis):
     """A Redis client whose commands wait out an outage (module docstring, "Redis outages")."""
 
     outage_timeout_s = OUTAGE_TIMEOUT_S
+    _ever_connected = False
 
     def execute_command(self, *args, **options):
         delay_s = BACKOFF_START_S
@@ -135,14 +138,16 @@ class ReconnectingRedis(redis.Redis):
                 _set_connected(False)
                 now = time.monotonic()
                 down_since = down_since if down_since is not None else now
-                if now - down_since > self.outage_timeout_s:
+                limit_s = self.outage_timeout_s if self._ever_connected else FIRST_CONNECT_TIMEOUT_S
+                if now - down_since > limit_s:
                     raise redis.ConnectionError(
-                        f"redis unreachable for {now - down_since:.0f}s (limit {self.outage_timeout_s:.0f}s): {exc}"
+                        f"redis unreachable for {now - down_since:.0f}s (limit {limit_s:.0f}s): {exc}"
                     ) from exc
                 time.sleep(delay_s)
                 delay_s = min(BACKOFF_CAP_S, 2 * delay_s)
                 continue
             _set_connected(True)
+            self._ever_connected = True
             return result
 
 
