@@ -156,7 +156,7 @@ def test_tokens_outside_the_trainers_mask_are_counted_not_clamped(
     (row,) = metrics(tmp_path)
     masked = sum(1 for lp in trainer_lp if lp == float("-inf"))
     assert 0 < masked < len(trainer_lp)  # the case needs both kinds of token
-    assert row["mismatch_nonfinite_tokens"] == row["mismatch_nonfinite_tokens_all"] == masked
+    assert row["mismatch_nonfinite_tokens"] == row["policy_drift_nonfinite_tokens"] == masked
     assert row["trainer_nonfinite_tokens"] == masked
     # The statistics are those of the finite tokens alone: no -inf clamped to ±20 among them.
     r = [t - q for t, q in zip(trainer_lp, rollout_lp, strict=True) if t != float("-inf")]
@@ -177,7 +177,7 @@ def test_lag0_mismatch_of_a_step_without_lag0_tokens_is_null_not_zero(
     assert first["lag0_token_frac"] == 1.0 and second["lag0_token_frac"] == 0.0
     for key in ("mismatch_k1", "mismatch_k3", "mismatch_max_abs", "mismatch_ratio_p50", "ess_lag0"):
         assert isinstance(first[key], float) and second[key] is None, key
-    assert second["mismatch_k3_all"] > 0 and second["mismatch_nonfinite_tokens"] == 0
+    assert second["policy_drift_k3"] > 0 and second["mismatch_nonfinite_tokens"] == 0
     # The gauge says "not measured", not the previous step's value.
     assert math.isnan(REGISTRY.get_sample_value("parity_trainer_mismatch_k3"))
 

@@ -29,6 +29,7 @@ from parity.config.trainer import TrainerConfig
 from parity.metrics import serve_metrics
 from parity.server import GrpcServer, install_shutdown_handlers
 from parity.v1 import trainer_pb2, trainer_pb2_grpc
+from trainer.mismatch_gate import MismatchGateError
 
 log = logging.getLogger("parity.trainer")
 
@@ -124,6 +125,9 @@ async def serve(run_config: ParityConfig) -> int:
         finally:
             watcher.cancel()
         log.info("done: step %d, version %d", trainer.state.step, trainer.state.weight_version)
+    except MismatchGateError as exc:
+        log.error("training stopped by the running mismatch gate: %s", exc)
+        rc = 3
     except Exception:
         log.exception("trainer failed")
         rc = 1

@@ -6,6 +6,8 @@ rollout service runs with); the prompts come from `task.name`, seeded by `run.se
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from parity.config.base import Section
@@ -32,6 +34,14 @@ class CheckConfig(Section):
         DEFAULT_THRESHOLD,
         gt=0,
         description="Largest passing mean k3 (KL) per token; see tools/check/check.py for why 1e-3.",
+    )
+    on_mismatch: Literal["warn", "stop"] = Field(
+        "stop",
+        description="During training: when the own-version backend mismatch (mismatch_k3_own_version) "
+        "exceeds `threshold` for `gate_steps` consecutive measured steps, stop the run (or only warn).",
+    )
+    gate_steps: int = Field(
+        3, ge=1, description="Consecutive measured steps over `threshold` before the running gate acts."
     )
     out: str = Field(
         "", description="Write check.json, check.txt and check_hist.png here; empty = checks/<UTC time>."

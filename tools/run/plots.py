@@ -28,13 +28,19 @@ CURVES: dict[str, tuple[str, list[tuple[str, str]], str, bool]] = {
     "kl_new_old": ("KL(new || old)", [("kl_new_old", "kl_new_old")], "nats / token", False),
     "entropy": ("Policy entropy", [("entropy", "entropy")], "nats / token", False),
     "mismatch": (
-        "Rollout vs trainer logprob mismatch, lag-0 tokens",
+        "Backend mismatch: rollout engine vs trainer at the weights that sampled each token",
         [
-            ("mismatch_k2", "k2"),
-            ("mismatch_k3", "k3"),
-            ("mismatch_max_abs", "max |Δ|"),
-            ("mismatch_k3_all", "k3, all tokens (incl. stale)"),
+            ("mismatch_k3_own_version", "k3, own version (clean tokens)"),
+            ("mismatch_max_abs_own_version", "max |Δ|, own version"),
+            ("mismatch_k3", "k3, lag-0 clean tokens"),
+            ("mismatch_k3_mixed_context", "k3, lag-0 tokens over older KV (mixed context)"),
         ],
+        "nats",
+        True,
+    ),
+    "policy_drift": (
+        "Policy drift: rollout logprobs vs the trainer's current weights, all tokens",
+        [("policy_drift_k3", "k3"), ("policy_drift_max_abs", "max |Δ|")],
         "nats",
         True,
     ),
@@ -52,11 +58,8 @@ def _finite(value: object) -> float | None:
 
 def _curve(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     xs, ys = [], []
-    lag0_only = key.startswith("mismatch_") and not key.endswith("_all")
     for index, row in enumerate(rows):
-        if lag0_only and row.get("lag0_token_frac", 1) == 0:
-            continue  # the trainer writes 0 when the step had no lag-0 tokens: no measurement
-        y = _finite(row.get(key))
+        y = _finite(row.get(key))  # null/NaN: nothing was measured that step, so no point
         if y is not None:
             xs.append(float(row.get("step", index)))
             ys.append(y)
@@ -127,8 +130,11 @@ SUMMARY_KEYS = [
     "clip_rate",
     "kl_new_old",
     "entropy",
+    "mismatch_k3_own_version",
+    "mismatch_max_abs_own_version",
     "mismatch_k3",
-    "mismatch_max_abs",
+    "mismatch_k3_mixed_context",
+    "policy_drift_k3",
     "ess",
     "lag_mean",
     "tokens_per_s",
@@ -168,13 +174,16 @@ def write_results(
             f"{100 * before['accuracy']:.1f}% -> {100 * after['accuracy']:.1f}% ({100 * delta:+.1f} points)"
         )
     lines += ["", "## Final step", "", "| metric | value |", "|---|---|"]
-    no_lag0 = final.get("lag0_token_frac", 1) == 0  # lag-0 fields are placeholders then, not parity
-    lines += [
-        f"| {k} | {'n/a (no lag-0 tokens in this step)' if no_lag0 and k.startswith('mismatch_') else _cell(final.get(k))} |"
-        for k in SUMMARY_KEYS
-    ]
-    if "mismatch_k3_all" in final:
-        lines.append(f"| mismatch_k3_all (incl. stale tokens) | {_cell(final.get('mismatch_k3_all'))} |")
+    lines += [f"| {k} | {_cell(final.get(k))} |" for k in SUMMARY_KEYS]
+    own = [r.get("mismatch_k3_own_version") for r in rows]
+    measured = [v for v in own if _finite(v) is not None]
+    if rows:
+        lines.append(
+            f"| steps with own-version mismatch measured | {len(measured)}/{len(rows)} "
+            f"(max k3 {max(measured):.3g}) |"
+            if measured
+            else f"| steps with own-version mismatch measured | 0/{len(rows)} |"
+        )
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     lines += [
         "",
@@ -184,6 +193,8 @@ def write_results(
 
 
 def _cell(value: object) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a (nothing measured)"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 

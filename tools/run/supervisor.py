@@ -221,14 +221,16 @@ def format_duration(seconds: float) -> str:
 def progress_line(
     row: dict, done: int, total_steps: int, started_at: float, first_step_at: float | None, now: float
 ) -> str:
-    """`step 3/20 v3 reward 0.41 mismatch k3 lag0 2.1e-06 (max 3e-04) all 4e-03 lag 0.60 tok/s 212 ... ETA 4m02s`.
+    """`step 3/20 v3 reward 0.41 mismatch k3 own 2.1e-06 (max 3e-04) drift 4e-03 lag 0.60 tok/s 212 ... ETA 4m02s`.
 
     `done` is the number of steps finished; the ETA extrapolates the mean time per step since the
-    first one (the first step also pays for startup, so it is left out).
+    first one (the first step also pays for startup, so it is left out). A value the step could not
+    measure (null) prints as `-`.
     """
-    lag0 = "lag0 -"  # the lag-0 fields are 0 when the step had no lag-0 tokens; do not print that as 0
-    if row.get("lag0_token_frac", 1) > 0:
-        lag0 = f"lag0 {_fmt(row.get('mismatch_k3'), '.1e')} (max {_fmt(row.get('mismatch_max_abs'), '.1e')})"
+    own = (
+        f"own {_fmt(row.get('mismatch_k3_own_version'), '.1e')} "
+        f"(max {_fmt(row.get('mismatch_max_abs_own_version'), '.1e')})"
+    )
     eta = "-"
     if first_step_at is not None and done > 1:
         per_step = (now - first_step_at) / (done - 1)
@@ -236,7 +238,7 @@ def progress_line(
     return (
         f"step {done}/{total_steps} v{row.get('weight_version', '-')} "
         f"reward {_fmt(row.get('reward_mean'), '.3f')} "
-        f"mismatch k3 {lag0} all {_fmt(row.get('mismatch_k3_all'), '.1e')} "
+        f"mismatch k3 {own} drift {_fmt(row.get('policy_drift_k3'), '.1e')} "
         f"lag {_fmt(row.get('lag_mean'), '.2f')} "
         f"tok/s {_fmt(row.get('tokens_per_s'), '.0f')} "
         f"elapsed {format_duration(now - started_at)} ETA {eta}"

@@ -1,0 +1,64 @@
+"""The running mismatch gate: the preflight's threshold, applied to every training step.
+
+The preflight (`parity check`, run by `parity run` before training) measures the rollout-vs-trainer
+mismatch once. This gate watches the same number during the run: the backend mismatch at each
+token's own version (`mismatch_k3_own_version`, trainer/loop.py). When it exceeds
+`check.threshold` for `check.gate_steps` consecutive measured steps, `check.on_mismatch` decides:
+`stop` raises `MismatchGateError` (the trainer exits, `parity run` stops with its message), `warn`
+logs once per streak.
+
+Invariants:
+  - A step with nothing measured (NaN) neither extends nor breaks a streak: it is not evidence.
+  - The message names the number, the threshold, the streak and the usual causes, so a user can act.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+GATED_METRIC = "mismatch_k3_own_version"
+LIKELY_CAUSES = (
+    "prefix-cache KV from older weights (rollout.prefix_caching with reset_prefix_cache_on_update off), "
+    "a low-precision lm_head (rollout.head_dtype), raw instead of processed logprobs "
+    "(rollout.logprobs_mode), or stale weights in the engine (a weight update that did not land)"
+)
+
+
+class MismatchGateError(RuntimeError):
+    """The running gate stopped training."""
+
+
+class MismatchGate:
+    def __init__(self, threshold: float, steps: int, action: Literal["warn", "stop"]) -> None:
+        self.threshold = threshold
+        self.steps = steps
+        self.action = action
+        self.streak: list[float] = []
+
+    def observe(self, step: int, metrics: dict) -> str:
+        """Feed one step's metrics; returns the warning issued ("" if none). Raises on `stop`."""
+        value = metrics.get(GATED_METRIC)
+        if value is None or not math.isfinite(float(value)):
+            return ""
+        if float(value) <= self.threshold:
+            self.streak.clear()
+            return ""
+        self.streak.append(float(value))
+        if len(self.streak) < self.steps:
+            return ""
+        message = (
+            f"{GATED_METRIC} exceeded check.threshold={self.threshold:g} for {len(self.streak)} consecutive "
+            f"measured steps (up to step {step}: {', '.join(f'{v:.2e}' for v in self.streak[-self.steps :])}). "
+            f"The rollout engine's logprobs do not match the trainer's at the weights that sampled them. "
+            f"Likely causes: {LIKELY_CAUSES}. Run `parity check` against the rollout service to see which; "
+            f"--check.on_mismatch warn keeps training."
+        )
+        if self.action == "stop":
+            raise MismatchGateError(message)
+        if len(self.streak) == self.steps:
+            log.warning("running mismatch gate: %s", message)
+        return message
