@@ -42,13 +42,17 @@ class Admission:
         slot frees up; 1 s before any request has finished)."""
         return max(_MIN_RETRY_S, self._mean_s if self._mean_s is not None else 1.0)
 
-    @contextlib.contextmanager
-    def admit(self, cost_tokens: int) -> Iterator[None]:
-        """Hold a slot for the duration of the block, or raise RESOURCE_EXHAUSTED (RequestError)."""
+    def precheck(self) -> None:
+        """Refuse before any work (the request is decoded, not tokenised) when every slot is taken."""
         if self.requests >= self.max_requests:
             self._refuse(
                 "in_flight_requests", f"{self.requests} Generate requests in flight (max {self.max_requests})"
             )
+
+    @contextlib.contextmanager
+    def admit(self, cost_tokens: int) -> Iterator[None]:
+        """Hold a slot for the duration of the block, or raise RESOURCE_EXHAUSTED (RequestError)."""
+        self.precheck()
         if self.requests and self.tokens + cost_tokens > self.max_tokens:
             self._refuse(
                 "in_flight_tokens",

@@ -212,6 +212,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def spec_for(self, request: rollout_pb2.GenerateRequest) -> GenerationSpec:
         self.check_available()
+        self.admission.precheck()  # a refusal costs no tokenising
         check_unknown_fields(request)
         check_prompt_fields(request, self.config.max_prompt_bytes)
         ids = (

