@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,9 +225,25 @@ class VllmEngine(RolloutEngine):
         error = await asyncio.to_thread(rendezvous_ready, plan.rendezvous)
         if error:
             return {"error": error, "checksums": [], "transfer_s": 0.0, "verify_s": 0.0}
-        return await self._rpc_one(
+        started = await self._rpc_one(
             "parity_stage_weights", plan_bytes=plan_to_bytes(plan), fault_corrupt_tensor=fault_corrupt_tensor
         )
+        if started["error"]:
+            return {"error": started["error"], "checksums": [], "transfer_s": 0.0, "verify_s": 0.0}
+        # the worker receives on its own thread; the engine keeps generating meanwhile. Its join and
+        # every bucket have timeout_s each; this bound only guards against a wedged thread.
+        deadline = time.monotonic() + 2 * float(plan.rendezvous.timeout_s) + 30
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            report = await self._rpc_one("parity_stage_result")
+            if not report.get("pending"):
+                return report
+        return {
+            "error": "staging did not finish in time",
+            "checksums": [],
+            "transfer_s": 0.0,
+            "verify_s": 0.0,
+        }
 
     async def _swap(self, version: int) -> tuple[str, float]:
         applied = await self._rpc_one("parity_apply_staged", version=version)

@@ -5,12 +5,13 @@ weights must be joined there. The engine reaches these methods with `AsyncLLM.co
 kwargs and replies are plain data (the TransferPlan travels as protobuf bytes, never tensors).
 
 Two steps, so that a bad transfer never touches the serving weights:
-  1. `parity_stage_weights(plan_bytes, fault_corrupt_tensor)`: receive into staging tensors through
-     the membership epoch's data group (joined once per epoch and held in this process,
-     `rollout.weight_receiver.process_holder`), verify checksums as buckets land. The service
-     process has completed the rendezvous first (`rendezvous_ready`), so a dead one never reaches
-     the engine; the engine core serves this RPC between steps, so generation waits for the
-     transfer itself (pause is only for step 2). Staged tensors are kept only if every checksum matched.
+  1. `parity_stage_weights(plan_bytes, fault_corrupt_tensor)` starts a thread of this worker that
+     receives into staging tensors through the membership epoch's data group (joined once per
+     epoch and held in this process, `rollout.weight_receiver.process_holder`) and verifies
+     checksums as buckets land; `parity_stage_result` polls it. The RPCs return at once, so the
+     engine core keeps stepping (generating) during the transfer. The service process completed
+     the rendezvous first (`rendezvous_ready`), so a dead one never reaches the engine. Staged
+     tensors are kept only if every checksum matched.
   2. `parity_apply_staged(version)`: called while generation is paused; loads the staged tensors
      with vLLM's in-place `reload_weights`, refreshes what vLLM derived from them, and drops them.
 
@@ -32,14 +33,41 @@ class ParityWorkerExtension:
     """Mixed into vLLM's Worker class via `worker_extension_cls`."""
 
     def parity_stage_weights(self, plan_bytes: bytes, fault_corrupt_tensor: str = "") -> dict:
+        """Start receiving and verifying `plan` on a thread of this worker and return at once: the
+        engine core serves this RPC between steps, so a receive inside it would stop generation for
+        the whole transfer. Poll `parity_stage_result`."""
+        import threading
+
         from rollout.engine import plan_from_bytes
         from rollout.weight_receiver import receive_and_verify
 
+        running = getattr(self, "_parity_stage_thread", None)
+        if running is not None and running.is_alive():
+            return {"error": "a weight transfer is already being received"}
         plan = plan_from_bytes(plan_bytes)
         device = "cuda" if plan.rendezvous.backend == "nccl" else "cpu"
-        staged = receive_and_verify(plan, device=device, fault_corrupt_tensor=fault_corrupt_tensor)
-        self._parity_staged = None if staged.error else (int(plan.version), staged.named())
-        return staged.report()
+        self._parity_staged, self._parity_stage_report = None, None
+
+        def stage() -> None:
+            report: dict = {"error": "staging crashed", "checksums": [], "transfer_s": 0.0, "verify_s": 0.0}
+            try:
+                staged = receive_and_verify(plan, device=device, fault_corrupt_tensor=fault_corrupt_tensor)
+                self._parity_staged = None if staged.error else (int(plan.version), staged.named())
+                report = staged.report()
+            finally:
+                self._parity_stage_report = report
+
+        self._parity_stage_thread = threading.Thread(target=stage, name="parity-stage", daemon=True)
+        self._parity_stage_thread.start()
+        return {"error": "", "started": True}
+
+    def parity_stage_result(self) -> dict:
+        """`StagedWeights.report()` of the last staging once it finished, else {"pending": True}."""
+        thread = getattr(self, "_parity_stage_thread", None)
+        if thread is not None and thread.is_alive():
+            return {"pending": True}
+        report = getattr(self, "_parity_stage_report", None)
+        return report if report is not None else {"error": "no weight transfer was started"}
 
     def parity_apply_staged(self, version: int) -> dict:
         staged = getattr(self, "_parity_staged", None)

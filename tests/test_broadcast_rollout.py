@@ -154,3 +154,53 @@ def test_a_dead_rendezvous_fails_the_update_and_never_pauses_generation(
     assert len(latencies) >= 3 and max(latencies) < 3.0, latencies  # generation went on throughout
     status = stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
     assert status.weight_version == 0 and status.paused_seconds_total == 0.0 and not status.paused
+
+
+@pytest.mark.slow
+def test_generation_goes_on_while_a_version_is_received(start_services, tiny_model: Path) -> None:
+    """The vLLM worker receives on its own thread: a slow transfer (3 s) does not stop generation,
+    and the pause is only the swap."""
+    import threading
+    import time
+
+    from parity.transport import Layout, TransferGroup, pack
+    from tests.fakes.rollout_helpers import transfer_plan
+
+    vllm = start_services(
+        "rollout", "--model", str(tiny_model), "--auth_token", TOKEN, "--max_model_len", "512"
+    )
+    stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(vllm.address))
+    greedy(stub)  # warm
+    plan, sender_rdv, tensors = transfer_plan(dict(version_weights(tiny_model, 1)), 1, timeout_s=30.0)
+    buffer = pack(tensors, Layout.of(plan.tensors))
+    plan.bucket_bytes = -(-buffer.numel() // 10)  # ten buckets, 0.3 s apart: ~3 s on the wire
+
+    def send() -> None:
+        group = TransferGroup.join(sender_rdv, host_store=True)
+        try:
+            group.send_packed(buffer, plan.bucket_bytes, ready=lambda _end: time.sleep(0.3))
+        finally:
+            group.close()
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    reply: list = []
+    update = threading.Thread(
+        target=lambda: reply.append(
+            stub.UpdateWeights(
+                rollout_pb2.UpdateWeightsRequest(plan=plan), metadata=bearer(TOKEN), timeout=120
+            )
+        )
+    )
+    update.start()
+    latencies = []
+    while update.is_alive():
+        t0 = time.monotonic()
+        greedy(stub)
+        latencies.append(time.monotonic() - t0)
+    update.join()
+    sender.join(30)
+    assert reply[0].outcome == rollout_pb2.UPDATE_OUTCOME_APPLIED, reply[0].error
+    assert reply[0].transfer_seconds >= 2.5  # the slow transfer really happened
+    assert len(latencies) >= 3 and max(latencies) < 2.0, latencies  # generation went on throughout
+    assert reply[0].paused_seconds < reply[0].transfer_seconds
