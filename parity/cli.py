@@ -9,6 +9,7 @@ never imports torch or vllm. Each target is `module:function(argv) -> exit code`
   parity check [flags]                     rollout-vs-trainer logprob parity check
   parity compare RUN_DIR [RUN_DIR ...]     overlay metric curves of runs
   parity models prepare|path NAME          build or locate a model
+  parity export RUN_DIR --out DIR          a trainer checkpoint as a Hugging Face model directory
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ COMMAND_TARGETS = {
     "actor": (
         "rollout.server:main_actor",
         "Run the actor loop: pull prompts, generate groups, score, publish to Redis.",
+    ),
+    "export": (
+        "trainer.export:main",
+        "Write a trainer checkpoint as a Hugging Face directory (safetensors + config + tokenizer).",
     ),
     "check": (
         "tools.check.check:main",
