@@ -36,8 +36,9 @@ from parity.sampling import SamplingTransform
 from trainer import objectives, offpolicy
 from trainer import precision as numerics
 from trainer.checkpoint import CheckpointStore, TrainerState, atomic_write_text
-from trainer.consumer import Batch, RolloutConsumer, token_versions
+from trainer.consumer import Batch, RolloutConsumer, token_context_versions, token_versions
 from trainer.device import peak_flops, peak_memory_bytes, reset_peak_memory, resolve_device, to_device
+from trainer.mismatch_gate import MismatchGate
 from trainer.policy import (
     SequenceInput,
     load_model,
@@ -65,6 +66,8 @@ class ScoredSequence:
     versions: list[int]
     advantage: float
     trainable: bool
+    contexts: list[int] = field(default_factory=list)  # per token, the oldest KV version it attended to
+    group_index: int = 0
 
 
 @dataclass
@@ -83,6 +86,7 @@ class StepTotals:
     trainer_logprobs: list[torch.Tensor] = field(default_factory=list)
     rollout_logprobs: list[torch.Tensor] = field(default_factory=list)
     lags: list[int] = field(default_factory=list)
+    clean: list[bool] = field(default_factory=list)  # per token: its context is its own version
     entropy: list[torch.Tensor] = field(default_factory=list)
     clip: list[torch.Tensor] = field(default_factory=list)  # per token (per sequence for GSPO)
     kl_new_old: list[torch.Tensor] = field(default_factory=list)
@@ -107,6 +111,8 @@ class Trainer:
     def __init__(self, run_config: ParityConfig) -> None:
         self.config = config = run_config.trainer
         self.schedule = run_config.run  # seed, steps, groups_per_step, max_lag, publish_every, stream
+        check = run_config.check
+        self.gate = MismatchGate(check.threshold, check.gate_steps, check.on_mismatch)
         self.model_name = run_config.model.name
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -160,7 +166,10 @@ class Trainer:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
         )
         self.ref_model = self._frozen_copy() if cfg.kl_coef > 0 else None
-        self.old_model = self._frozen_copy() if cfg.old_logprobs == "recompute" else None
+        # The weights of past versions: the PPO old policy (old_logprobs=recompute) and the
+        # own-version backend mismatch (own_version_groups) both rescore tokens under them.
+        own_version = cfg.own_version_groups > 0 and not self.distributed
+        self.old_model = self._frozen_copy() if cfg.old_logprobs == "recompute" or own_version else None
         self.flops_per_token = fsdp_free_flops_per_token(self.model)
 
     def setup(self) -> None:
@@ -276,6 +285,7 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> dict[str, Any]:
         """One optimizer step on `batch`; acks its entries; records metrics."""
+
         start = time.perf_counter()
         version = self.state.weight_version
         sequences, rewards, zero_groups = self._prepare(batch)
@@ -292,11 +302,13 @@ class Trainer:
             self._step_traceparents.append(tracing.current_traceparent())
             reset_peak_memory(self.device)
             totals, grad_norm, stepped = self.local_update(sequences)
+            own_version = self._score_own_version(sequences)
             self._unpublished_steps += int(stepped)
             self.queue.ack(batch.all_entry_ids())
             step_time_s = time.perf_counter() - start
             metrics = self._metrics(batch, sequences, rewards, zero_groups, totals, grad_norm, step_time_s)
             metrics.update(self._speed_metrics(totals, step_time_s))
+            metrics.update(self._own_version_metrics(totals, own_version))
             span.set_attribute(tracing.ATTR_LAG, metrics["lag_max"])
             span.set_attribute("parity.lag_mean", metrics["lag_mean"])
             span.set_attribute("parity.mismatch_k3", metrics["mismatch_k3"])
@@ -324,17 +336,20 @@ class Trainer:
             },
         )
         log.info(
-            "step %d v%d: reward %.3f, loss %.4f, k3(lag0) %.2e, lag %.2f, %d tok in %.2fs (%.0f tok/s)",
+            "step %d v%d: reward %.3f, loss %.4f, k3(own version) %.2e, lag %.2f, %d tok in %.2fs (%.0f tok/s)",
             metrics["step"],
             version,
             metrics["reward_mean"],
             metrics["loss"],
-            metrics["mismatch_k3"],
+            metrics.get("mismatch_k3_own_version", math.nan),
             metrics["lag_mean"],
             metrics["num_tokens"],
             step_time_s,
             metrics["tokens_per_s"],
         )
+        # After the step is recorded: with on_mismatch=stop this raises MismatchGateError, which ends
+        # the run with the gate's message (the step's rollouts are trained and accounted for).
+        self.gate.observe(metrics["step"], metrics)
         return metrics
 
     # ---- the step's pieces -----------------------------------------------------------------------
@@ -364,7 +379,7 @@ class Trainer:
         sequences: list[ScoredSequence] = []
         rewards: list[float] = []
         zero_groups = 0
-        for group in batch.groups:
+        for group_index, group in enumerate(batch.groups):
             group_rewards = torch.tensor([[s.reward for s in group.samples]], dtype=torch.float64)
             adv = objectives.group_advantages(group_rewards, normalise_std=cfg.objective != "ppo")
             zero = bool(adv.zero_variance_G[0])
@@ -382,6 +397,8 @@ class Trainer:
                         versions=token_versions(group, sample),
                         advantage=float(advantage),
                         trainable=not zero or cfg.kl_coef > 0,
+                        contexts=token_context_versions(group, sample),
+                        group_index=group_index,
                     )
                 )
         return sequences, rewards, zero_groups
@@ -405,7 +422,7 @@ class Trainer:
             if loss.requires_grad:
                 loss.backward()
             losses.append(loss.detach())
-        totals.loss = float(torch.stack(losses).sum()) if losses else 0.0
+        totals.loss = float(torch.stack(losses).sum()) if losses else math.nan  # nothing trained
         with torch.no_grad():
             for chunk in self._split(frozen):
                 totals.eval_forward_tokens += sum(
@@ -432,6 +449,7 @@ class Trainer:
         totals.entropy.append(entropy_T.detach())
         version = self.state.weight_version
         totals.lags.extend(lag for s in chunk for lag in offpolicy.token_lags(version, s.versions))
+        totals.clean.extend(c == v for s in chunk for v, c in zip(s.versions, s.contexts, strict=True))
         return rollout_T
 
     def _micro_batch_loss(self, chunk: list[ScoredSequence], totals: StepTotals):
@@ -448,7 +466,7 @@ class Trainer:
         totals.nonfinite_counts.append((~finite_T).sum())
         # A token the trainer's mask excludes (-inf) cannot be trained on; it gets zero loss.
         new_safe_T = torch.where(finite_T, new_T, behaviour_T)
-        if self.old_model is not None:
+        if cfg.old_logprobs == "recompute":
             old_T, known_T = self._recompute_old(chunk, behaviour_T)
             # Backend mismatch on every token, stale or not: trainer vs rollout at the same weights.
             totals.at_version_trainer_logprobs.append(old_T[known_T].float())
@@ -497,8 +515,11 @@ class Trainer:
     def _snapshot_current(self) -> None:
         if self.old_model is None:
             return
+        # On an accelerator the snapshots live in host memory (one copy back per use).
+        host = self.device.type != "cpu"
         self._snapshots[self.state.weight_version] = {
-            name: p.detach().clone() for name, p in self.model.named_parameters()
+            name: (p.detach().to("cpu", copy=True) if host else p.detach().clone())
+            for name, p in self.model.named_parameters()
         }
         for old in sorted(self._snapshots)[: max(0, len(self._snapshots) - (self.schedule.max_lag + 1))]:
             del self._snapshots[old]
@@ -528,6 +549,77 @@ class Trainer:
                 known_T |= use_T
         return old_T, known_T
 
+    # ---- backend mismatch at each token's own version --------------------------------------------
+    def _score_own_version(self, sequences: list[ScoredSequence]) -> dict[str, Any] | None:
+        """Rescore the first `own_version_groups` groups that hold clean stale tokens under the
+        weights that sampled them. Lag-0 tokens need no rescoring (the step's forward already is at
+        their version); mixed-context tokens are excluded (their KV came from older weights, which
+        the trainer does not replay). Returns the sample's (trainer, rollout) logprobs and cost."""
+        import torch
+
+        cfg = self.config
+        if cfg.own_version_groups == 0 or self.old_model is None:
+            return None
+        start = time.perf_counter()
+        current = self.state.weight_version
+        by_group: dict[int, list[ScoredSequence]] = {}
+        for seq in sequences:
+            if any(
+                v != current and c == v and v in self._snapshots
+                for v, c in zip(seq.versions, seq.contexts, strict=True)
+            ):
+                by_group.setdefault(seq.group_index, []).append(seq)
+        chosen = [s for g in sorted(by_group)[: cfg.own_version_groups] for s in by_group[g]]
+        if not chosen:
+            return {
+                "trainer": torch.zeros(0),
+                "rollout": torch.zeros(0),
+                "seconds": time.perf_counter() - start,
+            }
+        rollout_T = to_device(
+            torch.tensor([lp for s in chosen for lp in s.rollout_logprobs], dtype=torch.float32), self.device
+        )
+        with torch.no_grad():
+            scored_T, known_T = self._recompute_old(chosen, rollout_T)
+        stale_clean_T = to_device(
+            torch.tensor(
+                [v != current and c == v for s in chosen for v, c in zip(s.versions, s.contexts, strict=True)]
+            ),
+            self.device,
+        )
+        use_T = known_T & stale_clean_T
+        return {
+            "trainer": scored_T[use_T].float().cpu(),
+            "rollout": rollout_T[use_T].float().cpu(),
+            "seconds": time.perf_counter() - start,
+        }
+
+    def _own_version_metrics(self, totals: StepTotals, own_version: dict[str, Any] | None) -> dict[str, Any]:
+        """mismatch_*_own_version over every clean lag-0 token plus the rescored sample, and the
+        mixed-context lag-0 tokens as their own class. Absent when own-version scoring is off."""
+        import torch
+
+        cat = StepTotals.cat
+        trainer_T, rollout_T = cat(totals.trainer_logprobs), cat(totals.rollout_logprobs)
+        lag0_T = torch.tensor(totals.lags, dtype=torch.long) == 0
+        clean_T = torch.tensor(totals.clean, dtype=torch.bool)
+        metrics: dict[str, Any] = {}
+        mixed = mismatch.mismatch_stats(trainer_T[lag0_T & ~clean_T], rollout_T[lag0_T & ~clean_T])
+        for key in ("k1", "k3", "max_abs"):
+            metrics[f"mismatch_{key}_mixed_context"] = getattr(mixed, key)
+        metrics["mixed_context_tokens"] = int((lag0_T & ~clean_T).sum())
+        if own_version is None:
+            return metrics
+        own_trainer_T = torch.cat([trainer_T[lag0_T & clean_T], own_version["trainer"]])
+        own_rollout_T = torch.cat([rollout_T[lag0_T & clean_T], own_version["rollout"]])
+        own = mismatch.mismatch_stats(own_trainer_T, own_rollout_T)
+        for key in ("k1", "k2", "k3", "max_abs", "ratio_p05", "ratio_p50", "ratio_p95", "nonfinite_tokens"):
+            metrics[f"mismatch_{key}_own_version"] = getattr(own, key)
+        metrics["own_version_tokens"] = int(own_trainer_T.numel())
+        metrics["own_version_rescored_tokens"] = int(own_version["trainer"].numel())
+        metrics["own_version_score_s"] = own_version["seconds"]
+        return metrics
+
     # ---- metrics ---------------------------------------------------------------------------------
     def _metrics(
         self,
@@ -544,9 +636,13 @@ class Trainer:
         cat = StepTotals.cat
         trainer_T, rollout_T = cat(totals.trainer_logprobs), cat(totals.rollout_logprobs)
         lags_T = torch.tensor(totals.lags, dtype=torch.long)
+        # Backend mismatch needs a clean token: sampled at the current version over KV of that
+        # version. Policy drift is every token against the current weights, stale ones included.
         lag0_T = lags_T == 0
-        on_lag0 = mismatch.mismatch_stats(trainer_T[lag0_T], rollout_T[lag0_T])
+        clean_lag0_T = lag0_T & torch.tensor(totals.clean, dtype=torch.bool)
+        on_lag0 = mismatch.mismatch_stats(trainer_T[clean_lag0_T], rollout_T[clean_lag0_T])
         on_all = mismatch.mismatch_stats(trainer_T, rollout_T)
+        nan = math.nan  # a metric with nothing to measure is NaN (null in metrics.jsonl), never 0
         rewards_t = torch.tensor(rewards, dtype=torch.float64)
         num_tokens = int(trainer_T.numel())
         is_w, is_corr, clip = cat(totals.is_weights), cat(totals.is_corrected), cat(totals.clip)
@@ -554,15 +650,15 @@ class Trainer:
         metrics: dict[str, Any] = {
             "step": self.state.step + 1,
             "weight_version": self.state.weight_version,
-            "reward_mean": float(rewards_t.mean()) if rewards else 0.0,
-            "reward_std": float(rewards_t.std(unbiased=False)) if rewards else 0.0,
-            "clip_rate": float(clip.float().mean()) if clip.numel() else 0.0,
-            "kl_new_old": float(kl_new_old.mean()) if kl_new_old.numel() else 0.0,
-            "entropy": float(entropy.mean()) if entropy.numel() else 0.0,
+            "reward_mean": float(rewards_t.mean()) if rewards else nan,
+            "reward_std": float(rewards_t.std(unbiased=False)) if rewards else nan,
+            "clip_rate": float(clip.float().mean()) if clip.numel() else nan,
+            "kl_new_old": float(kl_new_old.mean()) if kl_new_old.numel() else nan,
+            "entropy": float(entropy.mean()) if entropy.numel() else nan,
         }
         # Statistics over the tokens with finite logprobs (NaN when there are none); the others are
         # counted in mismatch_nonfinite_tokens*.
-        for suffix, stats in (("", on_lag0), ("_all", on_all)):
+        for prefix, stats in (("mismatch_", on_lag0), ("policy_drift_", on_all)):
             for key in (
                 "k1",
                 "k2",
@@ -573,7 +669,7 @@ class Trainer:
                 "ratio_p95",
                 "nonfinite_tokens",
             ):
-                metrics[f"mismatch_{key}{suffix}"] = getattr(stats, key)
+                metrics[f"{prefix}{key}"] = getattr(stats, key)
         if totals.at_version_trainer_logprobs:  # only with --old_logprobs recompute
             at_version_T = cat(totals.at_version_trainer_logprobs)
             on_version = mismatch.mismatch_stats(at_version_T, cat(totals.at_version_rollout_logprobs))
@@ -584,10 +680,10 @@ class Trainer:
             {
                 "ess": on_all.ess,
                 "ess_lag0": on_lag0.ess,
-                "lag_mean": float(lags_T.float().mean()) if lags_T.numel() else 0.0,
-                "lag_max": int(lags_T.max()) if lags_T.numel() else 0,
+                "lag_mean": float(lags_T.float().mean()) if lags_T.numel() else nan,
+                "lag_max": int(lags_T.max()) if lags_T.numel() else nan,
                 "lag_hist": offpolicy.lag_histogram(totals.lags),
-                "lag0_token_frac": float(lag0_T.float().mean()) if lags_T.numel() else 0.0,
+                "lag0_token_frac": float(lag0_T.float().mean()) if lags_T.numel() else nan,
                 "dropped_stale": batch.dropped_stale,
                 "dropped_stale_total": self.state.dropped_stale_total + batch.dropped_stale,
                 "duplicates_skipped": batch.duplicates,
@@ -601,12 +697,12 @@ class Trainer:
                 "loss": totals.loss,
                 "grad_norm": grad_norm,
                 "lr": float(self.scheduler.get_last_lr()[0]),
-                "is_weight_mean": float(is_w.mean()) if is_w.numel() else 1.0,
-                "is_corrected_frac": float(is_corr.mean()) if is_corr.numel() else 0.0,
-                "kl_ref": float(kl_ref.mean()) if kl_ref.numel() else 0.0,
+                "is_weight_mean": float(is_w.mean()) if is_w.numel() else nan,
+                "is_corrected_frac": float(is_corr.mean()) if is_corr.numel() else nan,
+                "kl_ref": float(kl_ref.mean()) if kl_ref.numel() else nan,
                 "queue_wait_s": batch.wait_s,
                 "step_time_s": step_time_s,
-                "tokens_per_s": num_tokens / step_time_s if step_time_s > 0 else 0.0,
+                "tokens_per_s": num_tokens / step_time_s if step_time_s > 0 else nan,
             }
         )
         return metrics
