@@ -22,8 +22,8 @@ backpressure. The trainer consumes through the consumer group. Invariants:
   exponential backoff (`BACKOFF_START_S` doubling to `BACKOFF_CAP_S`, so it is back within
   `BACKOFF_CAP_S` of Redis answering again) for up to `OUTAGE_TIMEOUT_S`, then raises (a client
   that never reached Redis gives up after `FIRST_CONNECT_TIMEOUT_S`: a wrong URL). While it
-  waits, `redis_connected()` is False and the `parity_redis_connected` gauge is 0; services turn
-  NOT_SERVING from it. A retried XADD whose first attempt reached Redis can leave the group twice
+  waits, `redis_connected()` is False and each service's `parity_<service>_redis_connected` gauge
+  (`connection_gauge`) is 0; services turn NOT_SERVING from it. A retried XADD whose first attempt reached Redis can leave the group twice
   in the stream: the consumer's dedupe by rollout id skips the copy (trained once). A wrong
   password is not an outage: it raises at once.
 
@@ -100,15 +100,27 @@ BACKOFF_CAP_S = 2.0
 OUTAGE_TIMEOUT_S = 600.0
 FIRST_CONNECT_TIMEOUT_S = 15.0  # a client that never reached Redis: a wrong URL, not an outage
 
-REDIS_CONNECTED = Gauge(
-    "parity_redis_connected", "1 while the last Redis command succeeded, 0 while Redis is unreachable."
-)
 _connected: bool | None = None  # None until the first command; this process's view of Redis
+_gauges: list[Gauge] = []
 
 
 def redis_connected() -> bool | None:
     """Whether this process's last Redis command succeeded (None before the first one)."""
     return _connected
+
+
+def connection_gauge(name: str) -> Gauge:
+    """A gauge `name` (e.g. parity_trainer_redis_connected) that follows `redis_connected()`: 1 while
+    the last command succeeded, 0 while Redis is unreachable, NaN before any command."""
+    from prometheus_client import REGISTRY
+
+    gauge = REGISTRY._names_to_collectors.get(name) or Gauge(
+        name, "1 while the last Redis command succeeded, 0 while Redis is unreachable, NaN before any."
+    )
+    gauge.set(float("nan") if _connected is None else float(_connected))
+    if gauge not in _gauges:
+        _gauges.append(gauge)
+    return gauge
 
 
 def _set_connected(connected: bool) -> None:
@@ -117,7 +129,8 @@ def _set_connected(connected: bool) -> None:
         if _connected is not None or not connected:
             log.warning("redis %s", "reconnected" if connected else "unreachable: retrying with backoff")
         _connected = connected
-        REDIS_CONNECTED.set(1.0 if connected else 0.0)
+        for gauge in _gauges:
+            gauge.set(1.0 if connected else 0.0)
 
 
 class ReconnectingRedis(redis.Redis):

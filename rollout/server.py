@@ -399,6 +399,9 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     server = GrpcServer(config, [SERVICE_NAME], protected_methods=PROTECTED_METHODS)
     servicer.server = server
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server.server)
+    from parity.rollout_queue import connection_gauge
+
+    connection_gauge("parity_rollout_redis_connected")  # NaN unless the actor talks to Redis
     metrics_port = serve_metrics(config.metrics_port, config.host)
     if metrics_port > 0:
         log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)

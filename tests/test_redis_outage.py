@@ -4,7 +4,7 @@ Every test runs its own private redis-server (password, append-only file, `parit
 and restarts it on the same port and directory after the kill, so it replays its AOF.
 - `test_queue_*` (fast): a producer and a consumer thread on the real RolloutQueue across the
   outage; every published group is consumed, none lost; `redis_connected()` and the
-  `parity_redis_connected` gauge are 0 during the outage and 1 after; the first command after the
+  `parity_<service>_redis_connected` gauge are 0 during the outage and 1 after; the first command after the
   restart succeeds within 10 s.
 - `test_trainer_*`: a real trainer service mid-run goes NOT_SERVING while Redis is down, SERVING
   within 10 s of its return, and finishes its 12 steps with every rollout trained exactly once
@@ -27,7 +27,7 @@ import pytest
 
 from parity import health
 from parity.procs import ServiceProcess, start_redis, stop_groups
-from parity.rollout_queue import REDIS_CONNECTED, RolloutQueue, redis_connected
+from parity.rollout_queue import RolloutQueue, connection_gauge, redis_connected
 from parity.v1 import rollouts_pb2, trainer_pb2_grpc
 from tests.fakes.synthetic_rollouts import make_group
 from tests.test_trainer_service import lineage, status, trainer_args, wait_for
@@ -74,6 +74,7 @@ def _wait_health(address: str, serving: bool, timeout_s: float) -> float:
 
 def test_queue_waits_out_a_kill_9(tmp_path: Path) -> None:
     server, url = start_redis(tmp_path)
+    gauge = connection_gauge("parity_test_redis_connected")
     queue = RolloutQueue(url, stream="outage")
     consumer_queue = RolloutQueue(url, stream="outage")
     published: list[str] = []
@@ -101,7 +102,7 @@ def test_queue_waits_out_a_kill_9(tmp_path: Path) -> None:
         wait_for(lambda: len(published) >= 10, 30, "10 published")
         _kill(server)
         wait_for(lambda: redis_connected() is False, 10, "the outage noticed")
-        assert REDIS_CONNECTED._value.get() == 0.0
+        assert gauge._value.get() == 0.0
         during = len(published)
         time.sleep(1.5)
         assert len(published) <= during + 1  # the producer waits (at most one XADD was in flight)
@@ -112,7 +113,7 @@ def test_queue_waits_out_a_kill_9(tmp_path: Path) -> None:
         for thread in threads:
             thread.join(60)
         assert recovered_s < RECOVERY_S
-        assert redis_connected() is True and REDIS_CONNECTED._value.get() == 1.0
+        assert redis_connected() is True and gauge._value.get() == 1.0
         assert sorted(set(consumed)) == sorted(published)  # nothing lost
         assert len(set(consumed)) == 40
     finally:

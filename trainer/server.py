@@ -105,9 +105,11 @@ async def serve(run_config: ParityConfig) -> int:
     loop = asyncio.get_running_loop()
     rc = 0
 
-    async def follow_redis() -> None:  # NOT_SERVING while the queue waits out a Redis outage
-        from parity.rollout_queue import redis_connected
+    from parity.rollout_queue import connection_gauge, redis_connected
 
+    connection_gauge("parity_trainer_redis_connected")
+
+    async def follow_redis() -> None:  # NOT_SERVING while the queue waits out a Redis outage
         serving = True
         while True:
             await asyncio.sleep(0.5)
