@@ -1,14 +1,16 @@
 """Tokens/s of one trainer step on SmolLM2-135M: Parity's step vs the same step in plain torch.
 
     python bench/trainer_step.py [--groups 2 --group_size 4 --prompt_len 16 --completion_len 48
-                                  --repeats 3 --micro_batch_size 8 --model smollm2-135m]
+                                  --repeats 3 --micro_batch_size 8 --model smollm2-135m
+                                  --device auto|cpu|cuda --precision fp32|bf16]
 
 "ours" is the real `trainer.loop.Trainer` step: XREADGROUP from a private redis-server, dedupe and
 lag checks, fp32-head logprobs under the replayed sampling transform, GRPO/PPO-clip loss with
 gradient accumulation, grad clip, AdamW, XACK, mismatch metrics (lag-0 and all), metrics.jsonl and
 Prometheus gauges. "plain" is the same update written directly in torch: full-vocab logits from
 `model(...)`, log_softmax / temperature, gather, the same GRPO advantages and PPO-clip loss, backward,
-clip, AdamW — no queue, no replay of top-k/top-p, no metrics. Both see identical token batches and
+clip, AdamW — no queue, no replay of top-k/top-p, no metrics — on the same device and in the same
+precision (bf16: autocast over the whole forward, fp32 weights and AdamW). Both see identical token batches and
 share one model and optimizer; the runs alternate so that machine load hits both alike. The ratio
 plain_tps / ours_tps is our overhead (>1 means we are slower). Prints progress lines; the last
 line is one JSON object.
@@ -52,8 +54,12 @@ def start_redis() -> tuple[subprocess.Popen, str, str]:
     return proc, f"redis://127.0.0.1:{port}/0", workdir
 
 
-def plain_step(model, optimizer, groups, micro_batch_size: int, clip_eps: float = 0.2) -> None:
+def plain_step(
+    model, optimizer, groups, micro_batch_size: int, device, precision: str, clip_eps: float = 0.2
+) -> None:
     """The same GRPO/PPO-clip update, written plainly."""
+    import contextlib
+
     import torch
 
     seqs = []
@@ -72,12 +78,19 @@ def plain_step(model, optimizer, groups, micro_batch_size: int, clip_eps: float 
         for b, (p, c, _, _) in enumerate(chunk):
             ids[b, : len(p) + len(c)] = torch.tensor(p + c)
             mask[b, : len(p) + len(c)] = 1
-        logprobs = (model(input_ids=ids, attention_mask=mask).logits / 1.0).log_softmax(-1)
+        autocast = (
+            torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+            if precision == "bf16"
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        logprobs = (logits.float() / 1.0).log_softmax(-1)
         loss = 0.0
         for b, (p, c, old, a) in enumerate(chunk):
-            positions = torch.arange(len(p) - 1, len(p) + len(c) - 1)
-            new = logprobs[b, positions, torch.tensor(c)]
-            ratio = torch.exp(new - torch.tensor(old))
+            positions = torch.arange(len(p) - 1, len(p) + len(c) - 1, device=device)
+            new = logprobs[b, positions, torch.tensor(c, device=device)]
+            ratio = torch.exp(new - torch.tensor(old, device=device))
             loss = loss - torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a).sum()
         (loss / total_tokens).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -94,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro_batch_size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps the default")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     args = parser.parse_args(argv)
 
     import torch
@@ -102,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from parity.config import ParityConfig
     from parity.rollout_queue import RolloutQueue
     from tests.fakes.synthetic_rollouts import make_group
+    from trainer.device import synchronize
     from trainer.loop import Trainer
 
     if args.threads:
@@ -126,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                     "micro_batch_size": args.micro_batch_size,
                     "lr": 1e-6,
                     "read_block_ms": 100,
+                    "device": args.device,
+                    "precision": args.precision,
                 },
             }
         )
@@ -166,14 +184,18 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.train_step(batch)
 
             def run_plain(groups: list = groups) -> None:
-                plain_step(plain_model, plain_opt, groups, args.micro_batch_size)
+                plain_step(
+                    plain_model, plain_opt, groups, args.micro_batch_size, trainer.device, args.precision
+                )
 
             # Alternate which goes first, so that neither always meets the same load.
             order = [("ours", run_ours), ("plain", run_plain)]
             timings: dict[str, tuple[float, float]] = {}
             for name, fn in order if round_index % 2 == 0 else order[::-1]:
+                synchronize(trainer.device)
                 wall0, cpu0 = time.perf_counter(), time.process_time()
                 fn()
+                synchronize(trainer.device)
                 timings[name] = (time.perf_counter() - wall0, time.process_time() - cpu0)
             label = "warmup" if round_index == 0 else f"round {round_index}/{args.repeats}"
             print(
@@ -205,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             "overhead_ratio_cpu": round(
                 statistics.median(results["plain_cpu"]) / statistics.median(results["ours_cpu"]), 3
             ),
+            "device": str(trainer.device),
+            "precision": args.precision,
+            "peak_memory_gib": metrics.get("peak_memory_gib"),
+            "mfu": metrics.get("mfu"),
             "torch_threads": torch.get_num_threads(),
             "repeats": args.repeats,
             "lag0_mismatch_k3": metrics.get("mismatch_k3"),
