@@ -35,14 +35,11 @@ class TrainerConfig(ServiceConfig):
         description="fp32: everything float32 (parity checks). bf16: bf16 decoder compute over fp32 master "
         "weights and fp32 AdamW state; the lm_head and log-softmax stay fp32 either way.",
     )
-    world_size: int = Field(
-        1,
-        ge=1,
-        description="Data-parallel ranks (FSDP2). >1: the service relaunches itself under torchrun; "
-        "rank 0 serves gRPC and reads Redis, the other ranks get their share of each batch from it.",
-    )
     dist_timeout_s: float = Field(
-        300.0, gt=0, description="Timeout of every collective between trainer ranks."
+        300.0,
+        gt=0,
+        description="Timeout of every collective between trainer ranks (FSDP2 under torchrun: the "
+        "rank count comes from WORLD_SIZE).",
     )
     micro_batch_tokens: int = Field(
         0,
