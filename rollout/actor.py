@@ -54,6 +54,10 @@ class Actor:
         self.task = get_task(run_config.task.name, seed=run_config.engine_seed())
         self.worker_id = config.worker_id or f"rollout-{uuid.uuid4().hex[:6]}"
         self._prompts = self.task.train_prompts()
+        # Every group's sampling seed is a function of the run's engine seed and the prompt's draw
+        # index, never of timing: with the same schedule, the same prompt gets the same samples.
+        self._seed_base = run_config.engine_seed()
+        self._draws = itertools.count()
         self._run_id = uuid.uuid4().hex[:8]
         self._counter = itertools.count()
         self.groups_published = 0
@@ -94,10 +98,13 @@ class Actor:
             self.backpressure_wait_s += waited
             metrics.BACKPRESSURE_SECONDS.inc(waited)
 
-    def _next_prompt(self) -> Prompt:
-        return next(self._prompts)
+    def _next_prompt(self) -> tuple[Prompt, int]:
+        """The next training prompt and its group's sampling seed (see __init__)."""
+        draw = next(self._draws)
+        seed = (self._seed_base * 1_000_003 + draw) % (2**63 - 1)
+        return next(self._prompts), seed
 
-    async def one_group(self, prompt: Prompt) -> rollouts_pb2.RolloutGroup:
+    async def one_group(self, prompt: Prompt, seed: int | None = None) -> rollouts_pb2.RolloutGroup:
         sampling = self.sampling()
         group_id = f"{self.worker_id}-{self._run_id}-{next(self._counter)}"
         ids = self.engine.encode(prompt.text, use_chat_template=True)
@@ -109,6 +116,7 @@ class Actor:
             temperature=sampling.temperature,
             top_k=sampling.top_k,
             top_p=sampling.top_p,
+            seed=seed,
         )
         group_attrs = {"parity.group_id": group_id, "parity.weight_version": self.engine.weight_version}
         with tracing.span("rollout_group", group_attrs):  # parent of generate, score and publish
@@ -185,7 +193,7 @@ class Actor:
             await self._ready()
             await self._admit()
             try:
-                group = await self.one_group(self._next_prompt())
+                group = await self.one_group(*self._next_prompt())
                 if self._done():
                     return
                 await self.offer(group)
@@ -195,9 +203,9 @@ class Actor:
     async def _sync_loop(self) -> None:
         limit = asyncio.Semaphore(self.config.concurrency)
 
-        async def bounded(prompt: Prompt) -> rollouts_pb2.RolloutGroup:
+        async def bounded(prompt: Prompt, seed: int) -> rollouts_pb2.RolloutGroup:
             async with limit:
-                return await self.one_group(prompt)
+                return await self.one_group(prompt, seed)
 
         while not self._done() and not self.servicer.shutting_down:
             await self._ready()
@@ -205,7 +213,7 @@ class Actor:
             published = 0
             while published < self.groups_per_step and not self.servicer.shutting_down:
                 need = self.groups_per_step - published
-                groups = await asyncio.gather(*(bounded(self._next_prompt()) for _ in range(need)))
+                groups = await asyncio.gather(*(bounded(*self._next_prompt()) for _ in range(need)))
                 for group in groups:
                     published += await self.offer(group)
             log.info(
