@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import config_for
@@ -79,3 +80,55 @@ def test_export_refuses_a_run_without_checkpoints(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "RUN_DIR" in proc.stderr and "checkpoints" in proc.stderr
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_export_with_the_trainers_logprobs(tmp_path: Path, tiny_model: Path) -> None:
+    """vLLM (CPU, fp32, fp32 head) loads the exported directory and samples; the trainer's
+    logprobs of those tokens (processed under each transform) agree within the replay test's 2e-4."""
+    import json
+    import os
+
+    from parity.sampling import SamplingTransform
+    from tests.fakes.synthetic_rollouts import make_group
+    from trainer.checkpoint import CheckpointStore, TrainerState
+    from trainer.consumer import Batch
+    from trainer.loop import Trainer
+    from trainer.policy import SequenceInput, token_logprobs
+
+    run_dir = tmp_path / "run"
+    trainer = Trainer(config_for("trainer", model="tiny", device="cpu", run_dir=str(run_dir), lr=1e-2))
+    trainer.setup_model()
+    group = make_group(trainer.model, "g0", (1.0, 0.0, 0.0, 1.0), generator=torch.Generator().manual_seed(0))
+    sequences, _, _ = trainer._prepare(Batch(groups=[group]))
+    trainer.local_update(sequences)
+    CheckpointStore(run_dir, model_source=str(tiny_model)).save(
+        trainer.model, trainer.optimizer, TrainerState(step=1), trainer.scheduler
+    )
+    out = tmp_path / "export"
+    from trainer.export import export
+
+    export(run_dir, out)
+    records_path = tmp_path / "vllm.json"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "test_trainer_replay.py"), str(out), str(records_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = json.loads(records_path.read_text())
+    worst = 0.0
+    with torch.no_grad():
+        for record in records:
+            inputs = SequenceInput(
+                tuple(record["prompt_ids"]),
+                tuple(record["token_ids"]),
+                SamplingTransform(*record["transform"]),
+            )
+            ours, _ = token_logprobs(trainer.scorer, [inputs])
+            worst = max(worst, float((ours - torch.tensor(record["logprobs"])).abs().max()))
+    print(f"vLLM on the export vs trainer: max |Δlogprob| {worst:.2e} over {len(records)} completions")
+    assert records and worst <= 2e-4
