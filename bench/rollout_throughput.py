@@ -233,7 +233,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         "vllm_over_hf": round(service_rate / hf_rate, 2),
         "goal_service_over_raw": 0.95,
         "goal_vllm_over_hf": 5.0,
-        "settings": config.parity_settings(),
+        "settings": config.parity_settings(args.model),
         "raw_top_p_impl": top_p_impl,
     }
     log(f"service/raw = {result['service_over_raw']:.3f} (goal >= 0.95); "
