@@ -97,7 +97,8 @@ def _decoder(method: str, deserializer: Callable[[bytes], object] | None) -> Cal
             return deserializer(raw)
         except Exception as exc:  # DecodeError, invalid UTF-8 in a string field, ...
             raise invalid(
-                "request", f"cannot decode the {method} request ({len(raw)} bytes): {type(exc).__name__}: {exc}"
+                "request",
+                f"cannot decode the {method} request ({len(raw)} bytes): {type(exc).__name__}: {exc}",
             ) from None
 
     return decode
@@ -127,9 +128,7 @@ class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
                 except Exception as exc:
                     await _refuse(context, method, exc)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary, response_serializer=handler.response_serializer
-            )
+            return grpc.unary_unary_rpc_method_handler(unary, response_serializer=handler.response_serializer)
         if handler.response_streaming and inspect.isasyncgenfunction(handler.unary_stream):
             inner_stream = handler.unary_stream
 

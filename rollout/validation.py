@@ -126,7 +126,9 @@ def generation_spec(request, prompt_token_ids: list[int] | None, limits: Limits)
 def check_prompt_fields(request, max_prompt_bytes: int) -> None:
     """Exactly one of prompt_text / prompt_token_ids; sizes checked before anything is tokenised."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-        raise invalid("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters ({len(request.request_id)})")
+        raise invalid(
+            "request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters ({len(request.request_id)})"
+        )
     if len(request.prompt_text) > max_prompt_bytes or len(request.prompt_text.encode()) > max_prompt_bytes:
         raise invalid(
             "prompt_text",

@@ -60,7 +60,9 @@ def validate_group(group: rollouts_pb2.RolloutGroup) -> str:
         if sample.token_weight_versions and len(sample.token_weight_versions) != n:
             return f"{sample.rollout_id}: {len(sample.token_weight_versions)} versions for {n} tokens"
         if sample.token_context_versions and len(sample.token_context_versions) != n:
-            return f"{sample.rollout_id}: {len(sample.token_context_versions)} context versions for {n} tokens"
+            return (
+                f"{sample.rollout_id}: {len(sample.token_context_versions)} context versions for {n} tokens"
+            )
     return ""
 
 
