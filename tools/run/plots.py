@@ -28,7 +28,7 @@ CURVES: dict[str, tuple[str, list[tuple[str, str]], str, bool]] = {
     "kl_new_old": ("KL(new || old)", [("kl_new_old", "kl_new_old")], "nats / token", False),
     "entropy": ("Policy entropy", [("entropy", "entropy")], "nats / token", False),
     "mismatch": (
-        "Backend mismatch: rollout engine vs trainer at the weights that sampled each token",
+        "Backend mismatch at each token's own version",
         [
             ("mismatch_k3_own_version", "k3, own version (clean tokens)"),
             ("mismatch_max_abs_own_version", "max |Δ|, own version"),
@@ -39,7 +39,7 @@ CURVES: dict[str, tuple[str, list[tuple[str, str]], str, bool]] = {
         True,
     ),
     "policy_drift": (
-        "Policy drift: rollout logprobs vs the trainer's current weights, all tokens",
+        "Policy drift: all tokens vs the current weights",
         [("policy_drift_k3", "k3"), ("policy_drift_max_abs", "max |Δ|")],
         "nats",
         True,
