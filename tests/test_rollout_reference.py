@@ -190,31 +190,23 @@ def test_actor_publishes_scored_groups_with_backpressure(
 
 
 @pytest.mark.slow
-def test_late_joiner_is_not_serving_until_it_has_the_latest_version(start_services, tiny_model: Path) -> None:
-    """Real broadcast service: v1 is published before the worker exists; the worker registers at v0
-    and must not serve (health, Generate) until the broadcast service has brought it to v1."""
-    from parity import checksum, health
-    from parity.transport import TransferGroup
+def test_late_joiner_is_not_serving_until_it_has_the_latest_version(
+    start_services, tiny_model: Path, request: pytest.FixtureRequest
+) -> None:
+    """Real broadcast service and the trainer's real Publisher: v1 is published before the worker
+    exists (an epoch with no worker: nothing is sent); the worker registers at v0 and must not
+    serve (health, Generate) until the trainer's catch-up has brought it to v1."""
+    from parity import health
     from parity.v1 import broadcast_pb2 as pb
     from parity.v1 import broadcast_pb2_grpc
+    from trainer.publisher import Publisher
 
     broadcast = start_services("broadcast", "--auth_token", TOKEN, "--heartbeat_timeout_s", "30")
     stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(grpc.insecure_channel(broadcast.address))
     named = list(perturbed_state_dict(tiny_model, seed=11).items())
-    plan = stub.PublishVersion(
-        pb.PublishVersionRequest(
-            version=1, model="tiny", tensors=checksum.describe(named),
-            checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64, bucket_bytes=1 << 20,
-        ),
-        metadata=bearer(TOKEN), timeout=10,
-    ).plan  # fmt: skip
-    group = TransferGroup.join(plan.rendezvous)
-    group.send([t for _, t in named], plan.bucket_bytes)
-    group.close()
-    committed = stub.WaitVersion(
-        pb.WaitVersionRequest(version=1, state=pb.VERSION_STATE_COMMITTED, timeout_s=60)
-    )
-    assert committed.reached
+    publisher = Publisher(broadcast.address, "tiny", auth_token=TOKEN, bucket_bytes=1 << 20)
+    request.addfinalizer(publisher.close)
+    publisher.publish_tensors(named, 1)  # keeps the snapshot and serves catch-ups from it
 
     worker = start_services(
         "rollout", "--engine", "reference", "--model", str(tiny_model), "--auth_token", TOKEN,
