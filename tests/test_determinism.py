@@ -27,7 +27,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3
+STEPS = 2
 COMPARED = ("reward_mean", "reward_std", "loss", "entropy", "kl_new_old", "policy_drift_k3", "grad_norm")
 
 
