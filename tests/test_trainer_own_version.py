@@ -5,7 +5,6 @@ mismatch at the right version is float32 noise (< 1e-8 k3) and anything else is 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -13,40 +12,15 @@ import pytest
 import torch
 
 from parity.rollout_queue import RolloutQueue
-from tests.conftest import config_for
 from tests.fakes.synthetic_rollouts import make_group
-from trainer.loop import Trainer
+from tests.fakes.trainer_helpers import STREAM, make_trainer, metrics
 from trainer.mismatch_gate import MismatchGate, MismatchGateError
 from trainer.policy import load_model
-
-STREAM = "test:own-version"
 
 
 @pytest.fixture(scope="module")
 def reference_model(tiny_model: Path):
     return load_model(tiny_model)
-
-
-def make_trainer(redis_url: str, run_dir: Path, **overrides) -> Trainer:
-    settings = {
-        "model": "tiny",
-        "redis_url": redis_url,
-        "stream": STREAM,
-        "run_dir": str(run_dir),
-        "steps": 1,
-        "groups_per_step": 1,
-        "micro_batch_size": 4,
-        "read_block_ms": 50,
-        "claim_idle_ms": 200,
-        **overrides,
-    }
-    trainer = Trainer(config_for("trainer", **settings))
-    trainer.setup()
-    return trainer
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def group(model, gid: str, version: int = 0, seed: int = 0, rewards=(1.0, 0.0, 0.0, 1.0)):

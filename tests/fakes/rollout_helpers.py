@@ -129,25 +129,30 @@ def transfer_plan(state: dict, version: int, bucket_bytes: int = 1 << 20, timeou
     return plan, sender, tensors
 
 
+def send_as_rank0(sender_rdv, tensors, bucket_bytes: int, errors: list[BaseException]) -> None:
+    """The sender's side of `transfer_plan` (for a thread): host the store, join as rank 0, send.
+    An exception is appended to `errors` for the test to surface."""
+    from parity.transport import TransferGroup
+
+    try:
+        group = TransferGroup.join(sender_rdv, host_store=True)
+        try:
+            group.send(tensors, bucket_bytes)
+        finally:
+            group.close()
+    except BaseException as exc:
+        errors.append(exc)
+
+
 def push_weights(stub, state: dict, version: int, metadata=(), timeout_s: float = 120.0, **request_fields):
     """Send `state` as `version` to the worker behind `stub` (a RolloutService stub). Returns the reply."""
-    from parity.transport import TransferGroup
     from parity.v1 import rollout_pb2
 
     plan, sender_rdv, tensors = transfer_plan(state, version)
     errors: list[BaseException] = []
-
-    def send() -> None:
-        try:
-            group = TransferGroup.join(sender_rdv, host_store=True)
-            try:
-                group.send(tensors, plan.bucket_bytes)
-            finally:
-                group.close()
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=send, daemon=True)
+    thread = threading.Thread(
+        target=send_as_rank0, args=(sender_rdv, tensors, plan.bucket_bytes, errors), daemon=True
+    )
     thread.start()
     reply = stub.UpdateWeights(
         rollout_pb2.UpdateWeightsRequest(plan=plan, **request_fields), timeout=timeout_s, metadata=metadata
