@@ -47,6 +47,9 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+# WatchVersions filters (VersionEventKind values: PUBLISHED=1, DISTRIBUTED=5); empty = every kind.
+WATCH_KINDS: dict[str, tuple[int, ...]] = {"needed": (1, 5), "all": ()}
+
 
 def log(message: str) -> None:
     print(f"[control_plane {time.strftime('%H:%M:%S')}] {message}", flush=True)
@@ -56,8 +59,11 @@ def log(message: str) -> None:
 class Simulator:
     """A process's share of the N workers: memberships (phase 1) or watch streams (phase 2)."""
 
-    def __init__(self, broadcast: str, token: str, ids: list[str], interval_s: float) -> None:
+    def __init__(
+        self, broadcast: str, token: str, ids: list[str], interval_s: float, kinds: tuple[int, ...] = ()
+    ) -> None:
         self.broadcast, self.token, self.ids, self.interval_s = broadcast, token, ids, interval_s
+        self.kinds = kinds  # WatchVersions filter; empty: every event kind
         self.address = ""
         self.tasks: dict[str, asyncio.Task] = {}
         self.clients: dict = {}
@@ -100,7 +106,8 @@ class Simulator:
         async with channel(self.broadcast) as chan:
             await asyncio.wait_for(chan.channel_ready(), 60)
             stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(chan)
-            stream = stub.WatchVersions(pb.WatchVersionsRequest(after_version=0), metadata=bearer(self.token))
+            request = pb.WatchVersionsRequest(after_version=0, kinds=self.kinds)
+            stream = stub.WatchVersions(request, metadata=bearer(self.token))
             self.streams_open += 1  # connected; the caller gives the calls a moment to reach the service
             if self.streams_open == len(self.ids):
                 ready.set()
@@ -152,17 +159,28 @@ class Simulator:
             conn.send("ok")
 
 
-def simulate(conn, mode: str, broadcast: str, token: str, ids: list[str], interval_s: float) -> None:
+def simulate(
+    conn, mode: str, broadcast: str, token: str, ids: list[str], interval_s: float, kinds: tuple[int, ...]
+) -> None:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    asyncio.run(Simulator(broadcast, token, ids, interval_s).main(conn, mode))
+    asyncio.run(Simulator(broadcast, token, ids, interval_s, kinds).main(conn, mode))
 
 
 class Simulators:
     """`procs` simulator processes sharing `ids`."""
 
-    def __init__(self, mode: str, procs: int, broadcast: str, token: str, ids: list[str], interval_s: float):
+    def __init__(
+        self,
+        mode: str,
+        procs: int,
+        broadcast: str,
+        token: str,
+        ids: list[str],
+        interval_s: float,
+        kinds: tuple[int, ...] = (),
+    ):
         ctx = mp.get_context("spawn")
         self.parts = max(1, min(procs, len(ids)))
         self.ids = ids
@@ -170,7 +188,8 @@ class Simulators:
         for p in range(self.parts):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(
-                target=simulate, args=(theirs, mode, broadcast, token, ids[p :: self.parts], interval_s)
+                target=simulate,
+                args=(theirs, mode, broadcast, token, ids[p :: self.parts], interval_s, kinds),
             )
             proc.start()
             self.procs.append(proc)
@@ -383,7 +402,13 @@ def notify_phase(n: int, args: argparse.Namespace, log_dir: Path) -> dict:
             receiver.wait_ready(120)
         svc.wait_live(len(names), 60)
         sims = Simulators(
-            "notify", args.procs, svc.address, svc.token, [f"watch-{i:05d}" for i in range(n)], 1.0
+            "notify",
+            args.procs,
+            svc.address,
+            svc.token,
+            [f"watch-{i:05d}" for i in range(n)],
+            1.0,
+            WATCH_KINDS[args.watch_kinds],
         )
         named = [("layer.weight", torch.zeros(64, 64)), ("layer.bias", torch.zeros(64))]
         send, holder = trainer_sender()
@@ -468,11 +493,15 @@ def plot(runs: list[dict], path: Path) -> None:
         ("notify_ms_p50", "notify p50"),
         ("distributed_ms_p50", "all acked (DISTRIBUTED) p50"),
     )
-    for key, label in series:
+    # runs recorded before the WatchVersions filter existed watched every kind
+    filters = sorted({r.get("watch_kinds", "all") for r in runs})
+    for (key, label), kinds in ((k, f) for f in filters for k in series):
         by_n = defaultdict(list)
         for r in runs:
-            by_n[r["workers"]].append(r[key])
+            if r.get("watch_kinds", "all") == kinds:
+                by_n[r["workers"]].append(r[key])
         ns = sorted(by_n)
+        label = f"{label} (watch {kinds})" if len(filters) > 1 else label
         line = ax.plot(ns, [statistics.median(by_n[x]) for x in ns], marker="o", linewidth=1, label=label)
         for x in ns:  # the range over runs
             ax.vlines(x, min(by_n[x]), max(by_n[x]), color=line[0].get_color(), linewidth=3, alpha=0.5)
@@ -499,6 +528,12 @@ def main() -> int:
     parser.add_argument("--receivers", type=int, default=2, help="stand-in rollout workers that ack")
     parser.add_argument("--procs", type=int, default=4, help="simulator processes")
     parser.add_argument(
+        "--watch_kinds",
+        choices=sorted(WATCH_KINDS),
+        default="needed",
+        help="needed: each stream asks for PUBLISHED and DISTRIBUTED only (what it measures); all: every event",
+    )
+    parser.add_argument(
         "--gap_s", type=float, default=0.0, help="pause between a version's DISTRIBUTED and the next publish"
     )
     parser.add_argument("--churn", type=float, default=0.1, help="fraction of workers that die and rejoin")
@@ -516,7 +551,7 @@ def main() -> int:
         tmp = args.log_dir or tmp
         for n in [int(x) for x in args.workers.split(",") if x]:
             log(f"N={n}: membership phase")
-            run = {"workers": n, "procs": args.procs, "gap_s": args.gap_s}
+            run = {"workers": n, "procs": args.procs, "gap_s": args.gap_s, "watch_kinds": args.watch_kinds}
             run.update(membership_phase(n, args, Path(tmp)))
             log(f"N={n}: notify phase ({args.versions} versions)")
             run.update(notify_phase(n, args, Path(tmp)))

@@ -342,6 +342,10 @@ def test_three_quick_versions_end_on_newest_never_backwards_none_twice(cluster: 
     first = cluster.latest() + 1
     events: list[pb.VersionEvent] = []
     watch = cluster.stub.WatchVersions(pb.WatchVersionsRequest(after_version=first - 1), timeout=120)
+    only = [pb.VERSION_EVENT_KIND_PUBLISHED, pb.VERSION_EVENT_KIND_DISTRIBUTED]
+    filtered = cluster.stub.WatchVersions(
+        pb.WatchVersionsRequest(after_version=first - 1, kinds=only), timeout=120
+    )
     groups, names = [], set()
     for version in range(first, first + 3):
         names.add(publish(cluster.stub, version).rendezvous.group_name)
@@ -367,3 +371,14 @@ def test_three_quick_versions_end_on_newest_never_backwards_none_twice(cluster: 
         assert state(cluster.log_dir, worker_id) == {"version": last, "checksums": trainer_checksums(last)}
     published = [e.version for e in events if e.kind == pb.VERSION_EVENT_KIND_PUBLISHED]
     assert published == [first, first + 1, first + 2]
+    # a watcher that asked for two kinds gets exactly those events, in the same order
+    seen: list[pb.VersionEvent] = []
+    for response in filtered:
+        seen.append(response.event)
+        if response.event.kind == pb.VERSION_EVENT_KIND_DISTRIBUTED and response.event.version == last:
+            break
+    filtered.cancel()
+    assert [(e.kind, e.version) for e in seen] == [(e.kind, e.version) for e in events if e.kind in only]
+    with pytest.raises(grpc.RpcError) as bad:
+        next(iter(cluster.stub.WatchVersions(pb.WatchVersionsRequest(kinds=[99]), timeout=10)))
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kinds" in bad.value.details()

@@ -228,10 +228,12 @@ class WeightBroadcastServiceGetStatusResponse(_message.Message):
     def __init__(self, latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backend: _Optional[str] = ..., updates_failed_total: _Optional[int] = ..., epoch: _Optional[int] = ..., epoch_members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WatchVersionsRequest(_message.Message):
-    __slots__ = ("after_version",)
+    __slots__ = ("after_version", "kinds")
     AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
     after_version: int
-    def __init__(self, after_version: _Optional[int] = ...) -> None: ...
+    kinds: _containers.RepeatedScalarFieldContainer[VersionEventKind]
+    def __init__(self, after_version: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[VersionEventKind, str]]] = ...) -> None: ...
 
 class VersionEvent(_message.Message):
     __slots__ = ("kind", "version", "worker_id", "error", "at_unix")

@@ -44,19 +44,32 @@ class EventLog:
         except TimeoutError:
             return False
 
-    async def follow(self, after_version: int) -> AsyncIterator[pb.VersionEvent]:
-        """Replay kept events of versions > after_version, then yield every new event as it happens."""
-        cursor = 0
-        for seq, event in list(self._events):
-            cursor = seq + 1
-            if event.version > after_version:
+    def _since(self, cursor: int) -> list[pb.VersionEvent]:
+        """Kept events with seq >= cursor, read from the right end: O(new events), not O(log)."""
+        if not self._events:
+            return []
+        count = min(self._next_seq - cursor, len(self._events))
+        return [self._events[-i][1] for i in range(count, 0, -1)]
+
+    async def follow(
+        self, after_version: int, kinds: frozenset[int] = frozenset()
+    ) -> AsyncIterator[pb.VersionEvent]:
+        """Replay kept events of versions > after_version, then yield every new event as it happens.
+
+        `kinds` keeps only those event kinds (empty: every kind). A watcher that needs only
+        PUBLISHED/COMMITTED then costs the service nothing for every other worker's acks.
+        """
+        wanted = (lambda event: event.kind in kinds) if kinds else (lambda event: True)
+        cursor = self._next_seq
+        for event in self._since(0):
+            if event.version > after_version and wanted(event):
                 yield event
         while True:
             waiter = self._changed
-            pending = [e for s, e in list(self._events) if s >= cursor]
-            if self._events:
-                cursor = max(cursor, self._events[-1][0] + 1)
+            pending = self._since(cursor)
+            cursor = self._next_seq
             for event in pending:
-                yield event
+                if wanted(event):
+                    yield event
             if not pending:
                 await waiter.wait()

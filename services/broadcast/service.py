@@ -215,5 +215,12 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
     ) -> AsyncIterator[pb.WatchVersionsResponse]:
         if request.after_version < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "after_version: must be >= 0")
-        async for event in self.events.follow(request.after_version):
+        known = set(pb.VersionEventKind.values()) - {Kind.VERSION_EVENT_KIND_UNSPECIFIED}
+        unknown = sorted(set(request.kinds) - known)
+        if unknown:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"kinds: unknown event kind(s) {unknown}; leave empty for all",
+            )
+        async for event in self.events.follow(request.after_version, frozenset(request.kinds)):
             yield pb.WatchVersionsResponse(event=event)

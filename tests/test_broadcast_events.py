@@ -1,0 +1,62 @@
+"""The broadcast service's event log: followers see every event once, in order, filtered by kind."""
+
+from __future__ import annotations
+
+import asyncio
+
+from parity.v1 import broadcast_pb2 as pb
+from services.broadcast.events import EventLog
+
+PUBLISHED, UPDATED, DISTRIBUTED = (
+    pb.VERSION_EVENT_KIND_PUBLISHED,
+    pb.VERSION_EVENT_KIND_WORKER_UPDATED,
+    pb.VERSION_EVENT_KIND_DISTRIBUTED,
+)
+
+
+async def _collect(log: EventLog, after: int, kinds: frozenset[int], count: int) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    async for event in log.follow(after, kinds):
+        out.append((event.kind, event.version))
+        if len(out) == count:
+            return out
+    return out
+
+
+def _emit_version(log: EventLog, version: int) -> None:
+    log.emit(PUBLISHED, version)
+    for worker in ("w0", "w1"):
+        log.emit(UPDATED, version, worker)
+    log.emit(DISTRIBUTED, version)
+
+
+def test_followers_replay_then_stream_every_event_once_in_order_and_filter_by_kind() -> None:
+    async def scenario() -> tuple[list, list, list]:
+        log = EventLog(max_events=1000)
+        _emit_version(log, 1)
+        _emit_version(log, 2)
+        everything = asyncio.create_task(_collect(log, 1, frozenset(), 4 * 3))
+        only = asyncio.create_task(_collect(log, 0, frozenset({PUBLISHED, DISTRIBUTED}), 2 * 4))
+        # after_version filters the replay only: what happens after the call starts always streams
+        late = asyncio.create_task(_collect(log, 3, frozenset({PUBLISHED}), 2))
+        await asyncio.sleep(0)
+        for version in (3, 4, 5):
+            _emit_version(log, version)
+            if version == 4:
+                await asyncio.sleep(0)  # some events arrive while followers are mid-stream
+        return await asyncio.wait_for(asyncio.gather(everything, only, late), timeout=5)
+
+    everything, only, late = asyncio.run(scenario())
+    assert everything == [(k, v) for v in (2, 3, 4) for k in (PUBLISHED, UPDATED, UPDATED, DISTRIBUTED)]
+    assert only == [(k, v) for v in (1, 2, 3, 4) for k in (PUBLISHED, DISTRIBUTED)]
+    assert late == [(PUBLISHED, 3), (PUBLISHED, 4)]
+
+
+def test_a_follower_behind_the_bounded_log_resumes_at_the_oldest_kept_event() -> None:
+    async def scenario() -> list[tuple[int, int]]:
+        log = EventLog(max_events=8)
+        for version in range(1, 6):  # 20 events, 8 kept: versions 4 and 5
+            _emit_version(log, version)
+        return await asyncio.wait_for(_collect(log, 0, frozenset({PUBLISHED}), 2), timeout=5)
+
+    assert asyncio.run(scenario()) == [(PUBLISHED, 4), (PUBLISHED, 5)]
