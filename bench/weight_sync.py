@@ -40,7 +40,7 @@ import grpc
 from parity import checksum
 from parity.ports import free_port
 from parity.procs import ServiceProcess, start_service
-from parity.transport import DEFAULT_BUCKET_BYTES, GroupHolder, Layout, TransferGroup
+from parity.transport import DEFAULT_BUCKET_BYTES, GroupHolder, Layout, TransferGroup, allocate_packed
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2
 
@@ -341,6 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vllm_updates", type=int, default=3, help="updates into a real vLLM rollout service (0 skips it)"
     )
+    parser.add_argument(
+        "--layout",
+        choices=("trainer", "scattered"),
+        default="trainer",
+        help="trainer: the tensors live in one packed buffer, as the trainer's flattened parameters "
+        "do (trainer/flat_params.py), so the send copies nothing; scattered: separately allocated "
+        "tensors (as sharded parameters gathered at publish time), packed into buckets as they go",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -359,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             continue
         named = loader()
+        if args.layout == "trainer":
+            _, placed = allocate_packed([t for _, t in named])
+            named = [(name, t) for (name, _), t in zip(named, placed, strict=True)]
         total = Layout.of(
             [common_pb2.TensorMeta(shape=list(t.shape), dtype=checksum.dtype_name(t.dtype)) for _, t in named]
         ).total_bytes
@@ -409,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         results[model_name] = {
             "bytes": total,
             "receivers": args.receivers,
+            "layout": args.layout,
             "raw_s": round(raw_s, 4),
             "e2e_s": round(e2e, 4),
             "trainer_busy_s": round(trainer, 4),

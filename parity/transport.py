@@ -130,6 +130,47 @@ def pack(tensors: Sequence[torch.Tensor], layout: Layout, device: str = "cpu") -
     return buffer
 
 
+def packed_in_place(tensors: Sequence[torch.Tensor], layout: Layout) -> torch.Tensor | None:
+    """The uint8 stream itself when `tensors` already lie in one buffer exactly as `layout` packs
+    them (see `allocate_packed`); None otherwise. Sending it then copies nothing."""
+    import torch
+
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage()
+    base = first.storage_offset() * first.element_size() - layout.offsets[0]
+    if base < 0 or base + layout.total_bytes > storage.nbytes():
+        return None
+    for tensor, offset in zip(tensors, layout.offsets, strict=True):
+        if (
+            not tensor.is_contiguous()
+            or tensor.device != first.device
+            or tensor.untyped_storage().data_ptr() != storage.data_ptr()
+            or tensor.storage_offset() * tensor.element_size() != base + offset
+        ):
+            return None
+    whole = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
+    return whole[base : base + layout.total_bytes]
+
+
+def allocate_packed(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One uint8 buffer in the transport's layout and, in it, copies of `tensors` as views. A
+    sender whose tensors live there (a trainer's flattened parameters) sends with no packing copy."""
+    layout = _layout_of_tensors(tensors)
+    metas = [
+        common_pb2.TensorMeta(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch.")) for t in tensors
+    ]
+    import torch
+
+    device = tensors[0].device if tensors else "cpu"
+    buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
+    placed = views(buffer, metas, layout)
+    for view, tensor in zip(placed, tensors, strict=True):
+        view.copy_(tensor.detach())
+    return buffer, placed
+
+
 class StreamVerifier:
     """Checksums tensors as soon as their last byte has arrived (pass `advance` as `progress`), so
     the tail after the last bucket is one bucket's worth of checksums, not the whole version's."""
@@ -367,6 +408,11 @@ class TransferGroup:
         layout = _layout_of_tensors(tensors)
         if not tensors:
             return 0
+        in_place = packed_in_place(tensors, layout)
+        if in_place is not None:  # already one packed stream (flattened parameters): no copy at all
+            if in_place.device.type == "cuda":
+                torch.cuda.current_stream(in_place.device).synchronize()
+            return self.send_packed(in_place, bucket_bytes)
         device = tensors[0].device
         flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
         size = min(bucket_bytes, layout.total_bytes)

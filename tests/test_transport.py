@@ -16,7 +16,10 @@ from parity.transport import (
     Layout,
     TransferError,
     TransferGroup,
+    allocate_packed,
     check_rendezvous,
+    pack,
+    packed_in_place,
     serve_store,
 )
 from parity.v1 import common_pb2
@@ -60,13 +63,18 @@ def _rendezvous(
     )
 
 
-def _run_rank(rank: int, world_size: int, port: int, host_rank: int, name: str, results) -> None:
+def _run_rank(
+    rank: int, world_size: int, port: int, host_rank: int, name: str, results, layout: str = "scattered"
+) -> None:
     try:
         rdv = _rendezvous(port, rank, world_size, 20.0, name)
         group = TransferGroup.join(rdv, host_store=(rank == host_rank))
         metas = checksum.describe(_named(7))
         if rank == 0:
-            sent = group.send([t for _, t in _named(7)], BUCKET_BYTES)
+            tensors = [t for _, t in _named(7)]
+            if layout == "packed":  # as the trainer's flattened parameters: sent with no packing copy
+                _, tensors = allocate_packed(tensors)
+            sent = group.send(tensors, BUCKET_BYTES)
             results.put((rank, "sent", sent))
         else:
             got = group.recv(metas, BUCKET_BYTES)
@@ -77,12 +85,14 @@ def _run_rank(rank: int, world_size: int, port: int, host_rank: int, name: str, 
         results.put((rank, "error", traceback.format_exc()))
 
 
-def _spawn(world_size: int, host_rank: int) -> dict:
+def _spawn(world_size: int, host_rank: int, layout: str = "scattered") -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_run_rank, args=(r, world_size, port, host_rank, f"t{world_size}", results))
+        ctx.Process(
+            target=_run_rank, args=(r, world_size, port, host_rank, f"t{world_size}", results, layout)
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -101,9 +111,11 @@ def _spawn(world_size: int, host_rank: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size,host_rank", [(2, 1), (3, 2)])
-def test_bucketed_transfer_delivers_identical_bytes(world_size: int, host_rank: int) -> None:
-    out = _spawn(world_size, host_rank)
+@pytest.mark.parametrize(
+    "world_size,host_rank,layout", [(2, 1, "scattered"), (3, 2, "scattered"), (2, 1, "packed")]
+)
+def test_bucketed_transfer_delivers_identical_bytes(world_size: int, host_rank: int, layout: str) -> None:
+    out = _spawn(world_size, host_rank, layout)
     expected = Layout.of(checksum.describe(_named(7))).total_bytes
     assert out[(0, "sent")] == expected
     trainer_sums = [m.checksum for m in checksum.describe(_named(7))]
@@ -313,3 +325,52 @@ def test_a_held_group_is_reused_per_epoch_rebuilt_on_a_new_one_and_dropped_after
     assert holders[0].group is None  # a group that raised is never used again
     for holder in holders:
         holder.close()
+
+
+def test_tensors_already_in_the_packed_layout_are_sent_from_their_own_buffer() -> None:
+    import torch
+
+    tensors = _tensors(3)
+    layout = Layout.of(checksum.describe(_named(3)))
+    assert packed_in_place(tensors, layout) is None  # separately allocated: packed as they go
+    buffer, placed = allocate_packed(tensors)
+    stream = packed_in_place(placed, layout)
+    assert (
+        stream is not None and stream.data_ptr() == buffer.data_ptr() and stream.numel() == layout.total_bytes
+    )
+    assert all(torch.equal(a, b) for a, b in zip(placed, tensors, strict=True))
+    # a reordered or partial list is not the stream the receivers expect
+    assert (
+        packed_in_place(list(reversed(placed)), Layout.of(checksum.describe(list(reversed(_named(3))))))
+        is None
+    )
+    # a suffix is still a packed stream (a view further into the buffer); a list with a gap is not
+    suffix = Layout.of(checksum.describe(_named(3)[1:]))
+    assert torch.equal(packed_in_place(placed[1:], suffix), pack(placed[1:], suffix))
+    gap = [placed[0], placed[2]]
+    assert packed_in_place(gap, Layout.of(checksum.describe([("a", gap[0]), ("b", gap[1])]))) is None
+
+
+def test_flattened_parameters_keep_identity_train_in_place_and_send_without_copy() -> None:
+    import torch
+
+    from trainer.flat_params import flatten_parameters
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11))
+    model[1].weight = model[0].weight  # tied, as many LMs' embedding and head
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    params_before = list(model.parameters())
+    buffer = flatten_parameters(model)
+    assert buffer is not None
+    assert list(model.parameters()) == params_before and model[1].weight is model[0].weight
+    assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    opt.step()
+    params = [p for _, p in model.named_parameters()]
+    assert not torch.equal(params[0], reference["0.weight"])  # trained, and still inside the buffer
+    stream = packed_in_place(
+        [p.detach() for p in params], Layout.of(checksum.describe(model.named_parameters()))
+    )
+    assert stream is not None and stream.data_ptr() == buffer.data_ptr()
