@@ -27,6 +27,13 @@ ZERO_VARIANCE_DROPPED = Counter(
     "parity_rollout_zero_variance_dropped_groups",
     "Groups not published because every sample had the same reward (--skip_zero_variance).",
 )
+REWARDS_FAILED = Counter(
+    "parity_rollout_rewards_failed",
+    "Groups dropped because their reward raised, timed out or was not finite, by reason.",
+    ["reason"],
+)
+for _reason in ("error", "timeout", "non_finite"):  # every series exists (at 0) from the start
+    REWARDS_FAILED.labels(reason=_reason)
 UPDATES = Counter("parity_rollout_weight_updates", "Weight updates by outcome.", ["outcome"])
 ACTOR_RESTARTS = Counter("parity_rollout_actor_restarts", "Times the actor loop crashed and was restarted.")
 INFLIGHT_REQUESTS = Gauge("parity_rollout_inflight_requests", "Generate RPCs admitted and not yet finished.")

@@ -11,6 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("parity.v1.RolloutService", "parity.v1.TrainerService", "parity.v1.WeightBroadcastService")
+# Services that users implement (no GetStatus: Parity is their client); buf style holds for them too.
+USER_SERVICES = ("parity.v1.RewardService",)
 
 
 def test_regenerated_stubs_equal_committed(tmp_path: Path) -> None:
@@ -33,7 +35,7 @@ def test_regenerated_stubs_equal_committed(tmp_path: Path) -> None:
 def _pool():
     from google.protobuf import descriptor_pool
 
-    from parity.v1 import broadcast_pb2, rollout_pb2, rollouts_pb2, trainer_pb2  # noqa: F401
+    from parity.v1 import broadcast_pb2, reward_pb2, rollout_pb2, rollouts_pb2, trainer_pb2  # noqa: F401
 
     return descriptor_pool.Default()
 
@@ -63,7 +65,7 @@ def test_generate_has_the_fixed_minimum_fields() -> None:
 def test_buf_style_unique_request_response_and_unspecified_zero() -> None:
     pool = _pool()
     seen: set[str] = set()
-    for service in SERVICES:
+    for service in SERVICES + USER_SERVICES:
         for method in pool.FindServiceByName(service).methods:
             for message in (method.input_type, method.output_type):
                 assert message.full_name not in seen, f"{message.full_name} is shared by two RPCs"
@@ -71,8 +73,8 @@ def test_buf_style_unique_request_response_and_unspecified_zero() -> None:
             short = service.split(".")[-1]
             assert method.input_type.name in {f"{method.name}Request", f"{short}{method.name}Request"}
             assert method.output_type.name in {f"{method.name}Response", f"{short}{method.name}Response"}
-    from parity.v1 import broadcast_pb2, common_pb2, rollout_pb2
+    from parity.v1 import broadcast_pb2, common_pb2, reward_pb2, rollout_pb2
 
-    for module in (common_pb2, rollout_pb2, broadcast_pb2):
+    for module in (common_pb2, rollout_pb2, broadcast_pb2, reward_pb2):
         for enum in module.DESCRIPTOR.enum_types_by_name.values():
             assert enum.values[0].number == 0 and enum.values[0].name.endswith("_UNSPECIFIED"), enum.name

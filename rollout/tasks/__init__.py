@@ -3,16 +3,29 @@
 A task is pluggable: anything with `name`, `train_prompts()`, `eval_prompts(n)` and `reward()`.
 Invariants every task keeps:
   - `train_prompts()` is endless and deterministic given the seed;
-  - `eval_prompts(n)` is held out: no eval prompt text ever appears in the training stream;
+  - `eval_prompts(n)` is held out: no eval prompt (by id or by text) ever appears in training;
   - `reward()` is verifiable (computed from the text alone) and lies in [0, 1].
-Prompt text is the user's turn; the rollout service applies the model's chat template.
+A finite task (a data set) also has `train_set()`, the training prompts in a fixed order; the
+actor's `rollout.tasks.stream.PromptStream` then walks it in epochs, partitioned across the fleet.
+
+Sources, chosen by `task.name` (the `--task` flag; docs/tasks.md):
+  arithmetic | arithmetic_final      built in (rollout/tasks/arithmetic.py)
+  jsonl:PATH                         rollout/tasks/jsonl.py
+  hf:PATH[:split]                    rollout/tasks/hf.py (a dataset on disk, via `datasets`)
+  reasoning_gym:NAME[,NAME...]       rollout/tasks/reasoning_gym_task.py
+  package.module:factory             rollout/tasks/loading.py (any object implementing Task)
+Prompt text is the user's turn; the rollout service applies the model's chat template unless
+`task.chat_template` is off (rollout/tasks/chat.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from parity.config.task import TaskConfig
 
 
 @dataclass(frozen=True)
@@ -20,6 +33,10 @@ class Prompt:
     prompt_id: str
     text: str
     answer: str
+    # Chat turns (role, content) when the record came as `messages`; `text` then renders them.
+    messages: tuple[tuple[str, str], ...] = ()
+    # The record's own fields (reasoning-gym entries, user metadata), handed to rewards.
+    metadata: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
 class Task(Protocol):
@@ -35,6 +52,20 @@ class Task(Protocol):
         """Verifiable reward in [0, 1]."""
 
 
+@runtime_checkable
+class FiniteTask(Protocol):
+    """A task backed by a data set: the stream walks `train_set()` in epochs (rollout/tasks/stream.py)."""
+
+    name: str
+
+    def train_set(self) -> Sequence[Prompt]:
+        """Every training prompt once, in a fixed order (the stream shuffles per epoch)."""
+
+
+class TaskError(ValueError):
+    """A task source is unusable; the message names the config key, the file and the line or field."""
+
+
 def _arithmetic(seed: int) -> Task:
     from rollout.tasks.arithmetic import ArithmeticTask
 
@@ -48,10 +79,37 @@ def _arithmetic_final(seed: int) -> Task:
 
 
 TASKS: dict[str, Callable[[int], Task]] = {"arithmetic": _arithmetic, "arithmetic_final": _arithmetic_final}
+SOURCE_PREFIXES = ("jsonl:", "hf:", "reasoning_gym:")
 
 
-def get_task(name: str, seed: int = 0) -> Task:
-    """A built-in task by name; an unknown name raises ValueError naming the field `task`."""
-    if name not in TASKS:
-        raise ValueError(f"task: unknown task {name!r}; choose one of {', '.join(sorted(TASKS))}")
-    return TASKS[name](seed)
+def get_task(name: str, seed: int = 0, config: TaskConfig | None = None) -> Task:
+    """The task that `task.name` names (see the module docstring); errors name the field `task.name`.
+
+    `config` carries the source options (held-out set, field names, data set size); its defaults
+    apply when it is None. Data sets are read and validated here, so a bad file fails at start-up.
+    """
+    from parity.config.task import TaskConfig
+
+    config = config or TaskConfig()
+    if name in TASKS:
+        return TASKS[name](seed)
+    if name.startswith("jsonl:"):
+        from rollout.tasks.jsonl import jsonl_task
+
+        return jsonl_task(name.removeprefix("jsonl:"), config)
+    if name.startswith("hf:"):
+        from rollout.tasks.hf import hf_task
+
+        return hf_task(name.removeprefix("hf:"), config)
+    if name.startswith("reasoning_gym:"):
+        from rollout.tasks.reasoning_gym_task import reasoning_gym_task
+
+        return reasoning_gym_task(name.removeprefix("reasoning_gym:"), seed, config)
+    if ":" in name:
+        from rollout.tasks.loading import module_task
+
+        return module_task(name, seed)
+    raise TaskError(
+        f"task: unknown task {name!r}; choose one of {', '.join(sorted(TASKS))}, or a source "
+        "jsonl:PATH, hf:PATH[:split], reasoning_gym:NAME[,NAME], package.module:factory"
+    )

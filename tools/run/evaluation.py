@@ -1,9 +1,17 @@
-"""Held-out evaluation over gRPC: greedy answers from a rollout service, scored by the task's reward.
+"""Held-out evaluation over gRPC: greedy answers from a rollout service, scored by the run's reward.
 
 Invariants:
 - Prompts come from `task.eval_prompts(n)`, which the task keeps disjoint from its training stream.
+- Prompts are rendered as training renders them (rollout/tasks/chat.py): plain prompts go as
+  prompt_text with `use_chat_template`; chats and system prompts go as token ids from the model's
+  own tokenizer (loaded here only then).
 - Decoding is greedy (temperature 0, n=1), so two evaluations of the same weights agree exactly and
-  before/after differences are the weights', not the sampler's.
+  before/after differences are the weights', not the sampler's. With `pass_k`, k more answers per
+  prompt are sampled (the training temperature, seeded by prompt index) and pass@k is the share of
+  prompts with at least one correct answer among the k (the unbiased estimator with n = k).
+- Rewards are the run's scorer (task.reward), the same as in training. A prompt whose reward failed
+  is left out of every mean and counted in `rewards_failed`; it is never scored 0. A mean over no
+  scored prompt is None (nothing measured).
 - A prompt counts as correct when its reward is >= `CORRECT_REWARD` (the task's reward is in [0, 1];
   a partial-credit reward, if a task has one, shows in `reward_mean`, not in accuracy).
 - Every completion's token weight versions are recorded, so an evaluation can prove which weights
@@ -29,8 +37,10 @@ class EvalItem:
     prompt: str
     answer: str
     completion: str
-    reward: float
+    reward: float | None  # None: the reward failed (reward_error says why)
     weight_versions: list[int]
+    reward_error: str = ""
+    sample_rewards: list[float] | None = None  # the pass@k samples' rewards (None: not sampled/failed)
 
 
 @dataclass
@@ -38,13 +48,17 @@ class EvalResult:
     """One evaluation of the served weights on the held-out prompts."""
 
     label: str
-    accuracy: float
-    reward_mean: float
+    accuracy: float | None
+    reward_mean: float | None
     num_prompts: int
     weight_versions: list[int]
     seconds: float
     max_tokens: int
     items: list[EvalItem] = field(default_factory=list)
+    rewards_failed: int = 0
+    pass_k: int = 0
+    pass_at_k: float | None = None
+    sample_reward_mean: float | None = None
 
     def as_dict(self, with_items: bool = True) -> dict:
         out = asdict(self)
@@ -53,28 +67,60 @@ class EvalResult:
         return out
 
 
-def _generate_one(
+def _generate(
     stub: rollout_pb2_grpc.RolloutServiceStub,
-    prompt_text: str,
-    max_tokens: int,
-    use_chat_template: bool,
+    request: rollout_pb2.GenerateRequest,
     timeout_s: float,
-) -> rollout_pb2.Completion:
-    request = rollout_pb2.GenerateRequest(
-        request_id="",
-        prompt_text=prompt_text,
-        sampling=common_pb2.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_tokens=max_tokens, n=1),
-        use_chat_template=use_chat_template,
-    )
+) -> list[rollout_pb2.Completion]:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return stub.Generate(request, timeout=max(1.0, deadline - time.monotonic())).completions[0]
+            return list(stub.Generate(request, timeout=max(1.0, deadline - time.monotonic())).completions)
         except grpc.RpcError as exc:
             # UNAVAILABLE while a worker catches up on weights; retry until the deadline.
             if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How prompts are rendered (task.chat_template, task.system_prompt) and where the tokenizer is."""
+
+    chat_template: bool = True
+    system_prompt: str = ""
+    tokenizer_dir: str = ""
+
+
+def _requests(prompts: list, fmt: PromptFormat, sampling: common_pb2.SamplingParams) -> list:
+    from rollout.tasks.chat import needs_tokenizer, request_text, token_ids
+
+    tokenizer = None
+    requests = []
+    for index, prompt in enumerate(prompts):
+        params = common_pb2.SamplingParams()
+        params.CopyFrom(sampling)
+        if params.seed:
+            params.seed = params.seed + index
+        if needs_tokenizer(prompt, fmt.chat_template, fmt.system_prompt):
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(fmt.tokenizer_dir)
+            ids = token_ids(tokenizer, prompt, fmt.chat_template, fmt.system_prompt)
+            requests.append(rollout_pb2.GenerateRequest(prompt_token_ids=ids, sampling=params))
+        else:
+            text = request_text(prompt, fmt.chat_template, fmt.system_prompt)
+            requests.append(
+                rollout_pb2.GenerateRequest(
+                    prompt_text=text, sampling=params, use_chat_template=fmt.chat_template
+                )
+            )
+    return requests
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def evaluate(
@@ -86,39 +132,77 @@ def evaluate(
     label: str,
     concurrency: int = 32,
     timeout_s: float = 600.0,
+    *,
+    scorer: object = None,
+    system_prompt: str = "",
+    tokenizer_dir: str = "",
+    pass_k: int = 0,
+    sampling: common_pb2.SamplingParams | None = None,
 ) -> EvalResult:
-    """Score `num_prompts` held-out prompts greedily on the rollout service at `address`."""
+    """Score `num_prompts` held-out prompts greedily (and pass@k) on the rollout service at `address`.
+
+    `scorer` is the run's rollout.rewards Scorer (default: the task's own reward); `sampling` gives
+    the temperature/top-p/top-k/seed of the pass@k samples.
+    """
+    if scorer is None:
+        from parity.config.task import TaskConfig
+        from rollout.rewards import build_scorer
+
+        scorer = build_scorer(task, TaskConfig())  # type: ignore[arg-type]
     prompts = task.eval_prompts(num_prompts)  # type: ignore[attr-defined]
+    fmt = PromptFormat(use_chat_template, system_prompt, tokenizer_dir)
     started = time.monotonic()
+    greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_tokens=max_tokens, n=1)
+    requests = _requests(prompts, fmt, greedy)
+    if pass_k:
+        sampled = common_pb2.SamplingParams(max_tokens=max_tokens, n=pass_k)
+        if sampling is not None:
+            sampled.temperature, sampled.top_p, sampled.top_k = (
+                sampling.temperature,
+                sampling.top_p,
+                sampling.top_k,
+            )
+            sampled.seed = sampling.seed
+        requests += _requests(prompts, fmt, sampled)
     with grpc.insecure_channel(address) as chan:
         stub = rollout_pb2_grpc.RolloutServiceStub(chan)
-        with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(prompts)))) as pool:
-            completions = list(
-                pool.map(
-                    lambda p: _generate_one(stub, p.text, max_tokens, use_chat_template, timeout_s), prompts
-                )
-            )
+        with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(requests)))) as pool:
+            replies = list(pool.map(lambda r: _generate(stub, r, timeout_s), requests))
+    answers, samples = replies[: len(prompts)], replies[len(prompts) :]
+    batches = [(p, [a[0].text]) for p, a in zip(prompts, answers, strict=True)]
+    batches += [(p, [c.text for c in s]) for p, s in zip(prompts, samples, strict=True)]
+    scores = scorer.score_all_sync(batches)  # type: ignore[attr-defined]
     items = []
-    for prompt, completion in zip(prompts, completions, strict=True):
-        reward = float(task.reward(prompt, completion.text))  # type: ignore[attr-defined]
+    for index, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+        score = scores[index]
+        failed = not isinstance(score, list)
+        sample_score = scores[len(prompts) + index] if pass_k else None
         items.append(
             EvalItem(
                 prompt_id=prompt.prompt_id,
                 prompt=prompt.text,
                 answer=prompt.answer,
-                completion=completion.text,
-                reward=reward,
-                weight_versions=sorted(set(completion.token_weight_versions)),
+                completion=answer[0].text,
+                reward=None if failed else score[0],
+                weight_versions=sorted({v for c in answer for v in c.token_weight_versions}),
+                reward_error=str(score) if failed else "",
+                sample_rewards=sample_score if isinstance(sample_score, list) else None,
             )
         )
-    n = max(1, len(items))
+    scored = [item.reward for item in items if item.reward is not None]
+    sampled_items = [item.sample_rewards for item in items if item.sample_rewards is not None]
+    failed = sum(not isinstance(s, list) for s in scores)
     return EvalResult(
         label=label,
-        accuracy=sum(item.reward >= CORRECT_REWARD for item in items) / n,
-        reward_mean=sum(item.reward for item in items) / n,
+        accuracy=_mean([float(r >= CORRECT_REWARD) for r in scored]),
+        reward_mean=_mean(scored),
         num_prompts=len(items),
         weight_versions=sorted({v for item in items for v in item.weight_versions}),
         seconds=time.monotonic() - started,
         max_tokens=max_tokens,
         items=items,
+        rewards_failed=failed,
+        pass_k=pass_k,
+        pass_at_k=_mean([float(max(r) >= CORRECT_REWARD) for r in sampled_items]) if pass_k else None,
+        sample_reward_mean=_mean([v for r in sampled_items for v in r]) if pass_k else None,
     )
