@@ -47,7 +47,14 @@ CURVES: dict[str, tuple[str, list[tuple[str, str]], str, bool]] = {
     "ess": ("Effective sample size (normalised)", [("ess", "ESS")], "ESS", False),
     "lag": ("Rollout staleness", [("lag_mean", "mean lag"), ("lag_max", "max lag")], "versions", False),
 }
-PLOT_NAMES = ["reward", "accuracy", *[n for n in CURVES if n != "reward"]]
+PLOT_NAMES = ["reward", "accuracy", "eval_reward", *[n for n in CURVES if n != "reward"]]
+# eval.json keys drawn on eval_reward.png: held-out mean reward (greedy) and, with task.eval_pass_k,
+# pass@k and the samples' mean reward. A value that was not measured (None) gives no point.
+EVAL_CURVES = [
+    ("reward_mean", "mean reward (greedy)"),
+    ("pass_at_k", "pass@k"),
+    ("sample_reward_mean", "mean reward (k samples)"),
+]
 
 
 def _finite(value: object) -> float | None:
@@ -80,7 +87,11 @@ def plot_run(run_dir: Path, rows: list[dict], evals: list[dict]) -> list[Path]:
     for name in PLOT_NAMES:
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
         if name == "accuracy":
-            points = sorted((float(e["step"]), float(e["accuracy"])) for e in evals if "accuracy" in e)
+            points = sorted(
+                (float(e["step"]), float(e["accuracy"]))
+                for e in evals
+                if _finite(e.get("accuracy")) is not None
+            )
             if points:
                 ax.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", label="greedy")
                 for x, y in points:
@@ -89,6 +100,23 @@ def plot_run(run_dir: Path, rows: list[dict], evals: list[dict]) -> list[Path]:
             ax.set_ylabel("accuracy (%)")
             ax.set_ylim(0, 100)
             drew = bool(points)
+        elif name == "eval_reward":
+            drew = False
+            for key, label in EVAL_CURVES:
+                points = sorted(
+                    (float(e["step"]), float(e[key])) for e in evals if _finite(e.get(key)) is not None
+                )
+                if points:
+                    k = next((e.get("pass_k") for e in evals if e.get("pass_k")), "k")
+                    ax.plot(
+                        [x for x, _ in points],
+                        [y for _, y in points],
+                        marker="o",
+                        label=label.replace("@k", f"@{k}"),
+                    )
+                    drew = True
+            ax.set_title("Held-out reward and pass@k")
+            ax.set_ylabel("reward / fraction of prompts")
         else:
             title, keys, ylabel, log_when_positive = CURVES[name]
             drew = False
@@ -147,7 +175,8 @@ def write_results(
     """eval.json, the plots, run_summary.json (for scripts) and summary.md (for people)."""
     by_label = {e["label"]: e for e in evals}
     before, after = by_label.get("before"), by_label.get("after")
-    delta = after["accuracy"] - before["accuracy"] if before and after else None
+    measured = before and after and before["accuracy"] is not None and after["accuracy"] is not None
+    delta = after["accuracy"] - before["accuracy"] if measured else None
     _write_json(
         run_dir / "eval.json", {"before": before, "after": after, "accuracy_delta": delta, "evals": evals}
     )
@@ -172,6 +201,12 @@ def write_results(
         lines.append(
             f"- held-out accuracy (greedy, {before['num_prompts']} prompts): "
             f"{100 * before['accuracy']:.1f}% -> {100 * after['accuracy']:.1f}% ({100 * delta:+.1f} points)"
+        )
+    for e in evals:
+        extra = f", pass@{e['pass_k']} {_cell(e.get('pass_at_k'))}" if e.get("pass_k") else ""
+        lines.append(
+            f"- held-out eval `{e['label']}` at step {e['step']}: accuracy {_cell(e.get('accuracy'))}, "
+            f"mean reward {_cell(e.get('reward_mean'))}{extra}, rewards failed {e.get('rewards_failed', 0)}"
         )
     lines += ["", "## Final step", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {_cell(final.get(k))} |" for k in SUMMARY_KEYS]
