@@ -295,3 +295,12 @@ def test_task_flags_resolve_into_the_task_section() -> None:
         4,
     )
     assert load([], home="run", environ={}).config.task.name == "arithmetic_final"  # the default stays
+
+
+def test_example_reasoning_gym_config_passes_start_up_validation() -> None:
+    from tools.run.launcher import validate_inputs
+
+    flags = ["--config", str(ROOT / "examples" / "reasoning_gym.toml"), "--model", "tiny"]
+    task = validate_inputs(load(flags, home="run", environ={}).config)
+    assert task.name == "reasoning_gym:basic_arithmetic,leg_counting"
+    assert len(task.eval_prompts(50)) == 50
