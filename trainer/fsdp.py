@@ -8,15 +8,20 @@ Invariants:
   get the precision policy (bf16 params, fp32 gradient reduction in bf16 mode).
 - Each rank's loss is already divided by the *global* token (or sequence) count, so gradients are
   summed across ranks (divide factor 1), not averaged: N ranks then give the 1-rank gradient.
-- Parameters are DTensors after sharding; `full_parameters` all-gathers them (collective).
+- Parameters are DTensors after sharding; `full_parameters` all-gathers them (collective). On rank 0
+  of a multi-rank service every such gather is announced to the other ranks first (`announce_gather`,
+  trainer/multirank.py), so that they join the all-gathers in the same order.
+- Every rank runs the same number of micro-batches of each kind (`align_micro_batches`); a rank
+  with fewer runs `idle_micro_batch`es, so the all-gathers and reduce-scatters always pair up.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainer.precision import mixed_precision_policy
 
@@ -24,6 +29,8 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+_gather_hook: Callable[[], None] | None = None
 
 
 def world() -> tuple[int, int]:
@@ -92,3 +99,47 @@ def all_reduce_sum(value: float, device: torch.device) -> float:
 def shard_of(items: list, rank: int, world_size: int) -> list:
     """This rank's share of a batch: every world_size-th item from `rank` (balanced lengths)."""
     return items[rank::world_size]
+
+
+def set_gather_hook(hook: Callable[[], None] | None) -> None:
+    """What `announce_gather` runs (rank 0 of a multi-rank service: the GATHER command)."""
+    global _gather_hook
+    _gather_hook = hook
+
+
+def announce_gather() -> None:
+    """Called before every all-gather of the full weights (policy.weight_buckets)."""
+    if _gather_hook is not None:
+        _gather_hook()
+
+
+def align_micro_batches(chunks: list[list[Any]], device: torch.device) -> list[list[Any]]:
+    """`chunks` padded with empty micro-batches to the most any rank has (a collective when
+    distributed; `chunks` itself otherwise). An empty micro-batch is run as `idle_micro_batch`."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return chunks
+    count = torch.tensor([len(chunks)], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return chunks + [[] for _ in range(int(count.item()) - len(chunks))]
+
+
+def idle_micro_batch(scorer, ref_model, train: bool) -> None:
+    """The collectives of a micro-batch with no data: a one-token forward of `scorer` (and of
+    `ref_model` when there is one) and, with `train`, the backward of loss x 0 (zero gradients,
+    summed into the other ranks' by the reduce-scatter)."""
+    import torch
+
+    from parity.sampling import SamplingTransform
+    from trainer.policy import SequenceInput, token_logprobs
+
+    dummy = [SequenceInput((0,), (0,), SamplingTransform())]
+    with torch.set_grad_enabled(train):
+        logprobs_T, _ = token_logprobs(scorer, dummy, with_entropy=False)
+    if ref_model is not None:
+        with torch.no_grad():
+            token_logprobs(ref_model, dummy, with_entropy=False)
+    if train:
+        (logprobs_T.sum() * 0.0).backward()

@@ -7,7 +7,9 @@ Invariants:
   transform (temperature, then top-k/top-p mask, renormalised) — the distribution vLLM sampled from
   with `logprobs_mode=processed_logprobs` — so they are directly comparable with rollout logprobs.
 - Entropy is of that same processed distribution, computed without gradient.
-- Sequences are right-padded; position ids are 0..L-1 per row, as in generation.
+- Padded mode: sequences are right-padded; position ids are 0..L-1 per row, as in generation.
+  Packed mode (model loaded with `packing=True`, trainer/packing.py): one row of back-to-back
+  sequences, position ids restarting at 0 for each, attention confined to each sequence; no pad.
 - The batch is built on the host and crosses to the model's device once per micro-batch (pinned on
   CUDA); every tensor returned lives on that device.
 - The forward runs through `CompletionScorer`, one module holding the HF model: it is what FSDP2
@@ -42,13 +44,17 @@ class SequenceInput:
     transform: SamplingTransform
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", device: Any = "cpu"):
-    """AutoModelForCausalLM from a local directory (no hub), on `device`, in train mode without dropout."""
+def load_model(model_dir: str | Path, dtype: str = "float32", device: Any = "cpu", packing: bool = False):
+    """AutoModelForCausalLM from a local directory (no hub), on `device`, in train mode without dropout.
+    `packing`: attention over packed sequences (trainer/packing.py) instead of padded SDPA."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from trainer import packing as packed
+
+    attention = packed.register() if packing else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=getattr(torch, dtype), attn_implementation="sdpa"
+        str(model_dir), dtype=getattr(torch, dtype), attn_implementation=attention
     )
     model.config.use_cache = False
     model.to(device)
@@ -74,13 +80,19 @@ def _scorer_base():
             self.precision = precision
             self.sharded = sharded
 
-        def forward(self, input_ids_BL, mask_BL, rows_T, cols_T):
+        def forward(self, input_ids_BL, mask_BL, rows_T, cols_T, position_ids_BL=None, cu_seq_lens=None):
+            """Padded: `mask_BL`. Packed: no mask, `position_ids_BL` and `cu_seq_lens` (host)."""
             import torch.nn.functional as F
 
             device = input_ids_BL.device
             decoder = getattr(self.lm, self.lm.base_model_prefix)
+            packed = (
+                {} if cu_seq_lens is None else {"position_ids": position_ids_BL, "cu_seq_lens": cu_seq_lens}
+            )
             with numerics.decoder_autocast(self.precision, device, self.sharded):
-                hidden_BLH = decoder(input_ids=input_ids_BL, attention_mask=mask_BL).last_hidden_state
+                hidden_BLH = decoder(
+                    input_ids=input_ids_BL, attention_mask=mask_BL, **packed
+                ).last_hidden_state
             hidden_TH = hidden_BLH[rows_T, cols_T]
             with numerics.fp32_region(device):
                 weight_VH, bias_V = head_weight(self.lm)
@@ -134,12 +146,17 @@ def padded_tokens(sequences: Sequence[SequenceInput]) -> int:
 
 
 def token_budget_batches(
-    sequences: Sequence[Any], key, max_sequences: int, max_tokens: int = 0
+    sequences: Sequence[Any], key, max_sequences: int, max_tokens: int = 0, packed: bool = False
 ) -> list[list[Any]]:
     """Split into micro-batches of at most `max_sequences` sequences and, when `max_tokens` > 0, at
-    most `max_tokens` padded tokens (a longer single sequence goes alone). Sequences are grouped by
-    length (stable sort) so that each micro-batch pads little; `key(item)` gives an item's
-    SequenceInput."""
+    most `max_tokens` tokens through the model (a longer single sequence goes alone); `key(item)`
+    gives an item's SequenceInput. Padded (`packed=False`): the budget counts B x L padded tokens,
+    and sequences are grouped by length (stable sort) so that each micro-batch pads little.
+    Packed: the budget counts real tokens (trainer/packing.pack_micro_batches)."""
+    if packed:
+        from trainer.packing import pack_micro_batches
+
+        return pack_micro_batches(sequences, key, max_sequences, max_tokens)
     if max_tokens <= 0:
         return [list(sequences[i : i + max_sequences]) for i in range(0, len(sequences), max_sequences)]
     length = lambda item: len(key(item).prompt_ids) + len(key(item).completion_ids) - 1  # noqa: E731
@@ -169,10 +186,20 @@ def token_logprobs(
     gradient.
     """
 
+    from trainer import packing
+
     scorer = scorer_for(model)
     device = next(scorer.parameters()).device
-    input_ids_BL, mask_BL, rows_T, cols_T, targets_T = (to_device(t, device) for t in pad_batch(sequences))
-    logits_TV = scorer(input_ids_BL, mask_BL, rows_T, cols_T)
+    if packing.is_packed(scorer.lm):
+        ids_1N, positions_1N, bounds, rows_T, cols_T, targets_T = packing.to_tensors(
+            packing.pack_batch(sequences), device
+        )
+        logits_TV = scorer(ids_1N, None, rows_T, cols_T, positions_1N, bounds)
+    else:
+        input_ids_BL, mask_BL, rows_T, cols_T, targets_T = (
+            to_device(t, device) for t in pad_batch(sequences)
+        )
+        logits_TV = scorer(input_ids_BL, mask_BL, rows_T, cols_T)
     with numerics.fp32_region(device):
         return _transformed_logprobs(logits_TV, targets_T, sequences, with_entropy)
 
@@ -212,9 +239,13 @@ def weight_buckets(model, bucket_bytes: int):
     """Yield lists of (name, dtype, shape, tensor on the model's device) of about `bucket_bytes`
     each, in named_parameters order, for a publisher to send without copying to the host. Sharded
     (DTensor) parameters are all-gathered on the device (a collective: every rank must iterate)."""
+    from trainer import fsdp
+
     bucket: list[tuple[str, Any, tuple[int, ...], Any]] = []
     size = 0
     lm = model.lm if hasattr(model, "lm") and hasattr(model, "precision") else model
+    if any(hasattr(p, "full_tensor") for p in lm.parameters()):
+        fsdp.announce_gather()  # rank 0 of a multi-rank service: the other ranks gather with us
     for name, param in lm.named_parameters():
         tensor = param.detach()
         if hasattr(tensor, "full_tensor"):

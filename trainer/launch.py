@@ -1,0 +1,94 @@
+"""`parity serve trainer` with `trainer.nproc` > 1: the service re-launches itself under torchrun.
+
+    parity serve trainer --nproc 2 ...            (this process)
+      -> exec python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 0
+               -m parity.cli serve trainer         (the elastic agent replaces this process)
+           -> rank 0: the service (gRPC, Redis, publisher); ranks 1..: followers (trainer/multirank.py)
+
+Invariants:
+- The ranks get the config the way every child of a launcher does: the effective config written
+  to `RUN_DIR/torchrun/config.toml` (PARITY_CONFIG) plus the environment; no config value and no
+  secret is put on the command line. Secrets (auth tokens, a Redis password inside the URL) are
+  left out of the file by the writer and travel in the ranks' environment only.
+- exec, not a child: the agent keeps this pid, so a supervisor's signals and process-group kill
+  reach it, it forwards SIGTERM/SIGINT to the ranks, and its exit status is the service's.
+- `--max-restarts 0`: a rank that dies ends the service (the agent stops the others and exits
+  non-zero with a report naming the rank); restarting is the supervisor's decision, and a restart
+  resumes from the last checkpoint.
+- Already under torchrun (WORLD_SIZE set, e.g. launched by Kubernetes with static rendezvous across
+  hosts), nothing is re-launched: the rank count is torchrun's and `nproc` is not used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from parity.config import ParityConfig
+
+log = logging.getLogger(__name__)
+
+
+def under_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def torchrun_command(nproc: int) -> list[str]:
+    """The agent's argv: no config value, no secret (those are in PARITY_CONFIG and the environment)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "--monitor-interval=0.5",
+        "-m",
+        "parity.cli",
+        "serve",
+        "trainer",
+    ]
+
+
+def secret_environment(config: ParityConfig) -> dict[str, str]:
+    """The values the config file leaves out: every set secret field and the Redis URL (it may hold
+    a password), as PARITY_<SECTION>_<FIELD> entries."""
+    from parity.config import env_for
+    from parity.config.base import is_secret
+
+    env = env_for("run", redis_url=config.run.redis_url)
+    for section, model in config:
+        for name in type(model).model_fields:
+            value = getattr(model, name)
+            if is_secret(type(model), name) and value:
+                env.update(env_for(section, **{name: value}))
+    return env
+
+
+def child_environment(config: ParityConfig, config_path: Path) -> dict[str, str]:
+    """This process's environment with PARITY_CONFIG pointing at the written config and the secrets."""
+    from parity.config.loader import CONFIG_FILE_ENV
+
+    return {**os.environ, CONFIG_FILE_ENV: str(config_path), **secret_environment(config)}
+
+
+def relaunch(config: ParityConfig) -> int:
+    """Replace this process with torchrun running `nproc` trainer ranks (returns only on failure)."""
+    from parity.config.loader import write_config
+
+    nproc = config.trainer.nproc
+    config_path = write_config(config, Path(config.trainer.run_dir).resolve() / "torchrun" / "config.toml")
+    command = torchrun_command(nproc)
+    log.info("re-launching under torchrun: %d ranks (config %s)", nproc, config_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(command[0], command, child_environment(config, config_path))
+    return 1  # not reached

@@ -1,0 +1,166 @@
+"""The trainer service on several ranks: rank 0 leads, the other ranks follow its commands.
+
+Rank 0 is the whole service (gRPC, the Redis consumer, the publisher, telemetry, checkpoints'
+state.json). Ranks 1..N-1 only compute: they never touch Redis or gRPC. Everything rank 0 does
+that needs the other ranks starts with a command, one int64 tensor broadcast from rank 0:
+
+    rank 0                                     ranks 1..N-1 (`follow`)
+    setup: load model, shard, DCP load  <->    the same (collective)
+    loop:  collect a batch from Redis          wait for a command (heartbeats keep them waiting)
+           STEP(version, tokens, seqs)   ->    scatter_sequences: own share of the batch
+           local_update(share)          <->    local_update(share)   FSDP2: grads summed over ranks
+           gather_totals                <-     gather_totals         (metrics see the whole batch)
+           GATHER                        ->    all-gather full weights with rank 0 (publish)
+           CHECKPOINT(step)              ->    DCP save of their shards (collective)
+           STOP                          ->    leave the group, exit 0
+
+Invariants:
+- Commands and the collectives they start are issued by one thread of rank 0 (the training
+  loop), in the same order on every rank; a follower does exactly what the command says.
+- Every rank runs the same number of micro-batches of each kind (fsdp.align_micro_batches): a rank
+  with fewer runs idle ones (one token, loss x 0), so FSDP2's all-gathers and reduce-scatters
+  always pair up.
+- Every collective has the group's timeout (`trainer.dist_timeout_s`). While rank 0 waits for
+  rollouts it sends a heartbeat (NOOP) every HEARTBEAT_S (at most a quarter of that timeout), so a
+  quiet queue never times a follower out; a rank-0-only phase longer than the timeout (publishing,
+  a Redis outage) does, and torchrun then tears the group down.
+- A rank that dies ends the service: its peers' next collective fails (or times out) and torchrun's
+  elastic agent stops the others and exits non-zero naming the rank. Followers ignore SIGTERM and
+  SIGINT: rank 0 turns them into a graceful stop (finish the step, publish, checkpoint) and sends STOP.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import TYPE_CHECKING
+
+from trainer import fsdp, scatter
+from trainer.loop import ScoredSequence, StepTotals, Trainer
+
+if TYPE_CHECKING:
+    import torch
+
+    from parity.config import ParityConfig
+
+log = logging.getLogger(__name__)
+
+NOOP, STEP, GATHER, CHECKPOINT, STOP = range(5)
+OP_NAMES = ("NOOP", "STEP", "GATHER", "CHECKPOINT", "STOP")
+COMMAND_WIDTH = 4  # op + 3 int64 arguments
+HEARTBEAT_S = 10.0
+
+
+def _command_tensor(device: torch.device, op: int = NOOP, *args: int):
+    import torch
+
+    values = [op, *args] + [0] * (COMMAND_WIDTH - 1 - len(args))
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def send_command(device: torch.device, op: int, *args: int) -> None:
+    """Rank 0: announce the next collective operation to every rank."""
+    import torch.distributed as dist
+
+    dist.broadcast(_command_tensor(device, op, *args), src=0)
+
+
+def receive_command(device: torch.device) -> tuple[int, list[int]]:
+    """Ranks 1..N-1: the next command (op, args); raises when rank 0 is gone or silent too long."""
+    import torch.distributed as dist
+
+    tensor = _command_tensor(device)
+    dist.broadcast(tensor, src=0)
+    op, *args = tensor.tolist()
+    return op, args
+
+
+# ---- rank 0 -------------------------------------------------------------------------------------
+class RankZeroTrainer(Trainer):
+    """The service's trainer on rank 0 of several: scatters each batch, gathers its measurements,
+    and announces every collective (gather for publishing, checkpoint, stop) to the other ranks."""
+
+    def setup_model(self) -> None:
+        super().setup_model()
+        self._last_command = time.monotonic()
+        self.heartbeat_s = min(HEARTBEAT_S, self.config.dist_timeout_s / 4)
+        # Every full-weight gather (the publisher's weight_buckets) is announced first.
+        fsdp.set_gather_hook(lambda: self._command(GATHER))
+
+    def _command(self, op: int, *args: int) -> None:
+        send_command(self.device, op, *args)
+        self._last_command = time.monotonic()
+
+    def local_update(
+        self, sequences: list[ScoredSequence], global_counts: tuple[int, int] | None = None
+    ) -> tuple[StepTotals, float, bool]:
+        trainable = [s for s in sequences if s.trainable]
+        counts = global_counts or (sum(len(s.rollout_logprobs) for s in trainable), len(trainable))
+        shards = scatter.balance(
+            sequences, self.world_size, lambda s: len(s.inputs.prompt_ids) + len(s.inputs.completion_ids)
+        )
+        self._command(STEP, self.state.weight_version, *counts)
+        mine = scatter.scatter_sequences(shards, self.device)
+        totals, grad_norm, stepped = super().local_update(mine, counts)
+        merged = scatter.gather_totals(totals, self.device)
+        assert merged is not None
+        return merged, grad_norm, stepped
+
+    def checkpoint(self):
+        self._command(CHECKPOINT, self.state.step)
+        return super().checkpoint()
+
+    def _checkpoint_if_requested(self) -> None:
+        # Called before every read while waiting for rollouts: keep the followers' wait short.
+        if time.monotonic() - self._last_command >= self.heartbeat_s:
+            self._command(NOOP)
+        super()._checkpoint_if_requested()
+
+    def close(self) -> None:
+        # Only after a clean finish: after a failure a command could wait out the timeout, and
+        # torchrun stops the other ranks anyway once this one exits non-zero.
+        if self.finished:
+            self._command(STOP)
+        fsdp.set_gather_hook(None)
+        super().close()
+
+
+# ---- ranks 1..N-1 -------------------------------------------------------------------------------
+def follow(run_config: ParityConfig) -> int:
+    """A follower rank's whole life: set up like rank 0, then obey commands until STOP."""
+    from trainer.checkpoint import CheckpointStore, TrainerState
+    from trainer.policy import weight_buckets
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)  # rank 0 stops us (STOP), or torchrun does (SIGKILL)
+    trainer = Trainer(run_config)
+    trainer.setup_model()
+    store = CheckpointStore(trainer.run_dir, keep=trainer.config.keep_checkpoints)
+    store.load(trainer.model, trainer.optimizer, scheduler=trainer.scheduler)
+    log.info("rank %d/%d ready", trainer.rank, trainer.world_size)
+    steps = 0
+    while True:
+        op, args = receive_command(trainer.device)
+        if op == NOOP:
+            continue
+        if op == STEP:
+            trainer.state.weight_version = args[0]
+            share = scatter.scatter_sequences(None, trainer.device)
+            totals, _, _ = trainer.local_update(share, (args[1], args[2]))
+            scatter.gather_totals(totals, trainer.device)
+            steps += 1
+        elif op == GATHER:
+            for _bucket in weight_buckets(trainer.model, trainer.config.bucket_bytes):
+                pass
+        elif op == CHECKPOINT:
+            store.save(trainer.model, trainer.optimizer, TrainerState(step=args[0]), trainer.scheduler)
+        elif op == STOP:
+            break
+        else:
+            raise RuntimeError(f"rank {trainer.rank}: unknown command {op} from rank 0")
+    log.info("rank %d: stopped by rank 0 after %d steps", trainer.rank, steps)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0

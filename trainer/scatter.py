@@ -1,0 +1,216 @@
+"""Rank 0 -> ranks: a step's sequences; ranks -> rank 0: what their micro-batches measured.
+
+Everything crosses as tensors through torch.distributed collectives of the trainer's group (gloo
+on CPU, NCCL on CUDA; the group's timeout is `trainer.dist_timeout_s`). Nothing is pickled: no
+`broadcast_object_list` / `scatter_object_list`, whose payloads are pickles.
+
+Sequences (`scatter_sequences`), one flat int64 and one flat float64 tensor per rank:
+
+    ints   = [S, then per sequence: prompt_len, completion_len, trainable, group_index, top_k]
+             ‖ per sequence: prompt ids ‖ completion ids ‖ token versions ‖ token context versions
+    floats = per sequence: advantage, temperature, top_p ‖ per sequence: rollout logprobs
+
+  The sizes of every rank's pair are broadcast first ([world, 2] int64), then both tensors are
+  scattered, zero-padded to the largest; each rank cuts its own back to size. float64 carries the
+  float32 logprobs and the Python-float advantages exactly.
+
+Measurements (`gather_totals`): each rank flattens its StepTotals into one float64 tensor (the
+per-token fields in FIELDS order, then lags, clean flags, and the scalars loss, non-finite count
+and forward tokens) with an int64 vector of the pieces' lengths; the length vectors are
+all-gathered, the payloads gathered to rank 0 (zero-padded), and rank 0 rebuilds one StepTotals
+for the whole batch (host tensors, float32). Loss is the sum over the ranks that trained; NaN when
+none did.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from parity.sampling import SamplingTransform
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.loop import ScoredSequence, StepTotals
+
+# Per-token (per-sequence for GSPO's clip) tensor lists of StepTotals, in wire order.
+FIELDS = (
+    "trainer_logprobs",
+    "rollout_logprobs",
+    "entropy",
+    "clip",
+    "kl_new_old",
+    "is_weights",
+    "is_corrected",
+    "kl_ref",
+    "at_version_trainer_logprobs",
+    "at_version_rollout_logprobs",
+)
+_SCALARS = 4  # loss, non-finite trainable tokens, train forward tokens, eval forward tokens
+
+
+def encode_sequences(sequences: list[ScoredSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 [..], float64 [..]) host tensors of `sequences` (layout in the module docstring)."""
+    import torch
+
+    header: list[int] = [len(sequences)]
+    tokens: list[int] = []
+    scalars: list[float] = []
+    logprobs: list[float] = []
+    for seq in sequences:
+        inputs = seq.inputs
+        n = len(inputs.completion_ids)
+        if len(seq.rollout_logprobs) != n or len(seq.versions) != n or len(seq.contexts) != n:
+            raise ValueError("a sequence's logprobs, versions and contexts must match its completion")
+        transform = inputs.transform
+        header += [len(inputs.prompt_ids), n, int(seq.trainable), seq.group_index, transform.top_k]
+        tokens += [*inputs.prompt_ids, *inputs.completion_ids, *seq.versions, *seq.contexts]
+        scalars += [seq.advantage, transform.temperature, transform.top_p]
+        logprobs += seq.rollout_logprobs
+    ints = torch.tensor(header + tokens, dtype=torch.int64)
+    floats = torch.tensor(scalars + logprobs, dtype=torch.float64)
+    return ints, floats
+
+
+def decode_sequences(ints: torch.Tensor, floats: torch.Tensor) -> list[ScoredSequence]:
+    """The inverse of `encode_sequences` (host tensors)."""
+    from trainer.loop import ScoredSequence
+    from trainer.policy import SequenceInput
+
+    values, reals = ints.tolist(), floats.tolist()
+    count = values[0]
+    header = values[1 : 1 + 5 * count]
+    at, real_at, lp_at = 1 + 5 * count, 0, 3 * count
+    out: list[ScoredSequence] = []
+    for i in range(count):
+        prompt_len, n, trainable, group_index, top_k = header[5 * i : 5 * i + 5]
+        prompt = tuple(values[at : at + prompt_len])
+        at += prompt_len
+        completion = tuple(values[at : at + n])
+        versions = values[at + n : at + 2 * n]
+        contexts = values[at + 2 * n : at + 3 * n]
+        at += 3 * n
+        advantage, temperature, top_p = reals[real_at : real_at + 3]
+        real_at += 3
+        transform = SamplingTransform(temperature, top_k, top_p)
+        out.append(
+            ScoredSequence(
+                inputs=SequenceInput(prompt, completion, transform),
+                rollout_logprobs=reals[lp_at : lp_at + n],
+                versions=versions,
+                advantage=advantage,
+                trainable=bool(trainable),
+                contexts=contexts,
+                group_index=group_index,
+            )
+        )
+        lp_at += n
+    return out
+
+
+def balance(sequences: list, world_size: int, length) -> list[list]:
+    """`sequences` dealt to `world_size` ranks, longest first to the least-loaded rank (by
+    `length(item)` tokens); each rank's list keeps the batch order."""
+    loads = [0] * world_size
+    owner: dict[int, int] = {}
+    for index in sorted(range(len(sequences)), key=lambda i: -length(sequences[i])):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owner[index] = rank
+        loads[rank] += length(sequences[index])
+    return [[s for i, s in enumerate(sequences) if owner[i] == rank] for rank in range(world_size)]
+
+
+def scatter_sequences(
+    shards: list[list[ScoredSequence]] | None, device: torch.device
+) -> list[ScoredSequence]:
+    """Collective. Rank 0 passes every rank's shard; the others pass None. Returns this rank's."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    sizes = torch.zeros(world_size, 2, dtype=torch.int64)
+    encoded: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if rank == 0:
+        assert shards is not None and len(shards) == world_size
+        encoded = [encode_sequences(shard) for shard in shards]
+        sizes = torch.tensor([[i.numel(), f.numel()] for i, f in encoded], dtype=torch.int64)
+    sizes = sizes.to(device)
+    dist.broadcast(sizes, src=0)
+    sizes = sizes.cpu()
+    longest_i, longest_f = int(sizes[:, 0].max()), int(sizes[:, 1].max())
+    ints = torch.zeros(longest_i, dtype=torch.int64, device=device)
+    floats = torch.zeros(longest_f, dtype=torch.float64, device=device)
+    if rank == 0:
+        pad = lambda t, n: torch.cat([t, t.new_zeros(n - t.numel())]).to(device)  # noqa: E731
+        dist.scatter(ints, [pad(i, longest_i) for i, _ in encoded], src=0)
+        dist.scatter(floats, [pad(f, longest_f) for _, f in encoded], src=0)
+    else:
+        dist.scatter(ints, None, src=0)
+        dist.scatter(floats, None, src=0)
+    mine = sizes[rank]
+    return decode_sequences(ints[: int(mine[0])].cpu(), floats[: int(mine[1])].cpu())
+
+
+def encode_totals(totals: StepTotals) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 payload, int64 lengths [len(FIELDS) + 2]) of one rank's StepTotals (host)."""
+    import torch
+
+    pieces = []
+    for name in FIELDS:
+        chunks = getattr(totals, name)
+        pieces.append(
+            torch.cat([c.detach().reshape(-1).double().cpu() for c in chunks]) if chunks else torch.zeros(0)
+        )
+    pieces.append(torch.tensor(totals.lags, dtype=torch.float64))
+    pieces.append(torch.tensor([float(c) for c in totals.clean], dtype=torch.float64))
+    nonfinite = float(sum(int(c) for c in totals.nonfinite_counts))
+    scalars = [totals.loss, nonfinite, float(totals.train_forward_tokens), float(totals.eval_forward_tokens)]
+    lengths = torch.tensor([p.numel() for p in pieces], dtype=torch.int64)
+    payload = torch.cat([*[p.double() for p in pieces], torch.tensor(scalars, dtype=torch.float64)])
+    return payload, lengths
+
+
+def decode_totals(payloads: list[torch.Tensor], lengths: list[torch.Tensor], base: StepTotals) -> StepTotals:
+    """One StepTotals from every rank's payload; `base` gives the step-wide counts (host tensors)."""
+    import torch
+
+    from trainer.loop import StepTotals
+
+    merged = StepTotals(trainable_tokens=base.trainable_tokens, trainable_seqs=base.trainable_seqs)
+    losses = []
+    for payload, sizes in zip(payloads, lengths, strict=True):
+        parts = list(torch.split(payload[: int(sizes.sum()) + _SCALARS], [*sizes.tolist(), _SCALARS]))
+        for name, part in zip(FIELDS, parts, strict=False):
+            if part.numel():
+                getattr(merged, name).append(part.float())
+        merged.lags.extend(int(v) for v in parts[len(FIELDS)].tolist())
+        merged.clean.extend(bool(v) for v in parts[len(FIELDS) + 1].tolist())
+        loss, nonfinite, train_tokens, eval_tokens = parts[-1].tolist()
+        if not math.isnan(loss):
+            losses.append(loss)
+        merged.nonfinite_counts.append(torch.tensor(int(nonfinite)))
+        merged.train_forward_tokens += int(train_tokens)
+        merged.eval_forward_tokens += int(eval_tokens)
+    merged.loss = math.fsum(losses) if losses else math.nan
+    return merged
+
+
+def gather_totals(totals: StepTotals, device: torch.device) -> StepTotals | None:
+    """Collective. Rank 0 gets the whole batch's StepTotals; the other ranks get None."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    payload, lengths = encode_totals(totals)
+    every_length = [torch.zeros_like(lengths, device=device) for _ in range(world_size)]
+    dist.all_gather(every_length, lengths.to(device))
+    every_length = [t.cpu() for t in every_length]
+    longest = max(int(t.sum()) for t in every_length) + _SCALARS
+    padded = torch.cat([payload, payload.new_zeros(longest - payload.numel())]).to(device)
+    if rank == 0:
+        received = [torch.zeros(longest, dtype=torch.float64, device=device) for _ in range(world_size)]
+        dist.gather(padded, received, dst=0)
+        return decode_totals([t.cpu() for t in received], every_length, totals)
+    dist.gather(padded, None, dst=0)
+    return None
