@@ -27,6 +27,12 @@ backpressure. The trainer consumes through the consumer group. Invariants:
   in the stream: the consumer's dedupe by rollout id skips the copy (trained once). A wrong
   password is not an outage: it raises at once.
 
+- **Producer positions.** `publish(..., position=(producer, draw))` records, in the same Lua
+  script as the XADD (atomic: both or neither), the highest prompt draw index `producer` has
+  published, in the hash `<stream>:producer_position`. A restarted producer continues after it
+  (`producer_position`), so no published prompt is drawn twice; prompts in flight at a crash are
+  not published and are skipped.
+
 Entry fields: b"group" (RolloutGroup protobuf bytes), b"traceparent", b"group_id", b"min_version",
 b"max_version". Nothing is pickled.
 """
@@ -51,6 +57,14 @@ DEFAULT_STREAM = "parity:rollouts"
 MIN_ID = "0-0"
 
 Delivery = Literal["pending", "claimed", "new"]
+
+# KEYS: stream, position hash; ARGV: producer, draw index, then the entry's field/value pairs.
+_PUBLISH_AT_POSITION = """
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+local current = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '-1')
+if tonumber(ARGV[2]) > current then redis.call('HSET', KEYS[2], ARGV[1], ARGV[2]) end
+return id
+"""
 
 
 def parse_id(entry_id: str | bytes) -> tuple[int, int]:
@@ -211,23 +225,40 @@ class RolloutQueue:
         self.redis.close()
 
     # ---- producer -----------------------------------------------------------------------------
-    def publish(self, group: rollouts_pb2.RolloutGroup, traceparent: str = "") -> str:
-        """XADD one group; trims acknowledged history beyond `maxlen`. Returns the entry id."""
+    def position_key(self) -> str:
+        return f"{self.stream}:producer_position"
+
+    def publish(
+        self, group: rollouts_pb2.RolloutGroup, traceparent: str = "", position: tuple[str, int] | None = None
+    ) -> str:
+        """XADD one group; trims acknowledged history beyond `maxlen`. Returns the entry id.
+
+        `position` = (producer, draw index): recorded atomically with the entry (module docstring)."""
         if not group.group_id:
             raise ValueError("group.group_id: must be set (it is the dedupe key)")
-        entry_id = self.redis.xadd(
-            self.stream,
-            {
-                b"group": group.SerializeToString(),
-                b"traceparent": traceparent.encode(),
-                b"group_id": group.group_id.encode(),
-                b"min_version": str(group.min_weight_version).encode(),
-                b"max_version": str(group.max_weight_version).encode(),
-            },
-        )
+        fields = {
+            b"group": group.SerializeToString(),
+            b"traceparent": traceparent.encode(),
+            b"group_id": group.group_id.encode(),
+            b"min_version": str(group.min_weight_version).encode(),
+            b"max_version": str(group.max_weight_version).encode(),
+        }
+        if position is None:
+            entry_id = self.redis.xadd(self.stream, fields)
+        else:
+            producer, draw = position
+            pairs = [item for pair in fields.items() for item in pair]
+            entry_id = self.redis.eval(
+                _PUBLISH_AT_POSITION, 2, self.stream, self.position_key(), producer, int(draw), *pairs
+            )
         if self.redis.xlen(self.stream) > self.maxlen:
             self.trim()
         return _text(entry_id)
+
+    def producer_position(self, producer: str) -> int | None:
+        """The highest draw index `producer` has published (None: nothing yet)."""
+        value = self.redis.hget(self.position_key(), producer)
+        return None if value is None else int(value)
 
     def backlog(self) -> int:
         """Entries not yet acknowledged by this group: undelivered + pending."""

@@ -19,6 +19,12 @@ Invariants:
     within the same version). After `4 * groups_per_step` such drops in a row the next group is
     published anyway, so a task the model always fails (or always solves) still trains and reports.
   - Nothing is generated while the service is not caught up with the broadcast service.
+  - Prompt position: each group is published together with its prompt's draw index (atomically,
+    `RolloutQueue.publish(position=...)`); an actor that starts on a stream that already holds its
+    worker's groups (`parity run --resume`) continues after the highest published draw, with the
+    same prompts and seeds the uninterrupted run would have drawn. Groups in flight at a crash (at
+    most `concurrency` in async mode, `groups_per_step / rollout_workers` in sync mode) were never
+    published: their prompts are skipped, never drawn twice.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ class Actor:
         # index, never of timing: with the same schedule, the same prompt gets the same samples.
         self._seed_base = run_config.engine_seed()
         self._draws = itertools.count()
+        self._group_draws: dict[str, int] = {}  # group_id -> its prompt's draw index
+        self._positioned = False  # continued after the stream's recorded position (run())
         self._run_id = uuid.uuid4().hex[:8]
         self._counter = itertools.count()
         self.groups_published = 0
@@ -98,15 +106,35 @@ class Actor:
             self.backpressure_wait_s += waited
             metrics.BACKPRESSURE_SECONDS.inc(waited)
 
-    def _next_prompt(self) -> tuple[Prompt, int]:
-        """The next training prompt and its group's sampling seed (see __init__)."""
+    def _next_prompt(self) -> tuple[Prompt, int, int]:
+        """The next training prompt, its group's sampling seed (see __init__) and its draw index."""
         draw = next(self._draws)
         seed = (self._seed_base * 1_000_003 + draw) % (2**63 - 1)
-        return next(self._prompts), seed
+        return next(self._prompts), seed, draw
 
-    async def one_group(self, prompt: Prompt, seed: int | None = None) -> rollouts_pb2.RolloutGroup:
+    @property
+    def producer(self) -> str:
+        """This worker's name in the stream's producer positions (stable across restarts)."""
+        return f"worker{self.config.worker_index}"
+
+    def seek(self, draw: int) -> None:
+        """Continue the prompt stream at draw index `draw` (the same prompts and seeds as a run
+        that drew `draw` prompts before)."""
+        prompts = self.task.train_prompts()
+        if hasattr(prompts, "seek"):
+            prompts.seek(draw)
+        else:
+            next(itertools.islice(prompts, draw, draw), None)
+        self._prompts = prompts
+        self._draws = itertools.count(draw)
+
+    async def one_group(
+        self, prompt: Prompt, seed: int | None = None, draw: int | None = None
+    ) -> rollouts_pb2.RolloutGroup:
         sampling = self.sampling()
         group_id = f"{self.worker_id}-{self._run_id}-{next(self._counter)}"
+        if draw is not None:
+            self._group_draws[group_id] = draw
         ids = self.engine.encode(prompt.text, use_chat_template=True)
         spec = GenerationSpec(
             request_id=group_id,
@@ -161,9 +189,11 @@ class Actor:
             "completion_tokens": sum(len(s.token_ids) for s in group.samples),
         }
         parent = self._group_traceparents.pop(group.group_id, "")
+        draw = self._group_draws.pop(group.group_id, None)
+        position = None if draw is None else (self.producer, draw)
         with tracing.span("publish", attrs, kind="producer", parent_traceparent=parent):
             traceparent = tracing.current_traceparent()
-            entry_id = await asyncio.to_thread(self.queue.publish, group, traceparent)
+            entry_id = await asyncio.to_thread(self.queue.publish, group, traceparent, position)
         self.groups_published += 1
         return entry_id
 
@@ -176,6 +206,7 @@ class Actor:
             self.zero_variance_dropped += 1
             metrics.ZERO_VARIANCE_DROPPED.inc()
             self._group_traceparents.pop(group.group_id, None)
+            self._group_draws.pop(group.group_id, None)
             return False
         self._dropped_in_a_row = 0
         await self.publish(group)
@@ -203,9 +234,9 @@ class Actor:
     async def _sync_loop(self) -> None:
         limit = asyncio.Semaphore(self.config.concurrency)
 
-        async def bounded(prompt: Prompt, seed: int) -> rollouts_pb2.RolloutGroup:
+        async def bounded(prompt: Prompt, seed: int, draw: int) -> rollouts_pb2.RolloutGroup:
             async with limit:
-                return await self.one_group(prompt, seed)
+                return await self.one_group(prompt, seed, draw)
 
         while not self._done() and not self.servicer.shutting_down:
             await self._ready()
@@ -236,6 +267,12 @@ class Actor:
         from parity.rollout_queue import RolloutQueue
 
         self.queue = RolloutQueue(self.redis_url, stream=self.stream)
+        if not self._positioned:  # once per actor: an in-process restart keeps its own position
+            last = await asyncio.to_thread(self.queue.producer_position, self.producer)
+            if last is not None:
+                self.seek(last + 1)
+                log.info("actor: continuing the prompt stream at draw %d (recorded in the stream)", last + 1)
+            self._positioned = True
         log.info(
             "actor: task=%s mode=%s group_size=%d max_lag=%d groups_per_step=%d concurrency=%d",
             self.task.name,

@@ -48,10 +48,18 @@ class TrainerState:
     applied_rollout_ids: list[str] = field(default_factory=list)
     applied_rollout_entries: list[str] = field(default_factory=list)
     rollouts_trained_total: int = 0
+    # Steps skipped for a non-finite gradient, and their rollouts (acked, never trained).
+    skipped_nonfinite_steps_total: int = 0
+    rollouts_skipped_nonfinite_total: int = 0
     dropped_stale_total: int = 0
     duplicates_skipped_total: int = 0
     zero_variance_groups_total: int = 0
     malformed_total: int = 0
+    # Versions published by an earlier process of this run that died before checkpointing them
+    # ([first, last], inclusive): their weights are not in this lineage, so rollouts sampled from
+    # them are dropped (dropped_future_version), never trained.
+    lost_versions: list[list[int]] = field(default_factory=list)
+    dropped_future_version_total: int = 0
     scheduler: dict[str, Any] = field(default_factory=dict)  # LR scheduler state_dict (JSON-safe)
     rng_cpu: str = ""  # base64 of torch.get_rng_state() on rank 0
 

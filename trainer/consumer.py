@@ -6,6 +6,9 @@ Invariants:
   is known is a duplicate: it is skipped, counted, and acknowledged with the step.
 - An entry whose oldest token is more than `max_lag` versions behind the trainer is dropped whole,
   counted (`dropped_stale`) and acknowledged with the step. So are malformed entries.
+- An entry with a token sampled from a *lost* version (published by a process of this run that
+  died before checkpointing it: `lost_versions`) is dropped whole and counted
+  (`dropped_future_version`): those weights are not in the lineage being trained.
 - Nothing is acknowledged here: the caller acks `batch.all_entry_ids()` after the optimizer step.
 - The same entry delivered twice while the batch is built (XAUTOCLAIM can return this consumer's
   own idle entries) is used once.
@@ -32,6 +35,7 @@ class Batch:
     skipped_entry_ids: list[str] = field(default_factory=list)
     traceparents: list[str] = field(default_factory=list)  # of the admitted groups' publish spans
     dropped_stale: int = 0
+    dropped_future_version: int = 0
     duplicates: int = 0
     malformed: int = 0
     wait_s: float = 0.0
@@ -80,6 +84,16 @@ def token_context_versions(group: rollouts_pb2.RolloutGroup, sample: rollouts_pb
     return token_versions(group, sample)
 
 
+def uses_lost_version(group: rollouts_pb2.RolloutGroup, lost_versions: list[list[int]]) -> bool:
+    """Whether any token of `group` was sampled from a version in one of the [first, last] ranges."""
+    lo, hi = int(group.min_weight_version), int(group.max_weight_version)
+    overlapping = [(a, b) for a, b in lost_versions if a <= hi and lo <= b]
+    if not overlapping:
+        return False
+    versions = {v for sample in group.samples for v in token_versions(group, sample)}
+    return any(a <= v <= b for v in versions for a, b in overlapping)
+
+
 class RolloutConsumer:
     """Builds batches of `groups_per_step` admitted groups."""
 
@@ -90,8 +104,11 @@ class RolloutConsumer:
         applied_ids: set[str],
         claim_idle_ms: int = 30_000,
         block_ms: int = 500,
+        lost_versions: list[list[int]] | None = None,
     ) -> None:
         self.queue = queue
+        # [first, last] inclusive; the trainer's own list (it appends on restore)
+        self.lost_versions = lost_versions if lost_versions is not None else []
         self.consumer_name = consumer_name
         self.applied_ids = applied_ids
         self.claim_idle_ms = claim_idle_ms
@@ -165,6 +182,11 @@ class RolloutConsumer:
                 batch.duplicates += 1
                 batch.skipped_entry_ids.append(entry.entry_id)
                 span.set_attribute("parity.outcome", "duplicate")
+                return
+            if self.lost_versions and uses_lost_version(group, self.lost_versions):
+                batch.dropped_future_version += 1
+                batch.skipped_entry_ids.append(entry.entry_id)
+                span.set_attribute("parity.outcome", "dropped_future_version")
                 return
             if lag > max_lag:
                 batch.dropped_stale += 1

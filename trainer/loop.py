@@ -15,8 +15,11 @@ and the stream *replay floor* (every entry below it is reflected in them). On re
 rewound to the floor: entries acknowledged after the checkpoint are delivered again, and those
 already in the checkpoint are recognised by rollout id and skipped. Versions continue above the
 highest version ever published (checkpoint, local record, broadcast's latest); if that is above the
-checkpoint's version, the restored weights are re-published at once so that rollout workers stop
-sampling from weights the trainer no longer has.
+checkpoint's version, or the broadcast service holds less than it (a restarted service, as after
+`parity run --resume`), the restored weights are re-published at once as the next number, so that
+rollout workers stop sampling from weights the trainer no longer has and catch up to the
+checkpoint's weights before they generate. The versions between the checkpoint's and the highest
+published are *lost*: rollouts sampled from them are dropped and counted (dropped_future_version).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PUBLISHED_VERSION_FILE = "published_version"
+SAMPLES_PER_STEP = 4  # completions per step written to samples.jsonl (run trackers show them)
 
 
 @dataclass
@@ -190,7 +194,12 @@ class Trainer:
         self.queue.rewind(self.state.replay_floor)
         self.queue.set_replay_floor(self.state.replay_floor)
         self.consumer = RolloutConsumer(
-            self.queue, cfg.consumer_name, self.applied_ids, cfg.claim_idle_ms, cfg.read_block_ms
+            self.queue,
+            cfg.consumer_name,
+            self.applied_ids,
+            cfg.claim_idle_ms,
+            cfg.read_block_ms,
+            lost_versions=self.state.lost_versions,
         )
         self.publisher = Publisher(
             cfg.broadcast_address,
@@ -199,10 +208,11 @@ class Trainer:
             bucket_bytes=cfg.bucket_bytes,
             wait_committed_s=cfg.wait_committed_s,
         )
-        published = max(
-            self.state.published_version, self._read_published_file(), self.publisher.latest_version()
-        )
+        broadcast_latest = self.publisher.latest_version()
+        published = max(self.state.published_version, self._read_published_file(), broadcast_latest)
         self.state.published_version = published
+        if published > self.state.weight_version:  # published after the checkpoint: lost weights
+            self.state.lost_versions.append([self.state.weight_version + 1, published])
         log.info(
             "trainer ready: step %d, version %d (highest published %d), floor %s, %d rollouts applied%s",
             self.state.step,
@@ -212,8 +222,16 @@ class Trainer:
             len(self.applied_ids),
             " (restored)" if restored else "",
         )
-        if published > self.state.weight_version:
-            log.warning("resuming behind the published version %d: re-publishing restored weights", published)
+        reseed = bool(cfg.broadcast_address) and broadcast_latest < self.state.weight_version
+        if published > self.state.weight_version or reseed:
+            log.warning(
+                "resuming at version %d (highest published %d, broadcast holds %d): re-publishing the "
+                "restored weights; rollouts of versions %s are dropped",
+                self.state.weight_version,
+                published,
+                broadcast_latest,
+                self.state.lost_versions or "none",
+            )
             self._publish()
         self._snapshot_current()
         self.ready = True
@@ -322,6 +340,7 @@ class Trainer:
                     self.applied_entries[sample.rollout_id] = entry_id
             self.state.rollouts_trained_total += len(trained_ids)
             self.state.dropped_stale_total += batch.dropped_stale
+            self.state.dropped_future_version_total += batch.dropped_future_version
             self.state.duplicates_skipped_total += batch.duplicates
             self.state.zero_variance_groups_total += zero_groups
             self.state.malformed_total += batch.malformed
@@ -334,6 +353,7 @@ class Trainer:
                 "dropped_stale": batch.dropped_stale,
                 "duplicates_skipped": batch.duplicates,
             },
+            samples=step_samples(batch, version, metrics["step"]),
         )
         log.info(
             "step %d v%d: reward %.3f, loss %.4f, k3(own version) %.2e, lag %.2f, %d tok in %.2fs (%.0f tok/s)",
@@ -686,6 +706,9 @@ class Trainer:
                 "lag0_token_frac": float(lag0_T.float().mean()) if lags_T.numel() else nan,
                 "dropped_stale": batch.dropped_stale,
                 "dropped_stale_total": self.state.dropped_stale_total + batch.dropped_stale,
+                "dropped_future_version": batch.dropped_future_version,
+                "dropped_future_version_total": self.state.dropped_future_version_total
+                + batch.dropped_future_version,
                 "duplicates_skipped": batch.duplicates,
                 "malformed": batch.malformed,
                 "zero_variance_groups": zero_groups,
@@ -799,6 +822,27 @@ def fsdp_free_flops_per_token(model) -> float:
     total = sum(p.numel() for p in model.parameters())
     non_embedding = total - embed.numel() + (embed.numel() if head is embed else 0)
     return 6.0 * non_embedding
+
+
+def step_samples(batch: Batch, version: int, step: int, limit: int = SAMPLES_PER_STEP) -> list[dict]:
+    """A few of the step's completions for run trackers: the first sample of the first `limit`
+    groups, with its prompt, reward, newest token version and lag (trainer version - oldest token)."""
+    out = []
+    for group in batch.groups[:limit]:
+        sample = group.samples[0]
+        versions = token_versions(group, sample) or [int(group.min_weight_version)]
+        out.append(
+            {
+                "step": step,
+                "rollout_id": sample.rollout_id,
+                "prompt": group.prompt_text,
+                "completion": sample.text,
+                "reward": float(sample.reward),
+                "version": max(versions),
+                "lag": version - min(versions),
+            }
+        )
+    return out
 
 
 def stream_key(entry_id: str) -> tuple[int, int]:

@@ -3,7 +3,8 @@
 metrics.jsonl describes the lineage of the current weights: on resume it is cut back to the
 checkpoint's step (atomically), so a restarted run never shows a step twice. The same holds for
 trained_rollouts.jsonl (step -> rollout ids applied), which makes "no rollout applied twice, none
-lost" checkable from the outside.
+lost" checkable from the outside, and for samples.jsonl (a few completions per step, which the run
+trackers show as tables).
 
 Gauges are `parity_trainer_<name>` for every numeric metric in REQUIRED_METRICS plus a few extras;
 totals are counters (`_total`). No labels (the lag histogram stays in the JSON). A metric the step
@@ -124,6 +125,7 @@ class Telemetry:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.rollouts_path = self.run_dir / "trained_rollouts.jsonl"
+        self.samples_path = self.run_dir / "samples.jsonl"
         self._gauges: dict[str, Any] = {}
         self._counters: dict[str, Any] = {}
         if prometheus:
@@ -148,14 +150,22 @@ class Telemetry:
     def resume(self, step: int) -> None:
         truncate_to_step(self.metrics_path, step)
         truncate_to_step(self.rollouts_path, step)
+        truncate_to_step(self.samples_path, step)
 
     def record(
-        self, metrics: Mapping[str, Any], rollout_ids: list[str], counter_increments: Mapping[str, int]
+        self,
+        metrics: Mapping[str, Any],
+        rollout_ids: list[str],
+        counter_increments: Mapping[str, int],
+        samples: list[dict] = (),
     ) -> None:
         """Append the step's lines (rollouts first: a torn metrics line never hides a trained step)."""
         step = int(metrics["step"])
         with open(self.rollouts_path, "a") as handle:
             handle.write(json.dumps({"step": step, "rollout_ids": rollout_ids}) + "\n")
+        if samples:
+            with open(self.samples_path, "a") as handle:
+                handle.write("".join(json.dumps({"step": step, **sample}) + "\n" for sample in samples))
         with open(self.metrics_path, "a") as handle:
             handle.write(json.dumps({k: _clean(v) for k, v in metrics.items()}) + "\n")
         for name, gauge in self._gauges.items():
