@@ -156,6 +156,10 @@ def test_reasoning_gym_is_seeded_disjoint_and_scored_in_unit_range() -> None:
     assert [p.text for p in get_task("reasoning_gym:basic_arithmetic", 2, config).train_set()] != [
         p.text for p in task.train_set()
     ]
+    # At the eval set's own seed the generator repeats the eval questions: they leave training.
+    same_seed = get_task("reasoning_gym:basic_arithmetic", seed=1_000_003, config=config)
+    _disjoint(same_seed)
+    assert len(same_seed.train_set()) == 200 - 20
     prompt = task.train_set()[0]
     assert task.reward(prompt, prompt.answer) == 1.0
     assert task.reward(prompt, f"thinking... <answer>{prompt.answer}</answer>") == 1.0

@@ -111,6 +111,23 @@ class TrainerConfig(ServiceConfig):
         30.0, ge=0, description="Wait this long for the broadcast to commit each version; 0 skips waiting."
     )
     torch_threads: int = Field(0, ge=0, description="torch.set_num_threads; 0 leaves the default.")
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        description="Stop the run (exit 1) after this many steps in a row whose gradient norm is not "
+        "finite; each such step is skipped and its rollouts dropped and recorded (skipped_rollouts.jsonl).",
+    )
+    publish_attempts: int = Field(
+        4,
+        ge=1,
+        description="Attempts to publish a version (a failed transfer is retried) before the run stops.",
+    )
+    publish_backoff_s: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="Wait before the first publish retry; doubled after each further failure, capped at 30 s.",
+    )
 
     @field_validator("broadcast_address")
     @classmethod

@@ -170,7 +170,8 @@ def evaluate(
             replies = list(pool.map(lambda r: _generate(stub, r, timeout_s), requests))
     answers, samples = replies[: len(prompts)], replies[len(prompts) :]
     batches = [(p, [a[0].text]) for p, a in zip(prompts, answers, strict=True)]
-    batches += [(p, [c.text for c in s]) for p, s in zip(prompts, samples, strict=True)]
+    if pass_k:
+        batches += [(p, [c.text for c in s]) for p, s in zip(prompts, samples, strict=True)]
     scores = scorer.score_all_sync(batches)  # type: ignore[attr-defined]
     items = []
     for index, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
