@@ -45,6 +45,7 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
 CATCH_UP_POLL_S = 5.0
+PUBLISH_BACKOFF_CAP_S = 30.0
 
 
 class PublishError(RuntimeError):
@@ -100,6 +101,7 @@ class Publisher:
         self._closed = threading.Event()
         self._catch_up_thread: threading.Thread | None = None
         self.catch_ups_sent = 0
+        self.publish_retries_total = 0
 
     def latest_version(self) -> int:
         """The broadcast service's latest version (0 in local mode)."""
@@ -127,6 +129,43 @@ class Publisher:
             for name, _dtype, _shape, tensor in bucket
         ]
         return self.publish_tensors(named, version, links_from)
+
+    def publish_retrying(
+        self, model, version: int, attempts: int, backoff_s: float, links_from: Sequence[str] = ()
+    ) -> PublishResult:
+        """`publish`, retried after a failure (a transfer that failed, a broadcast service that did
+        not answer): waits `backoff_s`, doubling up to PUBLISH_BACKOFF_CAP_S, at most `attempts`
+        tries in all; then PublishError naming every attempt. A retry publishes the number again
+        unless the broadcast service already holds it (a failed version is published again)."""
+        errors: list[str] = []
+        delay_s = backoff_s
+        for attempt in range(1, attempts + 1):
+            try:
+                result = self.publish(model, version, links_from)
+            except PublishError as exc:
+                errors.append(f"attempt {attempt}: {exc}")
+                self.publish_retries_total += int(attempt < attempts)
+                if attempt == attempts:
+                    break
+                log.warning(
+                    "publish of version %d failed (attempt %d of %d): %s; retrying in %.1fs",
+                    version,
+                    attempt,
+                    attempts,
+                    exc,
+                    delay_s,
+                )
+                time.sleep(delay_s)
+                delay_s = min(PUBLISH_BACKOFF_CAP_S, 2 * delay_s)
+                try:
+                    version = max(version, self.latest_version() + 1)
+                except grpc.RpcError as rpc:  # the service is down: the next attempt reports it
+                    log.warning("GetStatus before retrying: %s", rpc.code().name)
+                continue
+            if attempt > 1:
+                log.info("version %d published on attempt %d", result.version, attempt)
+            return result
+        raise PublishError(f"gave up after {attempts} attempt(s): " + "; ".join(errors))
 
     def publish_tensors(
         self, named: Sequence[tuple[str, object]], version: int, links_from=()
