@@ -4,6 +4,8 @@ Every subcommand lives in its own module and is imported only when chosen, so `p
 never imports torch or vllm. Each target is `module:function(argv) -> exit code`.
 
   parity run [flags]                       the whole pipeline on one machine (tools/run/launcher)
+  parity run --resume RUN_DIR              continue a killed run from its last checkpoint
+  parity runs ls [DIR]                     run directories with status and final metrics
   parity serve rollout|trainer|broadcast   one service as a gRPC server
   parity actor [flags]                     the rollout actor loop (generate, score, publish)
   parity check [flags]                     rollout-vs-trainer logprob parity check
@@ -28,6 +30,10 @@ COMMAND_TARGETS = {
     "run": (
         "tools.run.launcher:main",
         "Run the whole pipeline on this machine: redis, broadcast, trainer, rollout.",
+    ),
+    "runs": (
+        "tools.run.records:main",
+        "List run directories (`parity runs ls [DIR]`): status, steps, final metrics.",
     ),
     "actor": (
         "rollout.server:main_actor",

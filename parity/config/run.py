@@ -21,6 +21,7 @@ from parity.config.base import Section
 
 RunMode = Literal["async", "sync"]
 DEFAULT_STREAM = "parity:rollouts"
+TRACKERS = ("tensorboard", "wandb", "mlflow", "none")
 
 
 class RunConfig(Section):
@@ -69,6 +70,35 @@ class RunConfig(Section):
     progress_interval_s: float = Field(
         10.0, gt=0, description="Seconds between progress lines when no step lands."
     )
+    resume: str = Field(
+        "",
+        description="Resume the killed or finished run in this directory from its last checkpoint, with "
+        "its config.toml (docs/run.md, 'Resuming a run').",
+    )
+    resume_override: bool = Field(
+        False, description="With --resume: accept config values that differ from the run's config.toml."
+    )
+    tracker: str = Field(
+        "none",
+        description="Experiment trackers, comma-separated: tensorboard, wandb, mlflow, or none "
+        "(install the `trackers` extra; docs/run.md, 'Trackers').",
+    )
+
+    @field_validator("tracker")
+    @classmethod
+    def _tracker(cls, value: str) -> str:
+        names = [n.strip().lower() for n in value.split(",") if n.strip()]
+        unknown = [n for n in names if n not in TRACKERS]
+        if unknown:
+            raise ValueError(f"unknown tracker {', '.join(unknown)}; choose from {', '.join(TRACKERS)}")
+        chosen = [n for n in TRACKERS if n in names and n != "none"]
+        if "none" in names and chosen:
+            raise ValueError("'none' cannot be combined with a tracker")
+        return ",".join(chosen) or "none"
+
+    def trackers(self) -> list[str]:
+        """The chosen trackers, in a fixed order ([] for none)."""
+        return [] if self.tracker == "none" else self.tracker.split(",")
 
     @field_validator("redis_url")
     @classmethod

@@ -28,6 +28,7 @@ from parity import health
 from parity.procs import ServiceProcess, start_redis, start_service, stop_groups
 
 MARKER_ENV = "PARITY_RUN_MARKER"
+REDIS_LOST_GRACE_S = 2.0
 
 
 class ChildDied(RuntimeError):
@@ -75,6 +76,9 @@ class Supervisor:
     children: dict[str, ServiceProcess] = field(default_factory=dict)
     expect_exit: set[str] = field(default_factory=set)
     stop_seconds: dict[str, float] = field(default_factory=dict)
+    # The grace period the exit's stop_all gives every child. Once Redis is gone the services cannot
+    # finish a step or checkpoint (they wait for Redis), so it shrinks to REDIS_LOST_GRACE_S then.
+    exit_grace_s: float = 15.0
 
     def __enter__(self) -> Supervisor:
         self.log_dir = self.log_dir.resolve()
@@ -82,15 +86,18 @@ class Supervisor:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.stop_all()
+        self.stop_all(self.exit_grace_s)
 
     @property
     def env(self) -> dict[str, str]:
         return {MARKER_ENV: self.marker, "PYTHONUNBUFFERED": "1"}
 
     # --- starting -----------------------------------------------------------------------------
-    def start_redis(self, timeout_s: float = 15.0) -> str:
-        """A private redis-server (log_dir/redis.log) on a free loopback port; returns its URL."""
+    def start_redis(self, timeout_s: float = 15.0, password: str | None = None) -> str:
+        """A private redis-server (log_dir/redis.log) on a free loopback port; returns its URL.
+
+        `password` restarts the run's server (`parity run --resume`): the same data directory, whose
+        append-only file it replays, and the password it had (None draws a new one)."""
         if shutil.which("redis-server") is None:  # the launcher can do without one: say how
             raise RuntimeError(
                 "redis-server is not on PATH: install it (apt-get install redis-server) or pass --redis_url"
@@ -105,6 +112,7 @@ class Supervisor:
             proc_title=f"{MARKER_ENV}={self.marker}",
             timeout_s=timeout_s,
             adopt=adopt,
+            password=password,
         )
         return url
 
@@ -139,6 +147,8 @@ class Supervisor:
             if name in self.expect_exit:
                 continue
             if child.proc.poll() is not None:
+                if name == "redis":
+                    self.exit_grace_s = min(self.exit_grace_s, REDIS_LOST_GRACE_S)
                 raise ChildDied(name, child.proc.returncode, child.log_tail(20))
 
     def pids(self) -> dict[str, int]:
@@ -219,21 +229,28 @@ def format_duration(seconds: float) -> str:
 
 
 def progress_line(
-    row: dict, done: int, total_steps: int, started_at: float, first_step_at: float | None, now: float
+    row: dict,
+    done: int,
+    total_steps: int,
+    started_at: float,
+    first_step_at: float | None,
+    now: float,
+    resumed_at: int = 0,
 ) -> str:
     """`step 3/20 v3 reward 0.41 mismatch k3 own 2.1e-06 (max 3e-04) drift 4e-03 lag 0.60 tok/s 212 ... ETA 4m02s`.
 
     `done` is the number of steps finished; the ETA extrapolates the mean time per step since the
-    first one (the first step also pays for startup, so it is left out). A value the step could not
-    measure (null) prints as `-`.
+    first one (the first step also pays for startup, so it is left out). A resumed run passes the
+    step it resumed at: only the steps of this process count for the rate. A value the step could
+    not measure (null) prints as `-`.
     """
     own = (
         f"own {_fmt(row.get('mismatch_k3_own_version'), '.1e')} "
         f"(max {_fmt(row.get('mismatch_max_abs_own_version'), '.1e')})"
     )
     eta = "-"
-    if first_step_at is not None and done > 1:
-        per_step = (now - first_step_at) / (done - 1)
+    if first_step_at is not None and done - resumed_at > 1:
+        per_step = (now - first_step_at) / (done - resumed_at - 1)
         eta = format_duration(per_step * (total_steps - done))
     return (
         f"step {done}/{total_steps} v{row.get('weight_version', '-')} "

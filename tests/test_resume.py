@@ -1,0 +1,310 @@
+"""`parity run --resume`: a killed run continues to the same lineage (issue 19).
+
+The slow test is the acceptance test, chained to fit the suite budget: one tiny run (private Redis,
+checkpoint every step) is SIGKILLed three times at random points after a checkpoint: first its
+trainer child, then its Redis child, then the whole process tree, and resumed after each (the
+three trackers join at the last resume and replay the lineage). The kill points come from a seed
+drawn from the test's `random` and printed (RESUME_KILL_SEED=N replays one). At the end: every
+rollout id in trained_rollouts.jsonl appears once, versions strictly increase across the kills, the
+step count is the configured one, the run finished, the trackers hold metrics.jsonl, and no
+process outlived any launch.
+
+The fast tests pin the pieces: the config diff refusal, the Redis-side prompt position, the actor's
+seek, dropping rollouts of lost versions, and `parity runs ls`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from parity.config import load, write_config
+from parity.rollout_queue import RolloutQueue
+from parity.v1 import common_pb2, rollouts_pb2
+from tools.run import records
+from tools.run.supervisor import MARKER_ENV, marked_pids
+
+STEPS = 9
+
+
+# --- fast -----------------------------------------------------------------------------------------
+def _stored_run(tmp_path: Path, *flags: str) -> Path:
+    """A run directory as a killed launch leaves it: config.toml, config.json, a private Redis conf."""
+    run_dir = tmp_path / "run"
+    cfg = load(["--model", "tiny", "--steps", "4", *flags], home="run", environ={}).config
+    write_config(cfg, run_dir / "config.toml")
+    (run_dir / "config.json").write_text(json.dumps({"stream": cfg.run.stream}))
+    (run_dir / "logs" / "redis").mkdir(parents=True)
+    (run_dir / "logs" / "redis" / "redis.conf").write_text("appendonly yes\nrequirepass secret\n")
+    return run_dir
+
+
+def test_resume_refuses_a_changed_config_naming_every_key(tmp_path: Path) -> None:
+    run_dir = _stored_run(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "parity.cli", "run", "--resume", str(run_dir), "--trainer.lr", "1e-3",
+         "--group_size", "2"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PARITY_TASK_MAX_TOKENS": "9"},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    for key in ("trainer.lr", "task.group_size", "task.max_tokens", "--resume_override"):
+        assert key in proc.stderr, (key, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert not (run_dir / "run.json").exists()  # refused before anything started
+
+
+def test_resume_plan_keeps_the_stream_and_takes_overrides(tmp_path: Path) -> None:
+    from tools.run.resume import ResumeError, plan
+
+    # config.toml holds the private Redis's URL masked (redis://:***@...); it must not be used
+    run_dir = _stored_run(tmp_path, "--tracker", "none", "--redis_url", "redis://:pw@127.0.0.1:1/0")
+    assert "***@" in (run_dir / "config.toml").read_text()
+    same = plan(run_dir, ["--resume", str(run_dir), "--tracker", "tensorboard"], environ={})
+    assert same.overrides == {} and same.redis_password == "secret" and same.step == 0
+    assert same.config.run.redis_url == ""  # the run's own Redis is restarted, not the masked URL
+    assert same.config.run.tracker == "tensorboard"  # trackers may change on resume
+    changed = plan(run_dir, ["--resume", str(run_dir), "--steps", "6", "--resume_override"], environ={})
+    assert changed.overrides == {"run.steps": (4, 6)} and changed.config.run.steps == 6
+    (run_dir / "logs" / "redis" / "redis.conf").unlink()  # an external Redis: its URL is needed again
+    with pytest.raises(ResumeError, match=r"^run\.redis_url: this run used an external Redis"):
+        plan(run_dir, ["--resume", str(run_dir)], environ={})
+
+
+def _group(group_id: str, versions: list[int]) -> rollouts_pb2.RolloutGroup:
+    sample = rollouts_pb2.RolloutSample(
+        rollout_id=f"{group_id}/0", token_ids=[5] * len(versions), logprobs=[-1.0] * len(versions),
+        token_weight_versions=versions, reward=1.0,
+    )  # fmt: skip
+    return rollouts_pb2.RolloutGroup(
+        group_id=group_id, prompt_token_ids=[1, 2], samples=[sample],
+        min_weight_version=min(versions), max_weight_version=max(versions),
+        sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=8, n=1),
+        logprobs_mode=common_pb2.LOGPROBS_MODE_PROCESSED,
+    )  # fmt: skip
+
+
+def test_prompt_position_is_recorded_with_the_entry(redis_url: str) -> None:
+    queue = RolloutQueue(redis_url, stream="test:positions")
+    assert queue.producer_position("worker0") is None
+    queue.publish(_group("a", [0]), position=("worker0", 4))
+    queue.publish(_group("b", [0]), position=("worker0", 2))  # finished out of order: max kept
+    queue.publish(_group("c", [0]), position=("worker1", 7))
+    queue.publish(_group("d", [0]))  # no position: unchanged
+    assert queue.producer_position("worker0") == 4 and queue.producer_position("worker1") == 7
+    assert [f[b"group_id"] for _, f in queue.redis.xrange(queue.stream)] == [b"a", b"b", b"c", b"d"]
+
+
+def test_actor_continues_the_prompt_stream_where_it_stopped() -> None:
+    from rollout.actor import Actor
+
+    cfg = load(
+        ["--model", "tiny", "--seed", "3", "--rollout.worker_index", "1", "--rollout_workers", "2"],
+        home="run",
+        environ={},
+    ).config
+    servicer = SimpleNamespace(engine=None)
+    straight = Actor(cfg, servicer)
+    drawn = [straight._next_prompt() for _ in range(12)]
+    resumed = Actor(cfg, servicer)
+    resumed.seek(7)
+    assert [resumed._next_prompt() for _ in range(5)] == drawn[7:]
+    assert resumed.producer == "worker1"
+
+
+def test_rollouts_of_lost_versions_are_dropped_and_counted(redis_url: str, tmp_path: Path) -> None:
+    """A trainer that restores version 0 while version 3 was published (local mode): versions 1-3
+    are lost; a group with a token of version 2 is dropped, one of version 0 is trained."""
+    from tests.fakes.trainer_helpers import STREAM, make_trainer, metrics
+
+    (tmp_path / "published_version").write_text("3")
+    queue = RolloutQueue(redis_url, stream=STREAM)
+    queue.publish(_group("lost", [0, 2]))
+    queue.publish(_group("kept", [0, 0]))
+    trainer = make_trainer(redis_url, tmp_path, max_lag=10)
+    assert trainer.state.lost_versions == [[1, 3]]
+    assert trainer.state.weight_version == 4  # the restored weights, re-published above the highest
+    trainer.run()
+    (row,) = metrics(tmp_path)
+    assert row["dropped_future_version"] == 1 and row["dropped_future_version_total"] == 1
+    assert row["weight_version"] == 4
+    trained = json.loads((tmp_path / "trained_rollouts.jsonl").read_text())["rollout_ids"]
+    assert trained == ["kept/0"]
+    state = json.loads(next((tmp_path / "checkpoints").glob("step_*/state.json")).read_text())
+    assert state["lost_versions"] == [[1, 3]] and state["dropped_future_version_total"] == 1
+    trainer.close()
+
+
+def test_runs_ls_shows_running_finished_and_died(tmp_path: Path) -> None:
+    def run_dir(name: str, status: str, pid: int, steps_done: int) -> None:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.toml").write_text("")
+        (path / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "reward_mean": s / 10}) + "\n" for s in range(1, steps_done + 1))
+        )
+        record = {"status": status, "steps": 4, "launches": [],
+                  "launcher": {"pid": pid, "start_ticks": records._proc_start(pid)}}  # fmt: skip
+        (path / "run.json").write_text(json.dumps(record))
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        run_dir("a-live", "running", sleeper.pid, 2)
+        run_dir("b-done", "finished", 1, 4)
+        run_dir("c-killed", "running", 2**22 + 17, 3)  # a SIGKILLed launcher: no such process
+        run_dir("d-failed", "died", 1, 1)
+        listed = {r["run"]: r for r in records.list_runs(tmp_path)}
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert {name: r["status"] for name, r in listed.items()} == {
+        "a-live": "running", "b-done": "finished", "c-killed": "died at step 3", "d-failed": "died at step 1",
+    }  # fmt: skip
+    assert listed["b-done"]["reward_mean"] == 0.4 and listed["b-done"]["steps"] == 4
+    out = subprocess.run(
+        [sys.executable, "-m", "parity.cli", "runs", "ls", str(tmp_path)], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "died at step 3" in out.stdout and "b-done" in out.stdout
+
+
+# --- slow: the acceptance test --------------------------------------------------------------------
+def _flags(out: Path) -> list[str]:
+    return ["--skip_preflight", "--model", "tiny", "--steps", str(STEPS), "--groups_per_step", "2",
+        "--group_size", "4", "--max_tokens", "8", "--eval_size", "0", "--max_model_len", "256",
+        "--startup_timeout_s", "300", "--trainer.checkpoint_every", "1", "--out", str(out),
+    ]  # fmt: skip
+
+
+def _launch(args: list[str], marker: str, log_path: Path) -> subprocess.Popen:
+    env = {**os.environ, MARKER_ENV: marker, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true"}  # fmt: skip
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "parity.cli", "run", *args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+
+def _checkpoint_step(run_dir: Path) -> int:
+    try:
+        return int((run_dir / "checkpoints" / "LATEST").read_text().strip().removeprefix("step_"))
+    except (OSError, ValueError):
+        return 0
+
+
+def _wait_checkpoint(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: float = 240.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (done := _checkpoint_step(run_dir)) < step:
+        assert proc.poll() is None, f"launcher exited ({proc.returncode}) before checkpoint {step}"
+        assert time.monotonic() < deadline, f"no checkpoint {step} in {timeout_s:.0f}s"
+        time.sleep(0.1)
+    return done
+
+
+def _child(marker: str, needle: str) -> int:
+    for pid in marked_pids(marker):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if needle in cmdline:
+            return pid
+    raise AssertionError(f"no live child matching {needle!r}")
+
+
+def _wait_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := marked_pids(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.mark.slow
+def test_run_killed_three_ways_resumes_to_one_lineage(tmp_path: Path) -> None:
+    pytest.importorskip("wandb")
+    seed = int(os.environ.get("RESUME_KILL_SEED", random.randrange(2**31)))
+    print(f"kill schedule: RESUME_KILL_SEED={seed}")
+    rng = random.Random(seed)
+    out, log_path = tmp_path / "run", tmp_path / "launcher.log"
+    kills = [("trainer", "serve trainer"), ("redis", "redis-server"), ("tree", "")]
+    after = 0  # the checkpoint step the previous launch resumed from
+    # The trackers join at the last resume (run.tracker may change on resume): their tracker run
+    # replays the whole lineage (and the suite does not pay their start-up four times).
+    launch_args = [*_flags(out), "--tracker", "none"]
+    for what, needle in kills:
+        marker = uuid.uuid4().hex
+        proc = _launch(launch_args, marker, log_path)
+        target = after + rng.randint(1, 2)
+        reached = _wait_checkpoint(out, target, proc)
+        delay = rng.uniform(0.0, 1.5)
+        time.sleep(delay)
+        print(f"kill {what} after checkpoint {reached} (target {target}) + {delay:.2f}s")
+        if what == "tree":
+            pids = [proc.pid, *marked_pids(marker)]
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait(30)
+            assert records.status_of(out).startswith("died at step"), records.status_of(out)
+        else:
+            os.kill(_child(marker, needle), signal.SIGKILL)
+            assert proc.wait(120) == 1, log_path.read_text()[-3000:]
+            assert f"{what} exited unexpectedly" in log_path.read_text()
+            assert records.status_of(out).startswith("died at step")
+        assert _wait_gone(marker) == [], f"left behind after killing {what}"
+        after = _checkpoint_step(out)
+        assert after < STEPS, "the run finished before the kill; lower the kill targets"
+        launch_args = ["--resume", str(out), "--tracker", "none"]
+
+    marker = uuid.uuid4().hex
+    proc = _launch(["--resume", str(out), "--tracker", "tensorboard,wandb,mlflow"], marker, log_path)
+    assert proc.wait(420) == 0, log_path.read_text()[-4000:]
+    assert _wait_gone(marker) == []
+    output = log_path.read_text()
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    versions = [r["weight_version"] for r in rows]
+    assert all(a < b for a, b in itertools.pairwise(versions)), versions
+    trained = [json.loads(line) for line in (out / "trained_rollouts.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in trained] == list(range(1, STEPS + 1))
+    ids = [rid for t in trained for rid in t["rollout_ids"]]
+    assert len(ids) == len(set(ids)) == STEPS * 2 * 4, "a rollout trained twice or lost"
+    assert all(isinstance(r["dropped_future_version"], int) for r in rows)
+    # rollout services caught up before generating, and each actor continued its prompt stream
+    rollout_log = (out / "logs" / "rollout0.log").read_text()
+    assert rollout_log.count("continuing the prompt stream at draw") == 3, rollout_log[-3000:]
+    # each launch's rollout service first served (and so first generated) at a version > 0 after a
+    # resume: it was caught up to the trainer's re-published checkpoint weights before generating
+    launches = rollout_log.split("parity settings:")[1:]
+    first_serving = [
+        int(part.split("health: SERVING (weight_version ")[1].split(")")[0]) for part in launches
+    ]
+    assert len(first_serving) == 4 and first_serving[0] == 0, first_serving
+    assert all(v > 0 for v in first_serving[1:]), first_serving
+    assert "resuming" in (out / "logs" / "trainer.log").read_text()
+    assert output.count("redis-server restarted on its append-only file") == 3
+    assert f"step {STEPS}/{STEPS}" in output  # the progress line under resume
+    record = records.read(out)
+    assert record["status"] == "finished" and record["step"] == STEPS
+    resumed_from = [launch.get("resumed_from_step") for launch in record["launches"]]
+    assert resumed_from[0] is None and all(isinstance(s, int) for s in resumed_from[1:]), resumed_from
+    assert len(record["launches"]) == 4 and record["git"].get("commit")
+    assert "## Run record" in (out / "summary.md").read_text()
+    assert records.status_of(out) == "finished"
+    from tests.test_trackers import assert_matches_metrics
+
+    assert_matches_metrics(out, launch=4)
