@@ -10,6 +10,13 @@ One iteration, and why in this order:
     every publish_every steps: publish(version + 1)      # version += 1 only if it succeeded
     every checkpoint_every steps / on request / at the end: checkpoint, then set replay floor
 
+A step whose gradient norm is not finite takes no optimizer step. Its rollouts are acknowledged but
+dropped, not trained: they go to skipped_rollouts.jsonl (never to trained_rollouts.jsonl or the
+dedupe set) and are counted (skipped_nonfinite, skipped_nonfinite_steps_total,
+rollouts_skipped_nonfinite in metrics.jsonl). They are not re-trained, because the same batch would
+most likely give the same gradient again. `max_nonfinite_steps` such steps in a row stop the run
+(NonFiniteStepsError, exit 1).
+
 Crash safety: a checkpoint holds the weights, optimizer, version, the rollout ids in those weights
 and the stream *replay floor* (every entry below it is reflected in them). On restart the group is
 rewound to the floor: entries acknowledged after the checkpoint are delivered again, and those
@@ -24,6 +31,7 @@ published are *lost*: rollouts sampled from them are dropped and counted (droppe
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -50,7 +58,7 @@ from trainer.policy import (
     token_budget_batches,
     token_logprobs,
 )
-from trainer.publisher import Publisher, PublishError
+from trainer.publisher import Publisher
 from trainer.telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -59,7 +67,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PUBLISHED_VERSION_FILE = "published_version"
+SKIPPED_ROLLOUTS_FILE = "skipped_rollouts.jsonl"  # rollouts of steps skipped for a non-finite gradient
 SAMPLES_PER_STEP = 4  # completions per step written to samples.jsonl (run trackers show them)
+
+
+class NonFiniteStepsError(RuntimeError):
+    """`trainer.max_nonfinite_steps` steps in a row had a non-finite gradient: training stops."""
 
 
 @dataclass
@@ -129,6 +142,7 @@ class Trainer:
         self.ready = False
         self.finished = False
         self._unpublished_steps = 0
+        self._nonfinite_in_a_row = 0  # consecutive steps skipped for a non-finite gradient
         self._step_traceparents: list[str] = []  # train_step spans since the last publish
         self._snapshots: dict[int, dict[str, Any]] = {}
         self._checkpointed: tuple[int, int] | None = None
@@ -323,6 +337,8 @@ class Trainer:
             self._step_traceparents.append(tracing.current_traceparent())
             reset_peak_memory(self.device)
             totals, grad_norm, stepped = self.local_update(sequences)
+            # A non-finite gradient skips the optimizer step: the batch is dropped, not trained.
+            nonfinite = totals.trainable_tokens > 0 and not math.isfinite(grad_norm)
             own_version = self._score_own_version(sequences)
             self._unpublished_steps += int(stepped)
             self.queue.ack(batch.all_entry_ids())
@@ -333,13 +349,19 @@ class Trainer:
             span.set_attribute(tracing.ATTR_LAG, metrics["lag_max"])
             span.set_attribute("parity.lag_mean", metrics["lag_mean"])
             span.set_attribute("parity.mismatch_k3", metrics["mismatch_k3"])
-        trained_ids = batch.rollout_ids()
+        trained_ids, skipped_ids = ([], batch.rollout_ids()) if nonfinite else (batch.rollout_ids(), [])
+        self._nonfinite_in_a_row = self._nonfinite_in_a_row + 1 if nonfinite else 0
         with self.lock:
             self.state.step += 1
             metrics["step"] = self.state.step
+            self.state.skipped_nonfinite_steps_total += int(nonfinite)
+            self.state.rollouts_skipped_nonfinite_total += len(skipped_ids)
+            metrics["skipped_nonfinite"] = int(nonfinite)
+            metrics["skipped_nonfinite_steps_total"] = self.state.skipped_nonfinite_steps_total
+            metrics["rollouts_skipped_nonfinite"] = len(skipped_ids)
             self.applied_ids.update(trained_ids)
             for group, entry_id in zip(batch.groups, batch.entry_ids, strict=True):
-                for sample in group.samples:
+                for sample in group.samples if trained_ids else ():
                     self.applied_entries[sample.rollout_id] = entry_id
             self.state.rollouts_trained_total += len(trained_ids)
             self.state.dropped_stale_total += batch.dropped_stale
@@ -370,10 +392,35 @@ class Trainer:
             step_time_s,
             metrics["tokens_per_s"],
         )
+        if nonfinite:
+            self._record_skipped(metrics["step"], skipped_ids, grad_norm)
         # After the step is recorded: with on_mismatch=stop this raises MismatchGateError, which ends
         # the run with the gate's message (the step's rollouts are trained and accounted for).
         self.gate.observe(metrics["step"], metrics)
         return metrics
+
+    def _record_skipped(self, step: int, rollout_ids: list[str], grad_norm: float) -> None:
+        """A step whose gradient was not finite: its rollouts go to skipped_rollouts.jsonl (acked,
+        never trained, not in the lineage); `max_nonfinite_steps` of them in a row stop the run."""
+        with open(self.run_dir / SKIPPED_ROLLOUTS_FILE, "a") as handle:
+            handle.write(
+                json.dumps({"step": step, "reason": "nonfinite_gradient", "rollout_ids": rollout_ids}) + "\n"
+            )
+        limit = self.config.max_nonfinite_steps
+        log.warning(
+            "step %d skipped: gradient norm %s; its %d rollouts are dropped (%d in a row, limit %d)",
+            step,
+            grad_norm,
+            len(rollout_ids),
+            self._nonfinite_in_a_row,
+            limit,
+        )
+        if self._nonfinite_in_a_row >= limit:
+            raise NonFiniteStepsError(
+                f"{self._nonfinite_in_a_row} steps in a row (up to step {step}) had a non-finite gradient "
+                f"norm (trainer.max_nonfinite_steps={limit}); stopping. Their rollouts are in "
+                f"{self.run_dir / SKIPPED_ROLLOUTS_FILE}; the weights are those of the last finite step."
+            )
 
     # ---- the step's pieces -----------------------------------------------------------------------
     def local_update(
@@ -748,22 +795,17 @@ class Trainer:
         return out
 
     # ---- publish / checkpoint --------------------------------------------------------------------
-    def _publish(self, attempts: int = 3) -> None:
-        """Publish the current weights as the next version; retry (with a fresh number) on failure."""
-        for attempt in range(1, attempts + 1):
-            version = self.state.published_version + 1
-            try:
-                result = self.publisher.publish(self.model, version, links_from=self._step_traceparents)
-                break
-            except PublishError as exc:
-                if attempt == attempts:
-                    raise
-                log.warning("publish of version %d failed (attempt %d): %s; retrying", version, attempt, exc)
-                time.sleep(attempt)
-                # A failed transfer may still have consumed the number at the broadcast service.
-                self.state.published_version = max(
-                    self.state.published_version, self.publisher.latest_version()
-                )
+    def _publish(self) -> None:
+        """Publish the current weights as the next version; a failed transfer is retried with
+        backoff (`trainer.publish_attempts`), then PublishError ends the run."""
+        result = self.publisher.publish_retrying(
+            self.model,
+            self.state.published_version + 1,
+            self.config.publish_attempts,
+            self.config.publish_backoff_s,
+            links_from=self._step_traceparents,
+        )
+        version = result.version
         self._step_traceparents = []
         atomic_write_text(self.run_dir / PUBLISHED_VERSION_FILE, str(version))
         with self.lock:
