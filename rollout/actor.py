@@ -19,6 +19,11 @@ Invariants:
     within the same version). After `4 * groups_per_step` such drops in a row the next group is
     published anyway, so a task the model always fails (or always solves) still trains and reports.
   - Nothing is generated while the service is not caught up with the broadcast service.
+  - Prompts come from this worker's `PromptStream` (rollout/tasks/stream.py): every worker builds the
+    same task from run.seed and the stream deals it out, so a data set's prompts are each drawn once
+    per epoch across the fleet. Rewards are `task.reward`'s scorer (rollout/rewards), awaited off the
+    event loop with a deadline; a group whose reward raises, times out or is not finite is dropped,
+    logged with the reason and counted (`parity_rollout_rewards_failed_total`), never scored 0.
   - Prompt position: each group is published together with its prompt's draw index (atomically,
     `RolloutQueue.publish(position=...)`); an actor that starts on a stream that already holds its
     worker's groups (`parity run --resume`) continues after the highest published draw, with the
@@ -40,7 +45,11 @@ from parity.config import ParityConfig
 from parity.v1 import common_pb2, rollouts_pb2
 from rollout import metrics
 from rollout.engine import FINISH_REASONS, GenerationSpec
+from rollout.rewards import build_scorer
+from rollout.rewards.scorer import RewardFailed
 from rollout.tasks import Prompt, get_task
+from rollout.tasks.chat import needs_tokenizer, request_text, token_ids
+from rollout.tasks.stream import PromptStream
 
 log = logging.getLogger("parity.rollout.actor")
 POLL_S = 0.2
@@ -57,9 +66,12 @@ class Actor:
         self.redis_url, self.stream = run_config.run.redis_url, run_config.run.stream
         self.servicer = servicer
         self.engine = servicer.engine
-        self.task = get_task(run_config.task.name, seed=run_config.engine_seed())
+        self.task = get_task(run_config.task.name, seed=run_config.run.seed, config=run_config.task)
+        self.scorer = build_scorer(self.task, run_config.task)
+        self._stream_args = (run_config.run.seed, config.worker_index, run_config.run.rollout_workers)
+        self.rewards_failed = 0
         self.worker_id = config.worker_id or f"rollout-{uuid.uuid4().hex[:6]}"
-        self._prompts = self.task.train_prompts()
+        self._prompts = self.prompt_stream()
         # Every group's sampling seed is a function of the run's engine seed and the prompt's draw
         # index, never of timing: with the same schedule, the same prompt gets the same samples.
         self._seed_base = run_config.engine_seed()
@@ -76,6 +88,32 @@ class Actor:
         self._group_traceparents: dict[str, str] = {}  # group_id -> its rollout_group span
         self._in_flight = 0
         self._admission = asyncio.Lock()
+
+    def prompt_stream(self) -> PromptStream:
+        """A fresh stream of this worker's training prompts at position 0 (`seek` moves it)."""
+        seed, index, workers = self._stream_args
+        return PromptStream(self.task, seed=seed, worker_index=index, num_workers=workers)
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids under task.chat_template / task.system_prompt (rollout/tasks/chat.py)."""
+        c = self.sampling_config
+        if needs_tokenizer(prompt, c.chat_template, c.system_prompt):
+            return token_ids(self.engine.tokenizer, prompt, c.chat_template, c.system_prompt)
+        text = request_text(prompt, c.chat_template, c.system_prompt)
+        return self.engine.encode(text, use_chat_template=c.chat_template)
+
+    def _reward_failed(self, group_id: str, prompt: Prompt, failure: RewardFailed) -> None:
+        """Drop the group: counted, logged with the reason, never published with a made-up score."""
+        self.rewards_failed += 1
+        metrics.REWARDS_FAILED.labels(reason=failure.kind).inc()
+        self._group_traceparents.pop(group_id, None)
+        log.warning(
+            "reward failed for group %s (prompt %s); group dropped: %s (rewards_failed_total=%d)",
+            group_id,
+            prompt.prompt_id,
+            failure,
+            self.rewards_failed,
+        )
 
     def sampling(self) -> common_pb2.SamplingParams:
         c = self.sampling_config
@@ -120,7 +158,7 @@ class Actor:
     def seek(self, draw: int) -> None:
         """Continue the prompt stream at draw index `draw` (the same prompts and seeds as a run
         that drew `draw` prompts before)."""
-        prompts = self.task.train_prompts()
+        prompts = self.prompt_stream()
         if hasattr(prompts, "seek"):
             prompts.seek(draw)
         else:
@@ -130,12 +168,13 @@ class Actor:
 
     async def one_group(
         self, prompt: Prompt, seed: int | None = None, draw: int | None = None
-    ) -> rollouts_pb2.RolloutGroup:
+    ) -> rollouts_pb2.RolloutGroup | None:
+        """One scored group, or None when its reward failed (the group is dropped and counted)."""
         sampling = self.sampling()
         group_id = f"{self.worker_id}-{self._run_id}-{next(self._counter)}"
         if draw is not None:
             self._group_draws[group_id] = draw
-        ids = self.engine.encode(prompt.text, use_chat_template=True)
+        ids = self.prompt_ids(prompt)
         spec = GenerationSpec(
             request_id=group_id,
             prompt_token_ids=ids,
@@ -151,7 +190,11 @@ class Actor:
             self._group_traceparents[group_id] = tracing.current_traceparent()
             results = sorted([r async for r in self.servicer.run_group(spec)], key=lambda r: r.index)
             with tracing.span("score", {"parity.group_id": group_id, "task": self.task.name}):
-                rewards = [float(self.task.reward(prompt, r.text)) for r in results]
+                try:
+                    rewards = await self.scorer.score(prompt, [r.text for r in results], request_id=group_id)
+                except RewardFailed as failure:
+                    self._reward_failed(group_id, prompt, failure)
+                    return None
         versions = [v for r in results for v in r.token_weight_versions] or [self.engine.weight_version]
         return rollouts_pb2.RolloutGroup(
             group_id=group_id,
@@ -227,7 +270,8 @@ class Actor:
                 group = await self.one_group(*self._next_prompt())
                 if self._done():
                     return
-                await self.offer(group)
+                if group is not None:
+                    await self.offer(group)
             finally:
                 self._in_flight -= 1
 
@@ -246,7 +290,8 @@ class Actor:
                 need = self.groups_per_step - published
                 groups = await asyncio.gather(*(bounded(*self._next_prompt()) for _ in range(need)))
                 for group in groups:
-                    published += await self.offer(group)
+                    if group is not None:
+                        published += await self.offer(group)
             log.info(
                 "sync step at v%d: published %d groups (%d dropped for zero variance so far); waiting for v%d",
                 version,
@@ -294,8 +339,10 @@ class Actor:
             raise
         finally:
             log.info(
-                "actor stopped after %d groups (%d dropped for zero variance, backpressure wait %.1fs)",
+                "actor stopped after %d groups (%d dropped for zero variance, backpressure wait %.1fs, "
+                "rewards_failed_total=%d)",
                 self.groups_published,
                 self.zero_variance_dropped,
                 self.backpressure_wait_s,
+                self.rewards_failed,
             )
