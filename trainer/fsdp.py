@@ -75,6 +75,18 @@ def shard_scorer(scorer, precision: str, reshard_after_forward: bool = True):
     return scorer
 
 
+def reshard_all(module) -> None:
+    """Reshard every FSDP2 group of `module`. FSDP2 leaves the root group (embeddings, final norm,
+    lm_head) unsharded after a forward, expecting the backward to use it; after a forward without
+    gradient the module would then expose unsharded parameters with no `.grad`, and a gradient-norm
+    clip over `module.parameters()` would silently leave that group out."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
 def full_parameters(module) -> dict[str, torch.Tensor]:
     """name -> full (unsharded) parameter on this rank's device (all-gathers DTensors)."""
     out = {}

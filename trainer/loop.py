@@ -44,7 +44,7 @@ from parity import mismatch, tracing
 from parity.config import ParityConfig
 from parity.rollout_queue import MIN_ID, RolloutQueue
 from parity.sampling import SamplingTransform
-from trainer import objectives, offpolicy
+from trainer import fsdp, objectives, offpolicy
 from trainer import precision as numerics
 from trainer.checkpoint import CheckpointStore, TrainerState, atomic_write_text
 from trainer.consumer import Batch, RolloutConsumer, token_context_versions, token_versions
@@ -167,7 +167,7 @@ class Trainer:
         if self.distributed:
             fsdp.init_process_group(self.device, cfg.dist_timeout_s)
         self.model_dir = models.resolve(self.model_name)
-        self.model = load_model(self.model_dir, cfg.dtype, self.device)
+        self.model = load_model(self.model_dir, cfg.dtype, self.device, packing=cfg.packing)
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not self.distributed:  # publishing then sends the parameters with no packing copy
@@ -254,7 +254,7 @@ class Trainer:
         self.ready = True
 
     def _frozen_copy(self):
-        copy = load_model(self.model_dir, self.config.dtype, self.device)
+        copy = load_model(self.model_dir, self.config.dtype, self.device, packing=self.config.packing)
         copy.eval()
         for param in copy.parameters():
             param.requires_grad_(False)
@@ -485,6 +485,9 @@ class Trainer:
         totals = StepTotals(trainable_tokens=tokens, trainable_seqs=seqs)
         losses = []
         for chunk in self._split(trainable):
+            if not chunk:  # another rank has more micro-batches: join its collectives, add nothing
+                fsdp.idle_micro_batch(self.scorer, self.ref_model, train=True)
+                continue
             totals.train_forward_tokens += sum(
                 len(s.inputs.prompt_ids) + len(s.rollout_logprobs) for s in chunk
             )
@@ -495,18 +498,25 @@ class Trainer:
         totals.loss = float(torch.stack(losses).sum()) if losses else math.nan  # nothing trained
         with torch.no_grad():
             for chunk in self._split(frozen):
+                if not chunk:
+                    fsdp.idle_micro_batch(self.scorer, self.ref_model, train=False)
+                    continue
                 totals.eval_forward_tokens += sum(
                     len(s.inputs.prompt_ids) + len(s.rollout_logprobs) for s in chunk
                 )
                 new_T, entropy_T = token_logprobs(self.scorer, [s.inputs for s in chunk])
                 self._collect_metric_inputs(chunk, new_T, entropy_T, totals)
+        if self.distributed:  # else the clip would miss the root group's gradients (fsdp.reshard_all)
+            fsdp.reshard_all(self.scorer)
         return totals
 
     def _split(self, sequences: list[ScoredSequence]) -> list[list[ScoredSequence]]:
         cfg = self.config
-        return token_budget_batches(
-            sequences, lambda s: s.inputs, cfg.micro_batch_size, cfg.micro_batch_tokens
+        chunks = token_budget_batches(
+            sequences, lambda s: s.inputs, cfg.micro_batch_size, cfg.micro_batch_tokens, packed=cfg.packing
         )
+        # Ranks of a sharded model run equally many micro-batches (empty ones idle).
+        return fsdp.align_micro_batches(chunks, self.device) if self.distributed else chunks
 
     def _collect_metric_inputs(self, chunk, new_T, entropy_T, totals: StepTotals):
         """Record the chunk's per-token metric inputs; returns its rollout logprobs [T]."""

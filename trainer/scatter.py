@@ -138,7 +138,7 @@ def scatter_sequences(
     sizes = sizes.to(device)
     dist.broadcast(sizes, src=0)
     sizes = sizes.cpu()
-    longest_i, longest_f = int(sizes[:, 0].max()), int(sizes[:, 1].max())
+    longest_i, longest_f = int(sizes[:, 0].max()), max(1, int(sizes[:, 1].max()))  # never 0-sized
     ints = torch.zeros(longest_i, dtype=torch.int64, device=device)
     floats = torch.zeros(longest_f, dtype=torch.float64, device=device)
     if rank == 0:

@@ -11,6 +11,10 @@ protected by the shared token (UNAUTHENTICATED without it), answer UNAVAILABLE w
 still loading, and FAILED_PRECONDITION once it has finished (RequestCheckpoint also while stopping).
 Health is NOT_SERVING while Redis is unreachable: the queue retries with capped backoff
 (parity.rollout_queue, "Redis outages") and training continues where it was once Redis is back.
+
+Several ranks (`trainer.nproc` > 1, trainer/launch.py): the process re-launches itself under
+torchrun; rank 0 is this service (RankZeroTrainer), the other ranks run `multirank.follow` and
+never bind a port or touch Redis (trainer/multirank.py).
 """
 
 from __future__ import annotations
@@ -85,10 +89,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
 
 async def serve(run_config: ParityConfig) -> int:
-    from trainer.loop import Trainer
+    from trainer.fsdp import world
 
     tracing.init("parity-trainer")
     config = run_config.trainer
+    if world()[1] > 1:
+        from trainer.multirank import RankZeroTrainer as Trainer
+    else:
+        from trainer.loop import Trainer
     trainer = Trainer(run_config)
     server = GrpcServer(config, [SERVICE_NAME], protected_methods=PROTECTED_METHODS)
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(trainer, config), server.server)
@@ -149,6 +157,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "parity serve trainer: error: run.redis_url: required (the rollout stream)", file=sys.stderr
             )
             return 2
+        from trainer import launch
+
+        if config.trainer.nproc > 1 and not launch.under_torchrun():
+            return launch.relaunch(config)
+        if launch.under_torchrun() and launch.rank() != 0:
+            from trainer.multirank import follow
+
+            return follow(config)
         return asyncio.run(serve(config))
 
     return entrypoint("parity serve trainer", "trainer", list(sys.argv[1:] if argv is None else argv), body)

@@ -4,6 +4,8 @@ Invariants checked at startup (a bad value fails with the field named):
 - IS corrections are off by default (`is_correction=none`) and need `is_cap > 1` when on;
 - `max_lag >= 0`: entries whose oldest token is more than `max_lag` versions behind are dropped.
 - `precision=bf16` keeps float32 master weights, so it needs `dtype=float32`.
+- `nproc > 1` (data parallel under torchrun) does not support `old_logprobs=recompute` (the per-version
+  rescoring would run a different number of sharded forwards on each rank).
 """
 
 from __future__ import annotations
@@ -41,11 +43,25 @@ class TrainerConfig(ServiceConfig):
         description="Timeout of every collective between trainer ranks (FSDP2 under torchrun: the "
         "rank count comes from WORLD_SIZE).",
     )
+    nproc: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Trainer ranks on this host (FSDP2 data parallel). Above 1, `parity serve trainer` "
+        "re-launches itself under torchrun with this many processes (one GPU each, or gloo on CPU): rank 0 "
+        "serves gRPC, reads Redis and publishes; the other ranks get their share of each batch from it.",
+    )
+    packing: bool = Field(
+        True,
+        description="Pack each micro-batch's sequences into one row (position ids restart per sequence, "
+        "attention stays inside each): no padding. false = right-padded micro-batches.",
+    )
     micro_batch_tokens: int = Field(
         0,
         ge=0,
-        description="Padded tokens (sequences x longest) per micro-batch; 0 = micro_batch_size alone "
-        "decides. Sequences are grouped by length so that micro-batches pad little.",
+        description="Token budget per micro-batch: real tokens when packing, padded tokens (sequences x "
+        "longest) otherwise; 0 = micro_batch_size alone decides. Unpacked, sequences are grouped by "
+        "length so that micro-batches pad little.",
     )
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer's activations in backward (less memory)."
@@ -140,6 +156,15 @@ class TrainerConfig(ServiceConfig):
     def _precision(self) -> TrainerConfig:
         if self.precision == "bf16" and self.dtype != "float32":
             raise ValueError("precision: bf16 keeps float32 master weights; it needs dtype=float32")
+        return self
+
+    @model_validator(mode="after")
+    def _nproc(self) -> TrainerConfig:
+        if self.nproc > 1 and self.old_logprobs == "recompute":
+            raise ValueError(
+                "nproc: old_logprobs=recompute is not supported with more than one trainer rank "
+                f"(got nproc={self.nproc}); use old_logprobs=behaviour or nproc=1"
+            )
         return self
 
     @model_validator(mode="after")
