@@ -286,15 +286,26 @@ def test_run_killed_three_ways_resumes_to_one_lineage(tmp_path: Path) -> None:
     assert all(isinstance(r["dropped_future_version"], int) for r in rows)
     # rollout services caught up before generating, and each actor continued its prompt stream
     rollout_log = (out / "logs" / "rollout0.log").read_text()
-    assert rollout_log.count("continuing the prompt stream at draw") == 3, rollout_log[-3000:]
-    # each launch's rollout service first served (and so first generated) at a version > 0 after a
-    # resume: it was caught up to the trainer's re-published checkpoint weights before generating
+    # Each launch's rollout service first served (and so first generated) at a version > 0 after a
+    # resume: it was caught up to the trainer's re-published checkpoint weights before generating.
+    # (A kill can land before a launch's rollout service is up: the trainer may train the stream's
+    # backlog first. Such a launch has no SERVING line.)
     launches = rollout_log.split("parity settings:")[1:]
+    assert len(launches) == 4
     first_serving = [
-        int(part.split("health: SERVING (weight_version ")[1].split(")")[0]) for part in launches
+        int(part.split("health: SERVING (weight_version ")[1].split(")")[0])
+        for part in launches
+        if "health: SERVING (" in part
     ]
-    assert len(first_serving) == 4 and first_serving[0] == 0, first_serving
+    assert first_serving[0] == 0 and len(first_serving) >= 2, first_serving
     assert all(v > 0 for v in first_serving[1:]), first_serving
+    # and each actor continued its prompt stream after the last published draw
+    draws = [
+        int(line.rsplit("at draw ", 1)[1].split()[0])
+        for line in rollout_log.splitlines()
+        if "continuing the prompt stream at draw" in line
+    ]
+    assert len(draws) == len(first_serving) - 1 and draws == sorted(set(draws)), draws
     assert "resuming" in (out / "logs" / "trainer.log").read_text()
     assert output.count("redis-server restarted on its append-only file") == 3
     assert f"step {STEPS}/{STEPS}" in output  # the progress line under resume
