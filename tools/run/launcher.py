@@ -479,8 +479,9 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str], resume: Resu
     with open(run_dir / "summary.md", "a") as handle:
         handle.write(records.summary_lines(run_dir))
     log(f"done in {format_duration(timings['wall_s'])}; summary: {run_dir / 'summary.md'}")
-    if len(evals) == 2:
-        before, after = evals[0]["accuracy"], evals[1]["accuracy"]
+    by_label = {e["label"]: e["accuracy"] for e in evals}
+    before, after = by_label.get("before"), by_label.get("after")
+    if before is not None and after is not None:  # None: every held-out reward failed, or no eval
         log(
             f"held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points)"
         )
