@@ -227,3 +227,24 @@ def test_eval_scoring_reports_failures_in_place() -> None:
                 "error" if kind == "raise" else "timeout"
             )
     assert {fault_kind(p.text) for p in prompts} == {"raise", "hang", "score"}
+
+
+def test_a_dropped_group_is_counted_in_rewards_failed_total() -> None:
+    """The actor's drop path increments the Prometheus counter by reason (the run test reads the log)."""
+    from types import SimpleNamespace
+
+    from parity.config import load
+    from rollout import metrics
+    from rollout.actor import Actor
+
+    cfg = load(["--task", "arithmetic", "--reward", "exact"], home="run", environ={}).config
+    actor = Actor(cfg, SimpleNamespace(engine=SimpleNamespace()))  # the drop path touches no engine
+
+    def count(reason: str) -> float:
+        return metrics.REWARDS_FAILED.labels(reason=reason)._value.get()
+
+    before = {reason: count(reason) for reason in ("error", "timeout", "non_finite")}
+    actor._reward_failed("g1", PROMPT, RewardFailed("timeout", "x: no result within 1s"))
+    actor._reward_failed("g2", PROMPT, RewardFailed("non_finite", "x: returned nan"))
+    assert {r: count(r) - before[r] for r in before} == {"error": 0, "timeout": 1, "non_finite": 1}
+    assert actor.rewards_failed == 2
