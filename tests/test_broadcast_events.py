@@ -60,3 +60,17 @@ def test_a_follower_behind_the_bounded_log_resumes_at_the_oldest_kept_event() ->
         return await asyncio.wait_for(_collect(log, 0, frozenset({PUBLISHED}), 2), timeout=5)
 
     assert asyncio.run(scenario()) == [(PUBLISHED, 4), (PUBLISHED, 5)]
+
+
+def test_a_filtered_watcher_is_woken_only_by_the_kinds_it_asked_for() -> None:
+    async def scenario() -> tuple[bool, bool, bool]:
+        log = EventLog()
+        published_only = log._waiter(frozenset({PUBLISHED}))
+        everything = log._waiter()
+        log.emit(UPDATED, 1, "w0")  # another worker's ack: wakes the unfiltered watchers only
+        woken_by_ack = published_only.is_set()
+        log.emit(PUBLISHED, 2)
+        return woken_by_ack, published_only.is_set(), everything.is_set()
+
+    woken_by_ack, woken_by_publish, unfiltered_woken = asyncio.run(scenario())
+    assert not woken_by_ack and woken_by_publish and unfiltered_woken

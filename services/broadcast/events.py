@@ -24,7 +24,9 @@ class EventLog:
     def __init__(self, max_events: int = 10_000) -> None:
         self._events: deque[tuple[int, pb.VersionEvent]] = deque(maxlen=max_events)
         self._next_seq = 0
-        self._changed = asyncio.Event()
+        # One wake-up per filter in use (empty key: every kind), so a watcher that asked for two
+        # kinds is not woken for every other worker's events. Few distinct filters exist at once.
+        self._changed: dict[frozenset[int], asyncio.Event] = {}
 
     def emit(self, kind: int, version: int, worker_id: str = "", error: str = "") -> pb.VersionEvent:
         event = pb.VersionEvent(
@@ -32,14 +34,20 @@ class EventLog:
         )
         self._events.append((self._next_seq, event))
         self._next_seq += 1
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+        for key in [key for key in self._changed if not key or kind in key]:
+            self._changed.pop(key).set()  # the next waiter of that filter gets a fresh event
+        return event
+
+    def _waiter(self, kinds: frozenset[int] = frozenset()) -> asyncio.Event:
+        event = self._changed.get(kinds)
+        if event is None:
+            event = self._changed[kinds] = asyncio.Event()
         return event
 
     async def changed(self, timeout_s: float) -> bool:
         """Wait until the next event (True) or the timeout (False)."""
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout=max(0.0, timeout_s))
+            await asyncio.wait_for(self._waiter().wait(), timeout=max(0.0, timeout_s))
             return True
         except TimeoutError:
             return False
@@ -65,7 +73,7 @@ class EventLog:
             if event.version > after_version and wanted(event):
                 yield event
         while True:
-            waiter = self._changed
+            waiter = self._waiter(kinds)
             pending = self._since(cursor)
             cursor = self._next_seq
             for event in pending:
