@@ -22,8 +22,10 @@ every call below carries:
    publishes `--versions` versions of a two-tensor model (PublishVersion, join as rank 0, send,
    WaitVersion DISTRIBUTED, next). Per version: publish -> the last of the N streams sees the
    PUBLISHED event ("notify") and the DISTRIBUTED event ("distributed": every ack in). Every stream
-   must see every version once (lost / duplicated notifications), and every receiver must ack every
-   version exactly once (WORKER_UPDATED events; lost / duplicated acks).
+   must see every version once (lost / duplicated notifications; after the last publish the streams
+   get up to `--drain_s` to deliver what is still queued, so a late event counts as late, not lost),
+   and every receiver must ack every version exactly once (WORKER_UPDATED events; lost / duplicated
+   acks).
 The service's RSS is sampled after registration, after churn and after the publishes.
 The last stdout line is a JSON object; `--out` appends the runs to a JSON file, `--plot` draws the
 curve of every run in it.
@@ -147,6 +149,13 @@ class Simulator:
             elif command == "rejoin":
                 for worker_id in arg:
                     self.join(worker_id)
+            elif command == "drain":  # wait until every stream here saw the last version's events
+                last, timeout_s = arg
+                deadline = loop.time() + timeout_s
+                while loop.time() < deadline and any(
+                    len(self.seen[kind].get(last, [])) < len(self.ids) for kind in self.seen
+                ):
+                    await asyncio.sleep(0.05)
             elif command == "stop":
                 for worker_id in list(self.tasks):
                     await self.die(worker_id)
@@ -202,6 +211,12 @@ class Simulators:
     def command(self, command: str, worker_ids: list[str]) -> None:
         for p, conn in enumerate(self.conns):
             conn.send((command, [w for w in worker_ids if w in set(self.ids[p :: self.parts])]))
+        for conn in self.conns:
+            conn.recv()
+
+    def drain(self, last_version: int, timeout_s: float) -> None:
+        for conn in self.conns:
+            conn.send(("drain", (last_version, timeout_s)))
         for conn in self.conns:
             conn.recv()
 
@@ -439,7 +454,10 @@ def notify_phase(n: int, args: argparse.Namespace, log_dir: Path) -> dict:
             time.sleep(args.gap_s)  # > 0: the streams drain before the next publish (no backlog)
         out["publish_phase_cpu_s"] = cpu_seconds(svc.pid) - cpu0
         out["rss_mib_published"] = rss_mib(svc.pid)
-        time.sleep(1.0)
+        # a notification still queued is late, not lost: wait (bounded) until every stream has it
+        drain_start = time.monotonic()
+        sims.drain(args.versions, args.drain_s)
+        out["drain_s"] = time.monotonic() - drain_start
         seen = [s for s in sims.stop() if s is not None]
         sims = None
         if len(seen) != max(1, min(args.procs, n)):
@@ -535,6 +553,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--gap_s", type=float, default=0.0, help="pause between a version's DISTRIBUTED and the next publish"
+    )
+    parser.add_argument(
+        "--drain_s", type=float, default=60.0, help="after the last publish, wait up to this for late events"
     )
     parser.add_argument("--churn", type=float, default=0.1, help="fraction of workers that die and rejoin")
     parser.add_argument("--heartbeat_interval_s", type=float, default=2.0)
