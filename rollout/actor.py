@@ -19,6 +19,9 @@ Invariants:
     within the same version). After `4 * groups_per_step` such drops in a row the next group is
     published anyway, so a task the model always fails (or always solves) still trains and reports.
   - Nothing is generated while the service is not caught up with the broadcast service.
+  - A group lost with a dead engine (its generation failed UNAVAILABLE `engine: ...`) is generated
+    again, same prompt and seed, once the restarted engine serves the current version; it is
+    counted (`parity_rollout_regenerated_groups_total`) and never published half-done.
   - Prompts come from this worker's `PromptStream` (rollout/tasks/stream.py): every worker builds the
     same task from run.seed and the stream deals it out, so a data set's prompts are each drawn once
     per epoch across the fleet. Rewards are `task.reward`'s scorer (rollout/rewards), awaited off the
@@ -42,6 +45,7 @@ import uuid
 
 from parity import tracing
 from parity.config import ParityConfig
+from parity.errors import status_for
 from parity.v1 import common_pb2, rollouts_pb2
 from rollout import metrics
 from rollout.engine import FINISH_REASONS, GenerationSpec
@@ -81,6 +85,7 @@ class Actor:
         self._run_id = uuid.uuid4().hex[:8]
         self._counter = itertools.count()
         self.groups_published = 0
+        self.regenerated_groups = 0
         self.zero_variance_dropped = 0
         self._dropped_in_a_row = 0
         self.backpressure_wait_s = 0.0
@@ -188,7 +193,7 @@ class Actor:
         group_attrs = {"parity.group_id": group_id, "parity.weight_version": self.engine.weight_version}
         with tracing.span("rollout_group", group_attrs):  # parent of generate, score and publish
             self._group_traceparents[group_id] = tracing.current_traceparent()
-            results = sorted([r async for r in self.servicer.run_group(spec)], key=lambda r: r.index)
+            results = sorted(await self._generate(spec), key=lambda r: r.index)
             with tracing.span("score", {"parity.group_id": group_id, "task": self.task.name}):
                 try:
                     rewards = await self.scorer.score(prompt, [r.text for r in results], request_id=group_id)
@@ -224,6 +229,26 @@ class Actor:
             if self.config.logprobs_mode == "processed"
             else common_pb2.LOGPROBS_MODE_RAW,
         )
+
+    async def _generate(self, spec: GenerationSpec) -> list:
+        """The group's completions; a group lost with a dead engine is generated again (docstring)."""
+        lost = False
+        while True:
+            try:
+                return [r async for r in self.servicer.run_group(spec)]
+            except Exception as exc:
+                refusal = status_for(exc)
+                if refusal is None or refusal.field != "engine" or self.servicer.shutting_down:
+                    raise
+                if not lost:  # counted once, however many tries the restart takes
+                    lost = True
+                    self.regenerated_groups += 1
+                    metrics.REGENERATED_GROUPS.inc()
+                    log.warning(
+                        "group %s lost with the engine (%s); generating it again", spec.request_id, exc
+                    )
+                await asyncio.sleep(POLL_S)
+                await self._ready()  # not before the restarted engine serves the current version
 
     async def publish(self, group: rollouts_pb2.RolloutGroup) -> str:
         attrs = {

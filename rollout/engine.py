@@ -12,6 +12,9 @@ Invariants every engine keeps:
   - Admission is held while generation is paused (a client's PauseGeneration or an update's own
     pause): a request is salted, labelled and prefilled at the version that serves its prefill,
     never at the version that was current when it arrived (`admitted`).
+  - A dead engine (`dead()`: vLLM's engine-core process exited) fails every request in flight;
+    `restart()` builds a fresh one at version 0, and the service catches it up to the current
+    version before it serves again (rollout.server).
   - `token_context_versions[i]` is the oldest weight version whose KV token i attended to. A token
     is clean at version v only if its own version and its context version are both v; in keep mode
     tokens sampled after an in-flight update attend to older KV (mixed context), in recompute mode
@@ -225,6 +228,24 @@ class RolloutEngine(ABC):
 
     def num_running(self) -> int:
         return self._running
+
+    # ---- engine death (see the module docstring) ---------------------------------------------------
+    def dead(self) -> bool:
+        """True once the engine can no longer generate (its engine process died); only `restart`
+        brings it back. An engine that runs in the service process dies with it: never dead."""
+        return False
+
+    async def restart(self) -> None:
+        """Replace a dead engine by a fresh one on the checkpoint's weights (version 0); the
+        service brings it back to the current version (a catch-up). Requests in flight on the dead
+        engine have failed; nothing of them carries over."""
+        raise NotImplementedError(f"the {self.name} engine cannot be restarted")
+
+    def _reset_after_death(self) -> None:
+        """Version and pause state of a fresh engine: version 0, not paused, admission open."""
+        self.weight_version = 0
+        self._kv_dropped_in_pause = False
+        self._admission_open.set()
 
 
 def plan_to_bytes(plan) -> bytes:

@@ -36,6 +36,13 @@ for _reason in ("error", "timeout", "non_finite"):  # every series exists (at 0)
     REWARDS_FAILED.labels(reason=_reason)
 UPDATES = Counter("parity_rollout_weight_updates", "Weight updates by outcome.", ["outcome"])
 ACTOR_RESTARTS = Counter("parity_rollout_actor_restarts", "Times the actor loop crashed and was restarted.")
+ENGINE_RESTARTS = Counter(
+    "parity_rollout_engine_restarts",
+    "Times the engine died (its engine-core process exited) and was restarted.",
+)
+REGENERATED_GROUPS = Counter(
+    "parity_rollout_regenerated_groups", "Actor groups lost with a dead engine and generated again."
+)
 INFLIGHT_REQUESTS = Gauge("parity_rollout_inflight_requests", "Generate RPCs admitted and not yet finished.")
 REFUSED_REQUESTS = Counter(
     "parity_rollout_refused_requests",

@@ -15,6 +15,14 @@ Invariants:
   - With the actor on, health is also NOT_SERVING while Redis is unreachable (the actor's queue waits
     it out, parity.rollout_queue) and while a crashed actor loop waits to restart (capped backoff;
     `parity_rollout_actor_restarts_total`). Generate RPCs are still answered meanwhile.
+  - A dead engine (vLLM's engine-core process exited: `RolloutEngine.dead`, polled every 0.5 s) is a
+    recoverable fault: requests in flight on it answer UNAVAILABLE, the service turns NOT_SERVING
+    (new requests UNAVAILABLE `engine: restarting`), builds a fresh engine (version 0) and requires
+    the version it served before the death. With a broadcast service it registers again as a
+    worker at version 0, so the trainer's catch-up sends it the current version; without one it
+    waits for an UpdateWeights to that version. Then SERVING again. Counted in
+    `parity_rollout_engine_restarts_total` and GetStatus `engine_restarts_total`; a failed restart
+    is retried with capped backoff.
   - Generate/GenerateStream RPCs are admitted up to `max_inflight_requests` and
     `max_inflight_tokens` (rollout.admission); the rest get RESOURCE_EXHAUSTED with a retry hint.
   - Every parity-relevant engine setting is logged at startup and returned by GetStatus.
@@ -118,6 +126,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._tokenize_pending = 0
         self.actor_failed = False
+        self.engine_down = False  # from an engine death until its replacement has started
+        self.engine_restarts = 0
+        self.membership = None  # MembershipClient when a broadcast service is configured
+        self._recovery: asyncio.Task | None = None
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -132,7 +144,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     @property
     def caught_up(self) -> bool:
-        return self.registered and self.engine.weight_version >= self.required_version
+        """Ready to generate: an engine that runs, at the version the service must serve."""
+        return (
+            not self.engine_down
+            and not self.engine.dead()  # dead, and the tick has not noticed yet
+            and self.registered
+            and self.engine.weight_version >= self.required_version
+        )
 
     @property
     def actor_healthy(self) -> bool:
@@ -153,12 +171,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 "health: %s (weight_version %d%s)",
                 "SERVING" if serving else "NOT_SERVING",
                 self.engine.weight_version,
-                "" if self.actor_healthy else ", actor down or redis unreachable",
+                ", engine restarting"
+                if self.engine_down
+                else ("" if self.actor_healthy else ", actor down or redis unreachable"),
             )
 
     def check_available(self) -> None:
         if self.shutting_down:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "service", "shutting down")
+        if self.engine_down:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine", "restarting after the engine died")
         if not self.caught_up:
             raise RequestError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -276,6 +298,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             paused_seconds_total=self.paused_seconds_total,
             updates_applied_total=self.updates_applied,
             updates_failed_total=self.updates_failed,
+            engine_restarts_total=self.engine_restarts,
         )
 
     # -- weights and pausing ------------------------------------------------------------------
@@ -283,6 +306,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             if self.shutting_down:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "service", "shutting down")
+            if self.engine_down:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine", "restarting after the engine died")
             check_update_request(request, self.shapes, self.config.enable_fault_injection)
             version = int(request.plan.version)
             if version < self.engine.weight_version:
@@ -340,6 +365,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             check_unknown_fields(request)
             if self.shutting_down:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "service", "shutting down")
+            if self.engine_down:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine", "restarting after the engine died")
         except RequestError as exc:
             await context.abort(exc.code, exc.details)
         if not self.paused:
@@ -357,7 +384,62 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             metrics.PAUSE_SECONDS.inc(elapsed)
         return rollout_pb2.ResumeGenerationResponse()
 
+    # -- engine death ------------------------------------------------------------------------------
+    def watch_engine(self) -> None:
+        """Start the recovery of a dead engine (called every tick; one recovery at a time)."""
+        if (
+            self.engine.dead()
+            and not self.shutting_down
+            and (self._recovery is None or self._recovery.done())
+        ):
+            self._recovery = asyncio.create_task(self.recover_engine())
 
+    async def recover_engine(self) -> None:
+        """NOT_SERVING, a fresh engine, then serving again at the version served before (module
+        docstring)."""
+        lost_version = self.engine.weight_version
+        self.engine_down = True
+        self.required_version = max(self.required_version, lost_version)
+        self.engine_restarts += 1
+        metrics.ENGINE_RESTARTS.inc()
+        log.error(
+            "engine died while serving v%d (requests in flight on it answer UNAVAILABLE); restarting it",
+            lost_version,
+        )
+        await self.refresh_serving()
+        delay_s = ENGINE_RESTART_START_S
+        while not self.shutting_down:
+            started = time.monotonic()
+            try:
+                await self.engine.restart()
+                break
+            except Exception as exc:
+                log.error("engine restart failed (%r); retrying in %.0fs", exc, delay_s)
+                await asyncio.sleep(delay_s)
+                delay_s = min(ENGINE_RESTART_CAP_S, 2 * delay_s)
+        else:
+            return
+        if self.paused:  # a client's PauseGeneration does not survive the engine it paused
+            log.warning("the engine restarted unpaused; the client's PauseGeneration is void")
+            self.paused = False
+        metrics.WEIGHT_VERSION.set(self.engine.weight_version)
+        self.engine_down = False
+        log.info(
+            "engine restarted in %.1fs at v%d; serving again once at v%d",
+            time.monotonic() - started,
+            self.engine.weight_version,
+            self.required_version,
+        )
+        if self.membership is not None:
+            # Registered again at version 0: the broadcast service's record of the old engine's
+            # version is void, and the trainer's catch-up brings this worker to the latest version.
+            self.registered = False
+            await self.membership.register()
+        await self.refresh_serving()
+
+
+ENGINE_RESTART_START_S = 1.0
+ENGINE_RESTART_CAP_S = 30.0
 ACTOR_RESTART_START_S = 1.0
 ACTOR_RESTART_CAP_S = 30.0
 
@@ -438,7 +520,8 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     async def tick() -> None:
         while True:
             servicer.rate.tick()
-            await servicer.refresh_serving()  # follows Redis and the actor loop
+            servicer.watch_engine()
+            await servicer.refresh_serving()  # follows Redis, the actor loop and the engine
             await asyncio.sleep(0.5)
 
     background.append(asyncio.create_task(tick()))
@@ -458,6 +541,7 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
             weight_version=lambda: engine.weight_version,
             on_registered=caught_up_to,
         )
+        servicer.membership = link
         background.append(asyncio.create_task(link.run()))
     await servicer.refresh_serving()
     if config.actor:

@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -40,7 +41,7 @@ from typing import Literal
 from parity.config.rollout import RolloutConfig
 from parity.versions import expand_spans, parse_version_label
 from rollout.engine import FINISH_REASONS, CompletionResult, GenerationSpec, RolloutEngine, plan_to_bytes
-from rollout.weight_receiver import rendezvous_ready
+from rollout.weight_receiver import forget_ready_groups, rendezvous_ready
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +97,17 @@ class VllmEngine(RolloutEngine):
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        await self._start_llm()
+
+    async def _start_llm(self) -> None:
+        """Build AsyncLLM (its engine-core process loads the checkpoint: version 0) off the event
+        loop, so that health and every other RPC keep answering while it loads."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.llm = AsyncLLM.from_engine_args(self.engine_args())
+        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self.engine_args())
         self.vocab_size = int(self.llm.model_config.get_vocab_size())
         self.top_p_impl = await self._rpc_one("parity_install_top_p", mode=self.config.cpu_top_p)
         head = self.llm.model_config.hf_config
@@ -155,7 +162,7 @@ class VllmEngine(RolloutEngine):
                     async for result in self._submit(spec, params, request_id, admission):
                         yield result
                 finally:
-                    del self._admissions[request_id]
+                    self._admissions.pop(request_id, None)  # gone already if the engine restarted
                 if not admission.restart:
                     return
                 attempt += 1
@@ -271,6 +278,25 @@ class VllmEngine(RolloutEngine):
             "restart at the new version",
             len(restart),
         )
+
+    def dead(self) -> bool:
+        return self.llm is not None and bool(self.llm.errored)
+
+    def engine_core_pids(self) -> list[int]:
+        """The engine-core processes behind this AsyncLLM (empty when it runs in-process)."""
+        manager = getattr(getattr(self.llm, "engine_core", None), "resources", None)
+        manager = getattr(manager, "engine_manager", None)
+        return [int(p.pid) for p in getattr(manager, "processes", []) if p.pid is not None]
+
+    async def restart(self) -> None:
+        self._reset_after_death()
+        self._admissions.clear()
+        old, self.llm = self.llm, None
+        if old is not None:
+            with contextlib.suppress(Exception):  # already half torn down by vLLM's own monitor
+                old.shutdown()
+        forget_ready_groups()  # the new worker holds no data group: it joins afresh
+        await self._start_llm()
 
     async def shutdown(self) -> None:
         if self.llm is not None:

@@ -120,6 +120,12 @@ def receive_and_verify(
 _ready_groups: set[str] = set()  # epoch groups this process's worker already joined (held there)
 
 
+def forget_ready_groups() -> None:
+    """The worker that held this process's epoch group is gone (its engine restarted): the next
+    plan's group must be rendezvoused again."""
+    _ready_groups.clear()
+
+
 def rendezvous_ready(rdv) -> str:
     """Blocking, in the service process: make sure every rank of `rdv`'s group has come to the store
     before the worker is asked to join, so that a dead rendezvous fails here, outside the engine

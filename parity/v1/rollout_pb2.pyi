@@ -118,7 +118,7 @@ class EngineSettings(_message.Message):
     def __init__(self, engine: _Optional[str] = ..., model: _Optional[str] = ..., logprobs_mode: _Optional[_Union[_common_pb2.LogprobsMode, str]] = ..., head_dtype: _Optional[str] = ..., model_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., reset_prefix_cache_on_update: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., generation_config: _Optional[str] = ..., update_mode: _Optional[_Union[_common_pb2.UpdateMode, str]] = ..., max_model_len: _Optional[int] = ..., max_n: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., top_p_impl: _Optional[str] = ...) -> None: ...
 
 class RolloutServiceGetStatusResponse(_message.Message):
-    __slots__ = ("settings", "weight_version", "paused", "num_running_requests", "generated_tokens_total", "paused_seconds_total", "updates_applied_total", "updates_failed_total")
+    __slots__ = ("settings", "weight_version", "paused", "num_running_requests", "generated_tokens_total", "paused_seconds_total", "updates_applied_total", "updates_failed_total", "engine_restarts_total")
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class RolloutServiceGetStatusResponse(_message.Message):
     PAUSED_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     UPDATES_APPLIED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     UPDATES_FAILED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_RESTARTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     settings: EngineSettings
     weight_version: int
     paused: bool
@@ -135,7 +136,8 @@ class RolloutServiceGetStatusResponse(_message.Message):
     paused_seconds_total: float
     updates_applied_total: int
     updates_failed_total: int
-    def __init__(self, settings: _Optional[_Union[EngineSettings, _Mapping]] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., num_running_requests: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., paused_seconds_total: _Optional[float] = ..., updates_applied_total: _Optional[int] = ..., updates_failed_total: _Optional[int] = ...) -> None: ...
+    engine_restarts_total: int
+    def __init__(self, settings: _Optional[_Union[EngineSettings, _Mapping]] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., num_running_requests: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., paused_seconds_total: _Optional[float] = ..., updates_applied_total: _Optional[int] = ..., updates_failed_total: _Optional[int] = ..., engine_restarts_total: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("plan", "update_mode", "fault_corrupt_tensor")

