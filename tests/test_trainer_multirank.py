@@ -1,0 +1,304 @@
+"""The trainer service on two ranks (`--nproc 2`: torchrun, real gloo on CPU) against one rank.
+
+- `parity serve trainer --nproc 2` re-launches itself under torchrun; rank 0 serves gRPC, reads
+  the Redis stream and publishes through the real broadcast service to a stand-in worker; rank 1
+  gets its share of each batch from rank 0 (tensors, no pickle). Two steps on the same rollouts
+  as an in-process one-rank Trainer give the same loss, gradient norm and whole-batch metrics
+  (within 1e-6) and the same checkpointed weights (the tolerance of tests/test_trainer_fsdp.py:
+  1e-6 where the gradient is well above AdamW's eps); the worker serves exactly the checkpointed
+  weights (its WSUM64 checksums), so rank 0 published the all-gathered full tensors.
+- Killing rank 1 ends the service with a non-zero status and torchrun's report naming the rank,
+  within seconds, instead of a hang.
+Fast unit tests cover the wire encoding (exact round trip), the balance of shards, the merge of the
+ranks' measurements, the config checks and the relaunch command (no config value or secret on it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity.procs import ServiceProcess
+from parity.rollout_queue import RolloutQueue
+from tests.conftest import config_for
+from tests.fakes.synthetic_rollouts import make_group
+from tests.fakes.trainer_helpers import metrics
+from trainer.policy import load_model
+
+TOKEN = "multirank-token"
+LR = 1e-3
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_model: Path) -> list:
+    model = load_model(tiny_model)
+    gen = torch.Generator().manual_seed(3)
+    rewards = [(1.0, 0.0, 0.0, 1.0), (0.0, 1.0, 1.0, 1.0), (0.0, 0.0, 0.0, 0.0), (1.0, 0.0, 1.0, 0.0)]
+    # Completion lengths differ, and group 2 has no reward variance (scored forward-only), so the
+    # ranks get unequal micro-batches of both kinds.
+    return [
+        make_group(model, f"g{i}", rewards[i], generator=gen, sample=False, completion_len=4 + 3 * i)
+        for i in range(4)
+    ]
+
+
+def service_args(redis_url: str, stream: str, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--model", "tiny", "--redis_url", redis_url, "--stream", stream, "--run_dir", str(run_dir),
+        "--groups_per_step", "2", "--micro_batch_size", "3", "--read_block_ms", "100", "--max_lag", "100",
+        "--lr", str(LR), "--device", "cpu", "--dist_timeout_s", "60", "--nproc", "2", *extra,
+    ]  # fmt: skip
+
+
+def checkpoint_weights(run_dir: Path, tiny_model: Path, step: int) -> dict[str, torch.Tensor]:
+    from trainer.checkpoint import load_model_weights
+
+    model = load_model(tiny_model)
+    load_model_weights(model, run_dir / "checkpoints" / f"step_{step:08d}")
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def start_receiver(log_dir: Path, broadcast_address: str) -> ServiceProcess:
+    port_file, log_path = log_dir / "w0.port", log_dir / "w0.log"
+    cmd = [sys.executable, "-m", "tests.fakes.fake_receiver", "--broadcast_address", broadcast_address,
+           "--worker_id", "w0", "--port_file", str(port_file), "--state_file", str(log_dir / "w0.json")]  # fmt: skip
+    env = {**os.environ, "PARITY_AUTH_TOKEN": TOKEN}
+    with open(log_path, "ab") as handle:
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return ServiceProcess(name="w0", proc=proc, port_file=port_file, log_path=log_path)
+
+
+@pytest.mark.slow
+def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weights(
+    redis_url: str, tmp_path: Path, start_services, groups: list, tiny_model: Path
+) -> None:
+    from parity import checksum
+    from trainer.loop import Trainer
+
+    broadcast = start_services(
+        "broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "20", name="broadcast", timeout_s=90
+    )
+    receiver = start_receiver(tmp_path, broadcast.address)
+    try:
+        receiver.wait_ready(90)
+        two_dir, one_dir = tmp_path / "two", tmp_path / "one"
+        for stream in ("mr:two", "mr:one"):
+            queue = RolloutQueue(redis_url, stream=stream)
+            for group in groups:
+                queue.publish(group)
+        svc = start_services(
+            "trainer",
+            *service_args(redis_url, "mr:two", two_dir, "--steps", "2", "--checkpoint_every", "1"),
+            "--broadcast_address", broadcast.address, "--auth_token", TOKEN, "--wait_committed_s", "20",
+            name="trainer2", timeout_s=120,
+        )  # fmt: skip
+        assert svc.proc.wait(120) == 0, svc.log_tail(40)
+        log = svc.log_path.read_text()
+        assert "rank 1/2 ready" in log and "rank 1: stopped by rank 0 after 2 steps" in log, log[-3000:]
+
+        one = Trainer(
+            config_for(
+                "trainer", model="tiny", redis_url=redis_url, stream="mr:one", run_dir=str(one_dir),
+                steps=2, groups_per_step=2, micro_batch_size=3, read_block_ms=100, max_lag=100, lr=LR,
+                device="cpu", checkpoint_every=1,
+            )
+        )  # fmt: skip
+        one.setup()
+        one.run()
+        one.close()
+
+        rows_two, rows_one = metrics(two_dir), metrics(one_dir)
+        assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [1, 2]
+        for two, ref in zip(rows_two, rows_one, strict=True):
+            print(f"step {ref['step']}: loss 1 rank {ref['loss']!r}, 2 ranks {two['loss']!r}")
+            assert abs(two["loss"] - ref["loss"]) <= 1e-6
+            assert abs(two["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"]
+            # Metrics of the whole batch, measured on two ranks and gathered on rank 0.
+            for key in ("num_tokens", "trainable_tokens", "zero_variance_groups", "lag_hist"):
+                assert two[key] == ref[key], key
+            for key in (
+                "entropy",
+                "kl_new_old",
+                "clip_rate",
+                "mismatch_k3",
+                "policy_drift_k3",
+                "policy_drift_max_abs",
+            ):
+                if ref[key] is None:  # nothing to measure (no lag-0 token at step 2)
+                    assert two[key] is None, key
+                else:
+                    assert math.isclose(two[key], ref[key], rel_tol=1e-5, abs_tol=1e-6), key
+
+        # After one step (the FSDP test's rule): 1e-6 wherever AdamW's first step moved the weight by
+        # ~lr (gradient well above eps); eps-sized gradients turn summation-order noise into up to 2 lr.
+        w0 = {name: p.detach() for name, p in load_model(tiny_model).named_parameters()}
+        w2, w1 = checkpoint_weights(two_dir, tiny_model, 1), checkpoint_weights(one_dir, tiny_model, 1)
+        worst, compared, total = 0.0, 0, 0
+        for name in w1:
+            diff = (w1[name] - w2[name]).abs()
+            assert float(diff.max()) <= 2 * LR, name
+            moved = (w1[name] - w0[name]).abs() >= 0.99 * LR
+            if moved.any():
+                worst = max(worst, float(diff[moved].max()))
+            compared += int(moved.sum())
+            total += diff.numel()
+        print(f"after step 1: max |Δweight| {worst:.2e} over {compared} of {total} weights")
+        assert worst <= 1e-6 and compared >= total // 2
+        assert max(float((w1[n] - w0[n]).abs().max()) for n in w1) > 1e-4  # the step moved them
+        # After step 2 the first step's eps-sized differences have entered the forward: almost every
+        # weight still agrees within 1e-6, none by more than two AdamW steps.
+        w2, w1 = checkpoint_weights(two_dir, tiny_model, 2), checkpoint_weights(one_dir, tiny_model, 2)
+        close = sum(int(((w1[n] - w2[n]).abs() <= 1e-6).sum()) for n in w1)
+        print(f"after step 2: {close} of {total} weights within 1e-6")
+        assert close >= 0.99 * total
+        assert max(float((w1[n] - w2[n]).abs().max()) for n in w1) <= 4 * LR
+
+        state = json.loads((tmp_path / "w0.json").read_text())
+        assert state["version"] == 2
+        assert state["checksums"] == [str(m.checksum) for m in checksum.describe(list(w2.items()))]
+    finally:
+        receiver.stop(10)
+
+
+@pytest.mark.slow
+def test_killing_rank_1_ends_the_service_with_an_error_naming_it(
+    redis_url: str, tmp_path: Path, start_services
+) -> None:
+    svc = start_services(
+        "trainer", *service_args(redis_url, "mr:kill", tmp_path / "run", "--steps", "5"), timeout_s=120
+    )
+    ranks = {}  # the agent (the service's pid, exec'd torchrun) started both ranks
+    for task in Path(f"/proc/{svc.proc.pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            ranks.update({int(e.split(b"=")[1]): int(child) for e in environ if e.startswith(b"RANK=")})
+    assert sorted(ranks) == [0, 1]
+    killed_at = time.monotonic()
+    os.kill(ranks[1], signal.SIGKILL)
+    returncode = svc.proc.wait(60)
+    took = time.monotonic() - killed_at
+    log = svc.log_path.read_text()
+    print(f"service exited {returncode} {took:.1f}s after rank 1 was killed")
+    assert returncode != 0
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", log) and "Signal 9 (SIGKILL)" in log, log[-3000:]
+    assert took < 45
+
+
+# ---- fast unit tests -------------------------------------------------------------------------------
+def _sequences(count: int):
+    from parity.sampling import SamplingTransform
+    from trainer.loop import ScoredSequence
+    from trainer.policy import SequenceInput
+
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(count):
+        n = 2 + i
+        out.append(
+            ScoredSequence(
+                inputs=SequenceInput(
+                    tuple(range(1, 3 + i)), tuple(range(50, 50 + n)), SamplingTransform(0.7, i, 0.9)
+                ),
+                rollout_logprobs=[float(x) for x in torch.randn(n, generator=gen).float()],
+                versions=[i] * n,
+                advantage=float(torch.randn(1, dtype=torch.float64, generator=gen)),
+                trainable=i % 3 != 0,
+                contexts=[max(0, i - 1)] * n,
+                group_index=i // 2,
+            )
+        )
+    return out
+
+
+def test_sequences_cross_the_wire_exactly() -> None:
+    from trainer import scatter
+
+    sequences = _sequences(7)
+    ints, floats = scatter.encode_sequences(sequences)
+    assert ints.dtype == torch.int64 and floats.dtype == torch.float64
+    assert scatter.decode_sequences(ints, floats) == sequences
+    assert scatter.decode_sequences(*scatter.encode_sequences([])) == []
+
+
+def test_shards_are_balanced_by_tokens_and_keep_every_sequence_once() -> None:
+    from trainer import scatter
+
+    sequences = _sequences(9)
+    length = lambda s: len(s.inputs.prompt_ids) + len(s.inputs.completion_ids)  # noqa: E731
+    shards = scatter.balance(sequences, 2, length)
+    assert sorted(id(s) for shard in shards for s in shard) == sorted(id(s) for s in sequences)
+    loads = [sum(length(s) for s in shard) for shard in shards]
+    assert max(loads) - min(loads) <= max(length(s) for s in sequences)
+    assert scatter.balance(sequences[:1], 3, length)[1:] == [[], []]  # fewer sequences than ranks
+
+
+def test_the_ranks_measurements_merge_into_the_whole_batch() -> None:
+    from trainer import scatter
+    from trainer.loop import StepTotals
+
+    def totals(values: list[float], loss: float, clean: bool) -> StepTotals:
+        t = StepTotals(trainable_tokens=10, trainable_seqs=3, loss=loss)
+        t.trainer_logprobs.append(torch.tensor(values))
+        t.rollout_logprobs.append(torch.tensor(values) - 0.5)
+        t.clip.append(torch.tensor([True] * len(values)))
+        t.lags.extend([1] * len(values))
+        t.clean.extend([clean] * len(values))
+        t.nonfinite_counts.append(torch.tensor(1))
+        t.train_forward_tokens = 7
+        return t
+
+    parts = [totals([-1.0, -2.0], 0.25, True), totals([], math.nan, False), totals([-3.0], 0.5, False)]
+    encoded = [scatter.encode_totals(t) for t in parts]
+    merged = scatter.decode_totals([p for p, _ in encoded], [n for _, n in encoded], parts[0])
+    assert StepTotals.cat(merged.trainer_logprobs).tolist() == [-1.0, -2.0, -3.0]
+    assert StepTotals.cat(merged.rollout_logprobs).tolist() == [-1.5, -2.5, -3.5]
+    assert StepTotals.cat(merged.clip).tolist() == [1.0, 1.0, 1.0]
+    assert merged.lags == [1, 1, 1] and merged.clean == [True, True, False]
+    assert merged.loss == 0.75  # the rank that trained nothing adds no loss (its own is NaN)
+    assert sum(int(c) for c in merged.nonfinite_counts) == 3 and merged.train_forward_tokens == 21
+    assert (merged.trainable_tokens, merged.kl_ref) == (10, [])
+
+
+def test_nproc_is_validated_naming_the_field() -> None:
+    from parity.config import ConfigError
+
+    assert config_for("trainer", nproc=4).trainer.nproc == 4
+    for bad in ({"nproc": 0}, {"nproc": 2, "old_logprobs": "recompute"}):
+        with pytest.raises(ConfigError, match="nproc"):
+            config_for("trainer", **bad)
+
+
+def test_the_relaunch_command_carries_no_config_and_no_secret(tmp_path: Path) -> None:
+    from parity.config import load
+    from trainer import launch
+
+    environ = {
+        "PARITY_TRAINER_AUTH_TOKEN": "tok-123",
+        "PARITY_RUN_REDIS_URL": "redis://:pw-456@127.0.0.1:1/0",
+    }
+    config = load(
+        ["--nproc", "2", "--lr", "0.0123", "--run_dir", str(tmp_path)], home="trainer", environ=environ
+    ).config
+    command = launch.torchrun_command(config.trainer.nproc)
+    assert "--nproc-per-node=2" in command and command[-3:] == ["parity.cli", "serve", "trainer"]
+    assert not any("0.0123" in arg or "tok-123" in arg or "pw-456" in arg for arg in command)
+    path = tmp_path / "config.toml"
+    from parity.config.loader import write_config
+
+    write_config(config, path)
+    env = launch.child_environment(config, path)
+    assert "tok-123" not in path.read_text() and "pw-456" not in path.read_text()
+    assert env["PARITY_TRAINER_AUTH_TOKEN"] == "tok-123"
+    assert env["PARITY_RUN_REDIS_URL"] == "redis://:pw-456@127.0.0.1:1/0"
+    reloaded = load([], home="trainer", environ=env).config
+    assert reloaded == config  # the ranks see exactly this process's config
