@@ -12,8 +12,9 @@ Invariants:
     `RewardFailed.kind` is "error", "timeout" or "non_finite" and `reason` says which reward and why.
     The caller drops the group and counts it; no score is invented in its place.
   - A timed-out Python reward cannot be killed; its thread is a daemon (it never holds the process
-    open) and at most `MAX_STUCK_THREADS` may be stuck at once: past that every call fails with kind
-    "timeout" at once, rather than piling up threads.
+    open) and keeps counting until it returns: at most `MAX_STUCK_THREADS` reward calls run at once,
+    stuck ones included; past that every call fails with kind "timeout" at once, rather than piling
+    up threads.
   - Weighted components: the reward is sum(weight * component); a component failing fails the sum.
 """
 
