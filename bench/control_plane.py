@@ -528,9 +528,10 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("simulated rollout workers (WatchVersions streams)")
     ax.set_ylabel("ms after PublishVersion")
-    per_n = Counter(r["workers"] for r in runs)
+    per_n = Counter((r.get("watch_kinds", "all"), r["workers"]) for r in runs)
     ax.set_title(
-        f"broadcast control plane, {os.cpu_count()} cores, {min(per_n.values())}+ runs per N (bar: range)"
+        f"broadcast control plane, {os.cpu_count()} cores, {min(per_n.values())}+ runs per N and filter (bar: range)",
+        fontsize=10,
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
