@@ -112,6 +112,7 @@ class Actor:
         self.rewards_failed += 1
         metrics.REWARDS_FAILED.labels(reason=failure.kind).inc()
         self._group_traceparents.pop(group_id, None)
+        self._group_draws.pop(group_id, None)  # never published: its draw index is not a position
         log.warning(
             "reward failed for group %s (prompt %s); group dropped: %s (rewards_failed_total=%d)",
             group_id,
