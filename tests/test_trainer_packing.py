@@ -1,8 +1,9 @@
 """Packed micro-batches (trainer/packing.py) score and train exactly like unpacked ones.
 
-- The logprobs of a packed row equal each sequence scored alone and the padded batch's: within
-  1e-10 in float64 and float32 rounding (a few ulps) in float32, under several sampling transforms
-  (top-k/top-p masks give the same -inf pattern).
+- The decoder's hidden states of a packed row (and of rows of one length) equal each sequence run
+  alone within 1e-10 in float64; the float32 logprobs equal each sequence scored alone and the
+  padded batch's up to float32 rounding (a few ulps), under several sampling transforms (top-k/top-p
+  masks give the same -inf pattern).
 - The gradients of a packed micro-batch equal the padded micro-batch's.
 - The token budget counts real tokens when packing: every sequence once, no micro-batch over budget
   unless a single sequence is, and no padding at all.
@@ -42,18 +43,13 @@ def _finite_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a[finite] - b[finite]).abs().max())
 
 
-# float64 shows the packing is exact (positions restart, no attention across sequences); float32 adds
-# the rounding of GEMMs of another shape ([N, H] for the row vs [L, H] per sequence): a few ulps of
-# logprobs up to ~10 in magnitude (ulp 9.5e-7). Measured here: packed vs alone 9.5e-7, packed vs
-# padded 3.8e-6 (the padded batch is itself 3.8e-6 from alone). A packing bug moves them by > 1e-2.
-@pytest.mark.parametrize(
-    ("dtype", "vs_alone_tol", "vs_padded_tol"), [("float32", 2e-6, 1e-5), ("float64", 1e-10, 1e-10)]
-)
-def test_packed_logprobs_equal_each_sequence_alone(
-    tiny_model: Path, dtype: str, vs_alone_tol: float, vs_padded_tol: float
-) -> None:
-    padded_model = load_model(tiny_model, dtype)
-    packed_model = load_model(tiny_model, dtype, packing=True)
+# float32 adds the rounding of GEMMs of another shape ([N, H] for the row vs [L, H] per sequence): a
+# few ulps of logprobs up to ~10 in magnitude (ulp 9.5e-7). Measured here: packed vs alone 9.5e-7,
+# packed vs padded 3.8e-6 (the padded batch is itself 3.8e-6 from alone). Exactness is shown in
+# float64 below, on the decoder's hidden states (the head and logprobs are float32 by design).
+def test_packed_logprobs_equal_each_sequence_alone(tiny_model: Path) -> None:
+    padded_model = load_model(tiny_model)
+    packed_model = load_model(tiny_model, packing=True)
     sequences = _sequences()
     with torch.no_grad():
         packed, packed_entropy = token_logprobs(packed_model, sequences)
@@ -62,10 +58,59 @@ def test_packed_logprobs_equal_each_sequence_alone(
     assert packed.numel() == sum(n for _, n in SHAPES)
     assert (~torch.isfinite(alone)).any()  # the top-k/top-p masks exclude some sampled tokens
     vs_alone, vs_padded = _finite_diff(packed, alone), _finite_diff(packed, padded)
-    print(f"{dtype}: packed vs alone {vs_alone:.2e}, vs padded {vs_padded:.2e}, "
+    print(f"float32: packed vs alone {vs_alone:.2e}, vs padded {vs_padded:.2e}, "
           f"padded vs alone {_finite_diff(padded, alone):.2e}")  # fmt: skip
-    assert vs_alone <= vs_alone_tol and vs_padded <= vs_padded_tol
-    assert float((packed_entropy - padded_entropy).abs().max()) <= vs_padded_tol
+    assert vs_alone <= 2e-6 and vs_padded <= 1e-5
+    assert float((packed_entropy - padded_entropy).abs().max()) <= 1e-5
+
+
+def _hidden_alone(model, seq: SequenceInput) -> torch.Tensor:
+    from trainer.packing import scored_length
+
+    ids = torch.tensor(
+        [
+            list(
+                (seq.prompt_ids + seq.completion_ids)[
+                    : scored_length(len(seq.prompt_ids), len(seq.completion_ids))
+                ]
+            )
+        ]
+    )
+    return model.model(input_ids=ids).last_hidden_state[0]
+
+
+@pytest.mark.parametrize("one_length", [False, True])
+def test_packed_hidden_states_equal_each_sequence_alone_in_float64(
+    tiny_model: Path, one_length: bool
+) -> None:
+    from trainer.packing import pack_batch
+
+    gen = torch.Generator().manual_seed(2)
+    if one_length:  # same scored length (20), different prompt/completion splits: the [S, L] rows
+        sequences = [
+            SequenceInput(
+                tuple(torch.randint(3, 259, (p,), generator=gen).tolist()),
+                tuple(torch.randint(3, 259, (21 - p,), generator=gen).tolist()),
+                TRANSFORMS[0],
+            )
+            for p in (1, 4, 9, 15)
+        ]
+    else:
+        sequences = _sequences()
+    packed_model = load_model(tiny_model, "float64", packing=True)
+    plain_model = load_model(tiny_model, "float64")
+    input_ids, positions, bounds, _, _, _ = pack_batch(sequences)
+    assert (bounds is None) == one_length
+    with torch.no_grad():
+        extra = {} if bounds is None else {"position_ids": positions, "cu_seq_lens": bounds}
+        hidden = packed_model.model(input_ids=input_ids, **extra).last_hidden_state.reshape(-1, 128)
+        alone = torch.cat([_hidden_alone(plain_model, s) for s in sequences])
+    assert hidden.dtype == torch.float64 and hidden.shape == alone.shape
+    worst = float((hidden - alone).abs().max())
+    print(
+        f"float64 hidden states, {'rows of one length' if one_length else 'one packed row'}: max |Δ| {worst:.1e}"
+    )
+    assert worst <= 1e-10
 
 
 def test_packed_and_padded_micro_batches_give_the_same_gradients(tiny_model: Path) -> None:
@@ -95,13 +140,19 @@ def test_the_token_budget_counts_real_tokens_when_packing() -> None:
         assert len(batch) <= 4
         assert len(batch) == 1 or packed_tokens(batch) <= 64
         input_ids, positions, bounds, rows, _cols, targets = pack_batch(batch)
-        assert input_ids.shape == (1, packed_tokens(batch))  # no pad token anywhere
-        assert bounds[0] == 0 and bounds[-1] == input_ids.shape[1]
-        for start, end in itertools.pairwise(bounds):
-            assert positions[0, start:end].tolist() == list(range(end - start))
+        assert input_ids.numel() == packed_tokens(batch)  # no pad token anywhere
+        if bounds is None:  # one length: rows of [S, L], each from position 0
+            assert input_ids.shape[0] == len(batch)
+            assert all(row.tolist() == list(range(input_ids.shape[1])) for row in positions)
+        else:
+            assert input_ids.shape[0] == 1 and bounds[0] == 0 and bounds[-1] == input_ids.shape[1]
+            for start, end in itertools.pairwise(bounds):
+                assert positions[0, start:end].tolist() == list(range(end - start))
         assert targets.numel() == rows.numel() == sum(len(s.completion_ids) for s in batch)
     unbounded = token_budget_batches(sequences, lambda s: s, max_sequences=4, packed=True)
     assert [len(b) for b in unbounded] == [4, 4, 4, 2]
+    same = [SequenceInput((5, 6), (7, 8, 9), TRANSFORMS[0]), SequenceInput((1, 2), (3, 4, 5), TRANSFORMS[1])]
+    assert pack_batch(same)[0].tolist() == [[5, 6, 7, 8], [1, 2, 3, 4]]
 
 
 def test_a_packed_trainer_step_matches_a_padded_one(tmp_path: Path, tiny_model: Path) -> None:

@@ -15,7 +15,8 @@ Invariants:
   GEMM instead of B x [L, H] ones (measured on the tiny model: 5e-15 in float64, ~3e-5 in float32,
   the same size as padded-vs-alone; tests/test_trainer_packing.py).
 - A micro-batch's cost is its real token count N: the token budget (`micro_batch_tokens`) bounds
-  N, never a padded B x L.
+  N, never a padded B x L. Sequences of one length are run as [S, L] rows (nothing to pad, one
+  batched SDPA call instead of S).
 
 The model must be loaded with `attn_implementation=ATTENTION` (policy.load_model(packing=True));
 GPU note: this loop of SDPA calls is exact on CUDA too; a fused varlen kernel (flash-attn's
@@ -97,11 +98,17 @@ def scored_length(prompt_len: int, completion_len: int) -> int:
 def pack_batch(sequences: Sequence[Any]):
     """One packed micro-batch of SequenceInputs: host tensors input_ids [1, N], position_ids [1, N],
     the bounds tuple cu_seq_lens (S+1 ints), and rows [T], cols [T], targets [T]; rows/cols index the
-    hidden state that predicts each completion token (rows are all 0)."""
+    hidden state that predicts each completion token (rows are all 0).
+
+    Sequences of one length need no packing to avoid padding: they come as S rows of [S, L] and
+    cu_seq_lens None (plain causal attention per row, one batched SDPA instead of S calls)."""
     import torch
 
     if any(len(s.prompt_ids) == 0 or len(s.completion_ids) == 0 for s in sequences):
         raise ValueError("every sequence needs a non-empty prompt and completion")
+    lengths = {scored_length(len(s.prompt_ids), len(s.completion_ids)) for s in sequences}
+    if len(lengths) == 1 and len(sequences) > 1:
+        return _rows_of_one_length(sequences, lengths.pop())
     ids: list[int] = []
     positions: list[int] = []
     bounds = [0]
@@ -125,6 +132,23 @@ def pack_batch(sequences: Sequence[Any]):
         as_long(cols),
         as_long(targets),
     )
+
+
+def _rows_of_one_length(sequences: Sequence[Any], length: int):
+    import torch
+
+    input_ids = torch.tensor([list((s.prompt_ids + s.completion_ids)[:length]) for s in sequences])
+    rows: list[int] = []
+    cols: list[int] = []
+    targets: list[int] = []
+    for b, seq in enumerate(sequences):
+        first = len(seq.prompt_ids) - 1
+        rows.extend([b] * len(seq.completion_ids))
+        cols.extend(range(first, first + len(seq.completion_ids)))
+        targets.extend(seq.completion_ids)
+    positions = torch.arange(length).expand(len(sequences), length).contiguous()
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    return input_ids, positions, None, as_long(rows), as_long(cols), as_long(targets)
 
 
 def packed_tokens(sequences: Sequence[Any]) -> int:
