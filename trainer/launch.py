@@ -15,6 +15,9 @@ Invariants:
 - `--max-restarts 0`: a rank that dies ends the service (the agent stops the others and exits
   non-zero with a report naming the rank); restarting is the supervisor's decision, and a restart
   resumes from the last checkpoint.
+- torchrun starts each rank in a session of its own, out of reach of a process-group kill of the
+  service; so every rank asks the kernel to SIGKILL it when the agent dies (`die_with_agent`,
+  PR_SET_PDEATHSIG): a supervisor that kills the agent after its grace period leaves no rank behind.
 - Already under torchrun (WORLD_SIZE set, e.g. launched by Kubernetes with static rendezvous across
   hosts), nothing is re-launched: the rank count is torchrun's and `nproc` is not used.
 """
@@ -39,6 +42,24 @@ def under_torchrun() -> bool:
 
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def die_with_agent() -> None:
+    """Linux: SIGKILL this rank when its parent (torchrun's agent) exits; exit now if it already has."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning(
+            "prctl(PR_SET_PDEATHSIG) failed (errno %d): this rank may outlive its agent", ctypes.get_errno()
+        )
+    if parent == 1 or os.getppid() != parent:
+        os._exit(1)  # the agent is already gone
 
 
 def torchrun_command(nproc: int) -> list[str]:

@@ -161,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if config.trainer.nproc > 1 and not launch.under_torchrun():
             return launch.relaunch(config)
+        if launch.under_torchrun():
+            launch.die_with_agent()
         if launch.under_torchrun() and launch.rank() != 0:
             from trainer.multirank import follow
 
