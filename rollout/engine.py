@@ -54,6 +54,11 @@ FINISH_REASONS: dict[FinishReasonName, int] = {
 }
 
 
+class EngineDeadError(RuntimeError):
+    """The engine died, or is being replaced after a death: nothing can run on it now. Named like
+    vLLM's own, so the error boundary answers UNAVAILABLE `engine: ...` (parity.errors)."""
+
+
 @dataclass(frozen=True)
 class GenerationSpec:
     """A validated generation request: one prompt, n completions (a GRPO group)."""
@@ -246,6 +251,8 @@ class RolloutEngine(ABC):
         self.weight_version = 0
         self._kv_dropped_in_pause = False
         self._admission_open.set()
+        # an update that was running on the dead engine may still hold the old lock while it fails
+        self._update_lock = asyncio.Lock()
 
 
 def plan_to_bytes(plan) -> bytes:

@@ -179,7 +179,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def check_available(self) -> None:
         if self.shutting_down:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "service", "shutting down")
-        if self.engine_down:
+        if self.engine_down or self.engine.dead():
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine", "restarting after the engine died")
         if not self.caught_up:
             raise RequestError(

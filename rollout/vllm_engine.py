@@ -40,7 +40,14 @@ from typing import Literal
 
 from parity.config.rollout import RolloutConfig
 from parity.versions import expand_spans, parse_version_label
-from rollout.engine import FINISH_REASONS, CompletionResult, GenerationSpec, RolloutEngine, plan_to_bytes
+from rollout.engine import (
+    FINISH_REASONS,
+    CompletionResult,
+    EngineDeadError,
+    GenerationSpec,
+    RolloutEngine,
+    plan_to_bytes,
+)
 from rollout.weight_receiver import forget_ready_groups, rendezvous_ready
 
 log = logging.getLogger(__name__)
@@ -176,7 +183,9 @@ class VllmEngine(RolloutEngine):
         logprobs: dict[int, list[float]] = {i: [] for i in range(spec.n)}
         texts: dict[int, list[str]] = {i: [] for i in range(spec.n)}
         done: set[int] = set()
-        outputs = self.llm.generate(self._prompt(spec, admission.version), params, request_id=request_id)
+        outputs = self._live_llm().generate(
+            self._prompt(spec, admission.version), params, request_id=request_id
+        )
         async for output in outputs:
             if admission.restart:
                 continue  # drain vLLM's abort output; nothing of this submission is kept
@@ -219,13 +228,29 @@ class VllmEngine(RolloutEngine):
 
     async def _pause(self, mode: Literal["keep", "recompute"]) -> None:
         # recompute: keep the requests but clear the KV cache (their KV is recomputed on resume).
-        await self.llm.pause_generation(mode="keep", clear_cache=mode == "recompute")
+        await self._live_llm().pause_generation(mode="keep", clear_cache=mode == "recompute")
 
     async def _resume(self) -> None:
-        await self.llm.resume_generation()
+        await self._live_llm().resume_generation()
+
+    def _live_llm(self):
+        """The running AsyncLLM; EngineDeadError when it died or is being replaced."""
+        if self.llm is None or self.dead():
+            raise EngineDeadError("the engine died; a new one is starting")
+        return self.llm
 
     async def _rpc_one(self, method: str, **kwargs) -> dict:
-        return _one_reply(method, await self.llm.collective_rpc(method, kwargs=kwargs))
+        """One worker's reply to `method`; EngineDeadError as soon as the engine dies meanwhile (a
+        utility call on a dead engine core is never answered)."""
+        llm = self._live_llm()
+        call = asyncio.ensure_future(llm.collective_rpc(method, kwargs=kwargs))
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=0.1)
+            if done:
+                return _one_reply(method, call.result())
+            if self.llm is not llm or self.dead():
+                call.cancel()
+                raise EngineDeadError(f"{method}: the engine died")
 
     async def _stage(self, plan, fault_corrupt_tensor: str) -> dict:
         # the rendezvous completes here, off the engine core: a dead one never blocks generation
@@ -258,12 +283,12 @@ class VllmEngine(RolloutEngine):
             return applied["error"], 0.0
         if self.config.reset_prefix_cache_on_update:
             await self._reset_prefix_cache()
-        await self.llm.update_weight_version(str(version))
+        await self._live_llm().update_weight_version(str(version))
         self.weight_version = version
         return "", applied["swap_s"]
 
     async def _reset_prefix_cache(self) -> None:
-        if await self.llm.reset_prefix_cache():
+        if await self._live_llm().reset_prefix_cache():
             return
         # Kept sequences still hold blocks; the per-version cache salt keeps newer requests off them.
         # A request with no token yet was salted (and maybe part-prefilled) at the old version: it
@@ -272,7 +297,7 @@ class VllmEngine(RolloutEngine):
         for request_id in restart:
             self._admissions[request_id].restart = True
         if restart:
-            await self.llm.abort(restart)
+            await self._live_llm().abort(restart)
         log.info(
             "prefix cache not reset (blocks held by kept sequences); %d request(s) without a token "
             "restart at the new version",
@@ -280,13 +305,7 @@ class VllmEngine(RolloutEngine):
         )
 
     def dead(self) -> bool:
-        return self.llm is not None and bool(self.llm.errored)
-
-    def engine_core_pids(self) -> list[int]:
-        """The engine-core processes behind this AsyncLLM (empty when it runs in-process)."""
-        manager = getattr(getattr(self.llm, "engine_core", None), "resources", None)
-        manager = getattr(manager, "engine_manager", None)
-        return [int(p.pid) for p in getattr(manager, "processes", []) if p.pid is not None]
+        return self.llm is not None and bool(getattr(self.llm, "errored", False))
 
     async def restart(self) -> None:
         self._reset_after_death()

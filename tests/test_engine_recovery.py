@@ -72,7 +72,7 @@ def test_a_killed_engine_is_restarted_at_the_current_version(
         "--broadcast_address", broadcast.address, "--worker_id", "vllm", "--max_model_len", "512",
         "--metrics_port", str(metrics_port), "--actor", "true", "--redis_url", redis_url,
         "--stream", STREAM, "--mode", "async", "--max_lag", "1", "--groups_per_step", "1",
-        "--concurrency", "1", "--group_size", "4", "--max_tokens", "200", "--skip_zero_variance", "false",
+        "--concurrency", "1", "--group_size", "4", "--max_tokens", "64", "--skip_zero_variance", "false",
     )  # fmt: skip
     stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(svc.address))
     queue = RolloutQueue(redis_url, stream=STREAM)
