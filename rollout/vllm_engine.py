@@ -154,7 +154,7 @@ class VllmEngine(RolloutEngine):
         return prompt
 
     async def generate(self, spec: GenerationSpec, stream: bool = False) -> AsyncIterator[CompletionResult]:
-        assert self.llm is not None, "start() first"
+        self._live_llm()  # EngineDeadError while a dead engine is being replaced
         params = self.sampling_params(spec, stream)
         self._running += 1
         try:
