@@ -7,8 +7,11 @@
   (within 1e-6) and the same checkpointed weights (the tolerance of tests/test_trainer_fsdp.py:
   1e-6 where the gradient is well above AdamW's eps); the worker serves exactly the checkpointed
   weights (its WSUM64 checksums), so rank 0 published the all-gathered full tensors.
+- SIGTERM to the service's process group (a supervisor's stop) stops every rank after rank 0
+  finishes: STOP reaches rank 1, and both ranks wrote their checkpoint shards.
 - Killing rank 1 ends the service with a non-zero status and torchrun's report naming the rank,
-  within seconds, instead of a hang.
+  within seconds, instead of a hang; a rank dies with its agent (it lives in a session of its own,
+  out of reach of a process-group stop).
 Fast unit tests cover the wire encoding (exact round trip), the balance of shards, the merge of the
 ranks' measurements, the config checks and the relaunch command (no config value or secret on it).
 """
@@ -98,13 +101,23 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
                 queue.publish(group)
         svc = start_services(
             "trainer",
-            *service_args(redis_url, "mr:two", two_dir, "--steps", "2", "--checkpoint_every", "1"),
+            *service_args(redis_url, "mr:two", two_dir, "--steps", "3", "--checkpoint_every", "1"),
             "--broadcast_address", broadcast.address, "--auth_token", TOKEN, "--wait_committed_s", "20",
             name="trainer2", timeout_s=120,
         )  # fmt: skip
-        assert svc.proc.wait(120) == 0, svc.log_tail(40)
+        # Two steps' rollouts for three steps: after step 2 (and its checkpoint) it waits for more;
+        # then SIGTERM to its process group, as a supervisor stops it: a graceful stop of every rank.
+        latest = two_dir / "checkpoints" / "LATEST"
+        deadline = time.monotonic() + 120
+        while not (latest.exists() and latest.read_text() == "step_00000002"):
+            assert svc.proc.poll() is None and time.monotonic() < deadline, svc.log_tail(40)
+            time.sleep(0.1)
+        os.killpg(svc.proc.pid, signal.SIGTERM)
+        svc.proc.wait(60)
         log = svc.log_path.read_text()
         assert "rank 1/2 ready" in log and "rank 1: stopped by rank 0 after 2 steps" in log, log[-3000:]
+        shards = sorted((two_dir / "checkpoints" / "step_00000002" / "dcp").glob("*.distcp"))
+        assert len(shards) == 2, shards  # each rank wrote its own
 
         one = Trainer(
             config_for(
@@ -170,6 +183,56 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
         receiver.stop(10)
 
 
+def rank_pids(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the processes torchrun's agent (the service's pid, exec'd) started."""
+    ranks = {}
+    for task in Path(f"/proc/{agent_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            ranks.update({int(e.split(b"=")[1]): int(child) for e in environ if e.startswith(b"RANK=")})
+    return ranks
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_rank_dies_with_its_agent(tmp_path: Path) -> None:
+    """torchrun puts each rank in a session of its own, out of reach of a process-group stop: a
+    rank must die with its parent (launch.die_with_agent, PR_SET_PDEATHSIG), or a SIGKILLed service
+    would leave its ranks running. A stand-in agent (python) starts a rank (python) in a new session
+    and is killed."""
+    rank_pid_file = tmp_path / "rank.pid"
+    rank = (
+        "import os, time; from trainer import launch; launch.die_with_agent(); "
+        f"open({str(rank_pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    agent = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", agent], cwd=Path(__file__).resolve().parents[1])
+    deadline = time.monotonic() + 30
+    while not rank_pid_file.exists() or not rank_pid_file.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, "the rank did not start"
+        time.sleep(0.05)
+    rank_pid = int(rank_pid_file.read_text())
+    assert os.getpgid(rank_pid) != os.getpgid(proc.pid) and alive(rank_pid)
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 10
+    try:
+        while alive(rank_pid):
+            assert time.monotonic() < deadline, "the rank outlived its agent"
+            time.sleep(0.05)
+    finally:
+        if alive(rank_pid):
+            os.kill(rank_pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_killing_rank_1_ends_the_service_with_an_error_naming_it(
     redis_url: str, tmp_path: Path, start_services
@@ -177,11 +240,7 @@ def test_killing_rank_1_ends_the_service_with_an_error_naming_it(
     svc = start_services(
         "trainer", *service_args(redis_url, "mr:kill", tmp_path / "run", "--steps", "5"), timeout_s=120
     )
-    ranks = {}  # the agent (the service's pid, exec'd torchrun) started both ranks
-    for task in Path(f"/proc/{svc.proc.pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            ranks.update({int(e.split(b"=")[1]): int(child) for e in environ if e.startswith(b"RANK=")})
+    ranks = rank_pids(svc.proc.pid)
     assert sorted(ranks) == [0, 1]
     killed_at = time.monotonic()
     os.kill(ranks[1], signal.SIGKILL)
