@@ -72,8 +72,11 @@ def test_a_killed_engine_is_restarted_at_the_current_version(
         "--broadcast_address", broadcast.address, "--worker_id", "vllm", "--max_model_len", "512",
         "--metrics_port", str(metrics_port), "--actor", "true", "--redis_url", redis_url,
         "--stream", STREAM, "--mode", "async", "--max_lag", "1", "--groups_per_step", "1",
-        "--concurrency", "1", "--group_size", "4", "--max_tokens", "64", "--skip_zero_variance", "false",
+        "--concurrency", "1", "--group_size", "4", "--max_tokens", "400", "--skip_zero_variance", "false",
     )  # fmt: skip
+    # the actor's groups are long (400 tokens) so that its second group is still decoding when the
+    # engine is killed: with 64 tokens it could finish between the running count and the SIGKILL,
+    # and nothing was lost to regenerate (seen once in a full suite run)
     stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(svc.address))
     queue = RolloutQueue(redis_url, stream=STREAM)
     publisher = Publisher(broadcast.address, "tiny", auth_token=TOKEN, bucket_bytes=1 << 20)
