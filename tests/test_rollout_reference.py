@@ -264,6 +264,7 @@ def test_dynamic_sampling_drops_flat_groups_and_never_starves_the_trainer() -> N
     actor = Actor.__new__(Actor)  # only the dynamic-sampling state; no engine or queue needed
     actor.config, actor.groups_per_step = SimpleNamespace(skip_zero_variance=True), 2
     actor.zero_variance_dropped, actor._dropped_in_a_row, actor._group_traceparents = 0, 0, {}
+    actor._group_draws = {}  # group id -> prompt draw index (the stream position recorded on publish)
     published: list[str] = []
 
     async def publish(group) -> str:
