@@ -15,11 +15,11 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rollout.tasks import Prompt, TaskError
-from rollout.tasks.records import EVAL_ORDER_SEED
+from rollout.tasks.records import EVAL_ORDER_SEED, FiniteSplitTask
 
 if TYPE_CHECKING:
     from parity.config.task import TaskConfig
@@ -34,7 +34,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-class ReasoningGymTask:
+class ReasoningGymTask(FiniteSplitTask):
     """One or more reasoning-gym generators as one finite task."""
 
     def __init__(self, names: Sequence[str], seed: int, dataset_size: int, eval_size: int) -> None:
@@ -62,21 +62,6 @@ class ReasoningGymTask:
     def _prompt(name: str, split: str, index: int, entry: dict) -> Prompt:
         metadata = {"source_dataset": name, "entry": _jsonable(entry)}
         return Prompt(f"rg-{name}-{split}-{index}", entry["question"], str(entry["answer"]), (), metadata)
-
-    def train_set(self) -> Sequence[Prompt]:
-        return self._train
-
-    def train_prompts(self) -> Iterator[Prompt]:
-        from rollout.tasks.stream import PromptStream
-
-        stream = PromptStream(self, seed=self.seed)
-        while True:
-            yield stream.next()
-
-    def eval_prompts(self, n: int) -> list[Prompt]:
-        if n <= 0:
-            raise ValueError(f"n: must be > 0 (got {n})")
-        return self._eval[:n]
 
     def reward(self, prompt: Prompt, completion_text: str) -> float:
         from reasoning_gym.utils import extract_answer

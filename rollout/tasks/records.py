@@ -127,15 +127,14 @@ def split_held_out(
     return train, evals
 
 
-class DatasetTask:
-    """A finite task over validated prompts; the reward is the task's `default_reward` (rollout.rewards)."""
+class FiniteSplitTask:
+    """What every finite task shares: a training set streamed by PromptStream (epochs, fleet
+    partition) from `seed`, and the first n of a held-out list. Subclasses set `seed`, `_train`
+    and `_eval`."""
 
-    def __init__(self, name: str, train: Sequence[Prompt], evals: Sequence[Prompt], seed: int = 0) -> None:
-        self.name = name
-        self.seed = seed
-        self._train = list(train)
-        self._eval = list(evals)
-        random.Random(EVAL_ORDER_SEED).shuffle(self._eval)
+    seed: int
+    _train: list[Prompt]
+    _eval: list[Prompt]
 
     def train_set(self) -> Sequence[Prompt]:
         return self._train
@@ -151,6 +150,17 @@ class DatasetTask:
         if n <= 0:
             raise ValueError(f"n: must be > 0 (got {n})")
         return self._eval[:n]
+
+
+class DatasetTask(FiniteSplitTask):
+    """A finite task over validated prompts; the reward is the task's `default_reward` (rollout.rewards)."""
+
+    def __init__(self, name: str, train: Sequence[Prompt], evals: Sequence[Prompt], seed: int = 0) -> None:
+        self.name = name
+        self.seed = seed
+        self._train = list(train)
+        self._eval = list(evals)
+        random.Random(EVAL_ORDER_SEED).shuffle(self._eval)
 
     def reward(self, prompt: Prompt, completion_text: str) -> float:
         from rollout.rewards.builtin import exact
