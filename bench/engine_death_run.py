@@ -8,12 +8,15 @@ metrics.jsonl holds `kill_after_step` rows sends SIGKILL to the process whose co
 `EngineCore` among the launcher's descendants (vLLM V1 runs its engine core in a child process of
 the rollout service). A fault check, not a speed benchmark (issue #20). Final stdout line, JSON: the
 launcher's exit code, steps done, wall seconds, each rollout service's `engine_restarts_total` from
-config.json, the steps' weight versions.
+config.json, the steps' weight versions, and `vllm_left_behind`: the vLLM processes (engine cores and
+workers, of the first engine and of the restarted one, as seen among the launcher's descendants
+every 0.5 s) still alive 15 s after the launcher exited (must be empty).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -49,7 +52,13 @@ def main() -> int:
         )
     metrics = args.out / "metrics.jsonl"
     killed_after = None
+    seen: dict[int, psutil.Process] = {}  # every vLLM process of the run (pid and start time)
     while proc.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if child.name().startswith("VLLM::"):
+                        seen.setdefault(child.pid, child)
         rows = metrics.read_text().splitlines() if metrics.exists() else []
         if killed_after is None and len(rows) >= args.kill_after_step:
             cores = [
@@ -61,6 +70,10 @@ def main() -> int:
             killed_after = len(rows)
             print(f"killed engine core {cores[0].pid} after step {killed_after}", flush=True)
         time.sleep(0.5)
+    left_behind = alive(list(seen.values()), timeout_s=15)
+    for leftover in seen.values():  # do not leave them to the machine
+        with contextlib.suppress(psutil.Error):
+            leftover.kill()
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     record = json.loads((args.out / "config.json").read_text()) if (args.out / "config.json").exists() else {}
     final = record.get("final_rollout_status", {})
@@ -75,11 +88,29 @@ def main() -> int:
                     name: status.get("engine_restarts_total") for name, status in final.items()
                 },
                 "weight_versions": [row["weight_version"] for row in rows],
+                "vllm_processes_seen": len(seen),
+                "vllm_left_behind": left_behind,
                 "launcher_log": str(log_path),
             }
         )
     )
-    return 0 if proc.returncode == 0 else 1
+    return 0 if proc.returncode == 0 and not left_behind else 1
+
+
+def alive(procs: list, timeout_s: float) -> list[str]:
+    """`name pid (ppid P)` of those of `procs` still alive after up to `timeout_s` (zombies are gone)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = []
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(f"{p.name()} {p.pid} (ppid {p.ppid()})")
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 if __name__ == "__main__":

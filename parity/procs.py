@@ -5,6 +5,17 @@ Used by the tests and by the `parity run` supervisor.
 Invariants:
 - A child is started in its own process group, so stopping it also stops everything it spawned
   (vLLM's engine core, for one).
+- A multiprocessing child of a parity command (vLLM's engine core and its workers under
+  `parity serve rollout`) dies with the process that spawned it (`die_with_parent`): a service
+  killed alone (SIGKILL of its pid, the OOM killer, a crash) leaves no engine behind. Without it the
+  engine core lived on with parent pid 1 until someone killed it by hand.
+- A child started with `die_with_launcher=True` (every child of `parity run`) is SIGKILLed by the
+  kernel when the process that started it dies, by any means: a SIGKILLed `parity run` leaves no
+  service and no redis-server behind. It is set in the child before it execs the command
+  (`_exec_dying_with`), so it covers non-Python children too. What they kept survives a kill -9 by
+  design (Redis's append-only file, the trainer's checkpoints, unacked rollouts); `parity run
+  --resume` picks it up. The starting thread must outlive the child (PR_SET_PDEATHSIG follows the
+  thread): the launcher starts children from its main thread.
 - `stop_groups` is bounded: SIGTERM to every group at once, wait up to `grace_s` for the leaders,
   then SIGKILL every group, also those whose leader already exited (stragglers). It never raises for
   a child that is already gone.
@@ -30,6 +41,68 @@ from parity import health
 from parity.ports import free_port
 
 _URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]+@")
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel SIGKILLs this process when its parent exits; exit now if it already has.
+
+    Called at import time in every multiprocessing child whose main module is `parity.cli` (it
+    imports that module as `__mp_main__`; see parity.cli). PR_SET_PDEATHSIG follows the parent
+    *thread* that spawned the child: vLLM's engine core is spawned from a thread of the service's
+    default executor (`asyncio.to_thread`), whose threads live until the event loop closes, and the
+    engine core spawns its workers from its main thread."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        print(
+            f"parity: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): this process may "
+            "outlive its parent",
+            file=sys.stderr,
+        )
+    if parent == 1 or os.getppid() != parent:
+        os._exit(1)  # the parent is already gone
+
+
+# Run as `python -I -S -c _PDEATHSIG_EXEC LAUNCHER_PID CMD...`: ask to be SIGKILLed when the parent
+# dies, exit if it is already gone (the pid check comes after the prctl, so there is no gap), then
+# become CMD (the setting survives exec for a binary that is not set-uid or file-capable).
+_PDEATHSIG_EXEC = """import ctypes, os, signal, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
+    print("parity: prctl(PR_SET_PDEATHSIG) failed: this process may outlive its launcher", file=sys.stderr)
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _exec_dying_with(cmd: list[str], die_with_launcher: bool) -> list[str]:
+    """`cmd`, started so that it dies with this process when `die_with_launcher` (Linux only)."""
+    if not die_with_launcher or not sys.platform.startswith("linux"):
+        return cmd
+    return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd]
+
+
+class _AfterForkKey:
+    """A long-lived object to register `die_with_parent` under (multiprocessing keeps it weakly)."""
+
+
+_AFTER_FORK_KEY = _AfterForkKey()
+
+
+def children_die_with_this_process() -> None:
+    """Children that multiprocessing starts with its `fork` method die with this process too.
+
+    A forked child does not import `parity.cli` as its main module (only `spawn` does, see
+    `die_with_parent`); vLLM forks its engine core where nothing forces `spawn` (on GPU, by
+    default). multiprocessing runs its after-fork hooks in every child it forks."""
+    import multiprocessing.util
+
+    multiprocessing.util.register_after_fork(_AFTER_FORK_KEY, lambda _key: die_with_parent())
 
 
 def wait_healthy(
@@ -133,6 +206,7 @@ def start_service(
     log_dir: str | Path | None = None,
     env: dict[str, str] | None = None,
     name: str | None = None,
+    die_with_launcher: bool = False,
 ) -> ServiceProcess:
     """Start `parity serve KIND ARGS...` on a free port, writing its port to a file when serving.
 
@@ -151,7 +225,11 @@ def start_service(
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+            _exec_dying_with(cmd, die_with_launcher),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            start_new_session=True,
         )
     return ServiceProcess(name=name, proc=proc, port_file=port_file, log_path=log_path)
 
@@ -183,6 +261,7 @@ def start_redis(
     adopt: Callable[[ServiceProcess], None] | None = None,
     password: str | None = None,
     port: int = 0,
+    die_with_launcher: bool = False,
 ) -> tuple[ServiceProcess, str]:
     """A private redis-server on a free loopback port: (its process, its URL).
 
@@ -217,7 +296,7 @@ def start_redis(
         if proc_title:
             cmd += ["--proc-title-template", f"{{title}} {{listen-addr}} {proc_title}"]
         proc = subprocess.Popen(
-            cmd,
+            _exec_dying_with(cmd, die_with_launcher),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,

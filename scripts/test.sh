@@ -9,8 +9,15 @@ bash scripts/setup.sh
 .venv/bin/ruff format --check .
 # Layer contracts (pyproject [tool.importlinter]): core <- services <- tools, tests never imported.
 .venv/bin/lint-imports
+# Two workers (PARITY_TEST_WORKERS, 0 = one process), each running whole test files, so a module's
+# services are started once: most of the suite waits on vLLM start-up and subprocesses, and two files
+# at a time keep both cores busy. Files start in tests/conftest.py LONGEST_FILES_FIRST order (xdist would
+# otherwise start the files with the most tests first).
+workers=${PARITY_TEST_WORKERS:-2}
+parallel=()
+if [ "$workers" != 0 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest "${parallel[@]}" "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected nothing: a broken collection must never pass.

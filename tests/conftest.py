@@ -19,7 +19,27 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# The longest files (minutes each: whole `parity run`s, several vLLM engines), started first when
+# the suite runs on several workers (scripts/test.sh), so no worker is left with one of them at the end.
+LONGEST_FILES_FIRST = (
+    "test_resume.py",
+    "test_determinism.py",
+    "test_broadcast_rollout.py",
+    "test_launcher.py",
+    "test_byo_task_run.py",
+    "test_engine_recovery.py",
+    "test_check.py",
+    "test_rollout_service.py",
+    "test_run_multirank.py",
+    "test_rollout_inflight.py",
+    "test_security.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
     try:
         import torch
 

@@ -519,8 +519,17 @@ def _write_json(path: Path, payload: object) -> None:
 
 
 # --- entry point ----------------------------------------------------------------------------------
-def _sigterm_as_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+_interrupted = False
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    """SIGINT/SIGTERM -> KeyboardInterrupt, once: later ones are ignored, so that none can land in
+    the supervisor's exit before it holds signals off (which would cut its stop short and leave the
+    children running). `timeout` sends its signal twice: to the launcher, then to its process group."""
+    global _interrupted
+    if not _interrupted:
+        _interrupted = True
+        raise KeyboardInterrupt
 
 
 def main(argv: list[str]) -> int:
@@ -542,9 +551,11 @@ def launch(cfg: ParityConfig, argv: list[str]) -> int:
         del os.environ[key]
     # Ctrl-C reaches only this process (children run in their own sessions). Install the handler
     # explicitly: a launcher started in the background inherits SIGINT ignored.
+    global _interrupted
+    _interrupted = False
     previous = {
-        signal.SIGTERM: signal.signal(signal.SIGTERM, _sigterm_as_interrupt),
-        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, _interrupt_once),
+        signal.SIGINT: signal.signal(signal.SIGINT, _interrupt_once),
     }
     # children (redis) chdir; relative paths would break
     run_dir = resume.run_dir if resume else cfg.run.run_dir().resolve()

@@ -3,6 +3,8 @@
 Invariants:
 - Every child (redis-server, broadcast, trainer, rollout services) runs in its own process group
   (`start_new_session`), so stopping a child stops everything it spawned (vLLM's engine core too).
+- Every child dies with the launcher (`parity.procs`, `die_with_launcher`): a SIGKILLed `parity run`
+  leaves no service and no redis-server running.
 - Every child's environment carries `PARITY_RUN_MARKER=<marker>`; grandchildren inherit it, so a
   test can prove that nothing survived by scanning /proc for the marker.
 - `stop_all` is idempotent and bounded: SIGTERM to every group at once, wait `grace_s`, SIGKILL what
@@ -113,6 +115,7 @@ class Supervisor:
             timeout_s=timeout_s,
             adopt=adopt,
             password=password,
+            die_with_launcher=True,
         )
         return url
 
@@ -120,7 +123,9 @@ class Supervisor:
         """Start `parity serve KIND` as a child named `name` (its log: log_dir/NAME.log).
 
         Its config comes from `env` (PARITY_CONFIG and instance values), never from argv."""
-        child = start_service(kind, [], log_dir=self.log_dir, env={**self.env, **env}, name=name)
+        child = start_service(
+            kind, [], log_dir=self.log_dir, env={**self.env, **env}, name=name, die_with_launcher=True
+        )
         self.children[name] = child
         return child
 
