@@ -51,6 +51,9 @@ from pathlib import Path
 
 # WatchVersions filters (VersionEventKind values: PUBLISHED=1, DISTRIBUTED=5); empty = every kind.
 WATCH_KINDS: dict[str, tuple[int, ...]] = {"needed": (1, 5), "all": ()}
+STREAM = "parity:control-plane-bench"
+# The simulator processes' event loop (--loop), passed to them in the environment.
+LOOP_ENV = "PARITY_BENCH_SIM_LOOP"  # run.stream: names the notify channels (<stream>:versions:<kind>)
 
 
 def log(message: str) -> None:
@@ -59,13 +62,21 @@ def log(message: str) -> None:
 
 # -- simulated workers (one asyncio loop per process) ----------------------------------------------
 class Simulator:
-    """A process's share of the N workers: memberships (phase 1) or watch streams (phase 2)."""
+    """A process's share of the N workers: memberships (phase 1) or watchers (phase 2)."""
 
     def __init__(
-        self, broadcast: str, token: str, ids: list[str], interval_s: float, kinds: tuple[int, ...] = ()
+        self,
+        broadcast: str,
+        token: str,
+        ids: list[str],
+        interval_s: float,
+        kinds: tuple[int, ...] = (),
+        redis: tuple[str, str] | None = None,
     ) -> None:
         self.broadcast, self.token, self.ids, self.interval_s = broadcast, token, ids, interval_s
         self.kinds = kinds  # WatchVersions filter; empty: every event kind
+        self.redis = redis  # (url, stream): watch through parity.version_watch, else WatchVersions
+        self.watch_stats: Counter = Counter()  # VersionWatch's duplicates / resynced / reconnects
         self.address = ""
         self.tasks: dict[str, asyncio.Task] = {}
         self.clients: dict = {}
@@ -120,6 +131,35 @@ class Simulator:
                 elif kind == distributed:
                     self.seen["DISTRIBUTED"][reply.event.version].append(time.monotonic())
 
+    async def watch_redis(self, ready: asyncio.Event) -> None:
+        """One watcher through parity.version_watch: Redis pub/sub, caught up through gRPC."""
+        from parity.v1 import broadcast_pb2 as pb
+        from parity.version_watch import VersionWatch
+
+        published = pb.VERSION_EVENT_KIND_PUBLISHED
+        distributed = pb.VERSION_EVENT_KIND_DISTRIBUTED
+        url, stream = self.redis
+        watch = VersionWatch(self.broadcast, url, stream, self.kinds, token=self.token, resync_s=30.0)
+
+        async def subscribed() -> None:
+            await asyncio.wait_for(watch.subscribed.wait(), 120)
+            self.streams_open += 1
+            if self.streams_open == len(self.ids):
+                ready.set()
+
+        marker = asyncio.ensure_future(subscribed())
+        try:
+            async for event in watch.events():
+                if event.kind == published:
+                    self.seen["PUBLISHED"][event.version].append(time.monotonic())
+                elif event.kind == distributed:
+                    self.seen["DISTRIBUTED"][event.version].append(time.monotonic())
+        finally:
+            marker.cancel()
+            self.watch_stats.update(
+                duplicates=watch.duplicates, resynced=watch.resynced, reconnects=watch.reconnects
+            )
+
     async def main(self, conn, mode: str) -> None:
         from parity.config.base import ServiceConfig
         from parity.server import GrpcServer
@@ -137,7 +177,8 @@ class Simulator:
             conn.send("started")
         else:
             ready = asyncio.Event()
-            watchers = [asyncio.ensure_future(self.watch(ready)) for _ in self.ids]
+            watch = self.watch_redis if self.redis else self.watch
+            watchers = [asyncio.ensure_future(watch(ready)) for _ in self.ids]
             await asyncio.wait_for(ready.wait(), 120)
             await asyncio.sleep(2.0)  # let every WatchVersions call be under way before the first publish
             conn.send("started")
@@ -163,18 +204,32 @@ class Simulator:
                     task.cancel()
                 await asyncio.gather(*watchers, return_exceptions=True)
                 await server.stop(1.0)
-                conn.send({kind: dict(by_version) for kind, by_version in self.seen.items()})
+                seen = {kind: dict(by_version) for kind, by_version in self.seen.items()}
+                conn.send({**seen, "watch_stats": dict(self.watch_stats)})
                 return
             conn.send("ok")
 
 
 def simulate(
-    conn, mode: str, broadcast: str, token: str, ids: list[str], interval_s: float, kinds: tuple[int, ...]
+    conn,
+    mode: str,
+    broadcast: str,
+    token: str,
+    ids: list[str],
+    interval_s: float,
+    kinds: tuple[int, ...],
+    redis: tuple[str, str] | None,
 ) -> None:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    asyncio.run(Simulator(broadcast, token, ids, interval_s, kinds).main(conn, mode))
+    simulation = Simulator(broadcast, token, ids, interval_s, kinds, redis).main(conn, mode)
+    if os.environ.get(LOOP_ENV) == "uvloop":
+        import uvloop
+
+        uvloop.run(simulation)
+    else:
+        asyncio.run(simulation)
 
 
 class Simulators:
@@ -189,6 +244,7 @@ class Simulators:
         ids: list[str],
         interval_s: float,
         kinds: tuple[int, ...] = (),
+        redis: tuple[str, str] | None = None,
     ):
         ctx = mp.get_context("spawn")
         self.parts = max(1, min(procs, len(ids)))
@@ -198,7 +254,7 @@ class Simulators:
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(
                 target=simulate,
-                args=(theirs, mode, broadcast, token, ids[p :: self.parts], interval_s, kinds),
+                args=(theirs, mode, broadcast, token, ids[p :: self.parts], interval_s, kinds, redis),
             )
             proc.start()
             self.procs.append(proc)
@@ -258,7 +314,9 @@ def percentile(values: list[float], q: float) -> float:
 class Broadcast:
     """A real broadcast service, a stub with the token, and a thread recording every event."""
 
-    def __init__(self, n: int, args: argparse.Namespace, log_dir: Path, name: str) -> None:
+    def __init__(
+        self, n: int, args: argparse.Namespace, log_dir: Path, name: str, redis_url: str = ""
+    ) -> None:
         import grpc
 
         from parity.procs import start_service
@@ -277,7 +335,10 @@ class Broadcast:
             "history_versions": max(256, args.versions + 8),
         }
         argv = [token for key, value in flags.items() for token in (f"--{key}", str(value))]
-        env = {"PARITY_BROADCAST_AUTH_TOKEN": self.token}
+        # secrets in the environment only; with a Redis URL, notify_redis (auto) publishes the events
+        env = {"PARITY_BROADCAST_AUTH_TOKEN": self.token, "PARITY_RUN_STREAM": STREAM}
+        if redis_url:
+            env["PARITY_RUN_REDIS_URL"] = redis_url
         self.service = start_service("broadcast", argv, log_dir=log_dir, env=env, name=name).wait_ready(120)
         self.address = self.service.address
         self.pid = self.service.proc.pid
@@ -399,13 +460,16 @@ def trainer_sender():
     return send_once, None
 
 
-def notify_phase(n: int, args: argparse.Namespace, log_dir: Path) -> dict:
+def notify_phase(n: int, args: argparse.Namespace, log_dir: Path, via: str, redis: tuple[str, int]) -> dict:
+    """`via` grpc: N WatchVersions streams; redis: N parity.version_watch watchers (pub/sub).
+    `redis` = (URL, pid) of the redis-server the service publishes every event to."""
+    redis_url, redis_pid = redis
     import torch
 
     from parity import checksum
     from parity.v1 import common_pb2
 
-    svc = Broadcast(n, args, log_dir, f"broadcast-notify-{n}")
+    svc = Broadcast(n, args, log_dir, f"broadcast-notify-{via}-{n}", redis_url)
     pb = svc.pb
     receivers, sims, holder = [], None, None
     out: dict = {}
@@ -424,12 +488,15 @@ def notify_phase(n: int, args: argparse.Namespace, log_dir: Path) -> dict:
             [f"watch-{i:05d}" for i in range(n)],
             1.0,
             WATCH_KINDS[args.watch_kinds],
+            (redis_url, STREAM) if via == "redis" else None,
         )
         named = [("layer.weight", torch.zeros(64, 64)), ("layer.bias", torch.zeros(64))]
         send, holder = trainer_sender()
         published, distributed = {}, {}
         mark = len(svc.events)
         cpu0 = cpu_seconds(svc.pid)
+        sim_cpu0 = sum(cpu_seconds(proc.pid) for proc in sims.procs)
+        redis_cpu0 = cpu_seconds(redis_pid)
         for version in range(1, args.versions + 1):
             for _, tensor in named:
                 tensor.fill_(float(version))
@@ -453,6 +520,10 @@ def notify_phase(n: int, args: argparse.Namespace, log_dir: Path) -> dict:
                 raise RuntimeError(f"v{version} not distributed: {reply.version}")
             time.sleep(args.gap_s)  # > 0: the streams drain before the next publish (no backlog)
         out["publish_phase_cpu_s"] = cpu_seconds(svc.pid) - cpu0
+        out["service_cpu_ms_per_version"] = out["publish_phase_cpu_s"] / args.versions * 1e3
+        sim_cpu = sum(cpu_seconds(proc.pid) for proc in sims.procs) - sim_cpu0
+        out["watchers_cpu_ms_per_version"] = sim_cpu / args.versions * 1e3
+        out["redis_cpu_ms_per_version"] = (cpu_seconds(redis_pid) - redis_cpu0) / args.versions * 1e3
         out["rss_mib_published"] = rss_mib(svc.pid)
         # a notification still queued is late, not lost: wait (bounded) until every stream has it
         drain_start = time.monotonic()
@@ -462,6 +533,11 @@ def notify_phase(n: int, args: argparse.Namespace, log_dir: Path) -> dict:
         sims = None
         if len(seen) != max(1, min(args.procs, n)):
             raise RuntimeError("a simulator process did not report")
+        stats = Counter()
+        for s in seen:
+            stats.update(s.pop("watch_stats"))
+        if via == "redis":
+            out.update({f"watch_{k}": stats[k] for k in ("duplicates", "resynced", "reconnects")})
         notify, dist, trainer = [], [], []
         lost = duplicated = 0
         for version, at in published.items():
@@ -511,12 +587,16 @@ def plot(runs: list[dict], path: Path) -> None:
         ("notify_ms_p50", "notify p50"),
         ("distributed_ms_p50", "all acked (DISTRIBUTED) p50"),
     )
-    # runs recorded before the WatchVersions filter existed watched every kind
-    filters = sorted({r.get("watch_kinds", "all") for r in runs})
+
+    # a run's path and filter; runs recorded before `watch` / `watch_kinds` existed were grpc / all
+    def path_of(r: dict) -> str:
+        return f"{r.get('watch', 'grpc')}, {r.get('watch_kinds', 'all')}"
+
+    filters = sorted({path_of(r) for r in runs})
     for (key, label), kinds in ((k, f) for f in filters for k in series):
         by_n = defaultdict(list)
         for r in runs:
-            if r.get("watch_kinds", "all") == kinds:
+            if path_of(r) == kinds:
                 by_n[r["workers"]].append(r[key])
         ns = sorted(by_n)
         label = f"{label} (watch {kinds})" if len(filters) > 1 else label
@@ -528,7 +608,7 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("simulated rollout workers (WatchVersions streams)")
     ax.set_ylabel("ms after PublishVersion")
-    per_n = Counter((r.get("watch_kinds", "all"), r["workers"]) for r in runs)
+    per_n = Counter((path_of(r), r["workers"]) for r in runs)
     ax.set_title(
         f"broadcast control plane, {os.cpu_count()} cores, {min(per_n.values())}+ runs per N and filter (bar: range)",
         fontsize=10,
@@ -562,23 +642,58 @@ def main() -> int:
     parser.add_argument("--heartbeat_interval_s", type=float, default=2.0)
     parser.add_argument("--heartbeat_timeout_s", type=float, default=6.0)
     parser.add_argument("--idle_s", type=float, default=10.0, help="window of the heartbeat CPU measurement")
+    parser.add_argument(
+        "--watch",
+        default="grpc,redis",
+        help="notify paths, each a notify phase against a fresh service: grpc (N WatchVersions streams), "
+        "redis (N parity.version_watch watchers: Redis pub/sub, caught up through gRPC)",
+    )
+    parser.add_argument("--skip_membership", action="store_true", help="run the notify phase only")
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="the simulator processes' event loop (the harness only: the service, Redis and the watch "
+        "client code are the same); uvloop spends less of the 2 cores on the simulated workers",
+    )
     parser.add_argument("--log_dir", default="", help="keep the services' logs here (default: a temp dir)")
     parser.add_argument("--out", default="", help="append the runs to this JSON file")
     parser.add_argument("--plot", default="", help="PNG of the curve of every run in --out")
     args = parser.parse_args()
     # A timeout's SIGTERM unwinds through the `finally` blocks, which stop the services started here.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    os.environ[LOOP_ENV] = args.loop  # read by the simulator processes (spawned: they inherit it)
+    paths = [v for v in args.watch.split(",") if v]
+    if not paths or set(paths) - {"grpc", "redis"}:
+        parser.error("--watch: a comma-separated list of grpc, redis")
     runs = []
     with tempfile.TemporaryDirectory(prefix="parity-cp-") as tmp:
         tmp = args.log_dir or tmp
-        for n in [int(x) for x in args.workers.split(",") if x]:
-            log(f"N={n}: membership phase")
-            run = {"workers": n, "procs": args.procs, "gap_s": args.gap_s, "watch_kinds": args.watch_kinds}
-            run.update(membership_phase(n, args, Path(tmp)))
-            log(f"N={n}: notify phase ({args.versions} versions)")
-            run.update(notify_phase(n, args, Path(tmp)))
-            log(json.dumps(run))
-            runs.append(run)
+        from parity.procs import start_redis
+
+        # A private, password-protected redis-server, as `parity run` starts one: the broadcast
+        # service publishes every version event to it (broadcast.notify_redis auto), in every phase.
+        redis_proc, redis_url = start_redis(Path(tmp) / "redis-cp", timeout_s=15.0)
+        try:
+            for n in [int(x) for x in args.workers.split(",") if x]:
+                base = {
+                    "workers": n,
+                    "procs": args.procs,
+                    "gap_s": args.gap_s,
+                    "watch_kinds": args.watch_kinds,
+                    "sim_loop": args.loop,
+                }
+                if not args.skip_membership:
+                    log(f"N={n}: membership phase")
+                    base.update(membership_phase(n, args, Path(tmp)))
+                for via in paths:
+                    log(f"N={n}: notify phase via {via} ({args.versions} versions)")
+                    run = {**base, "watch": via}
+                    run.update(notify_phase(n, args, Path(tmp), via, (redis_url, redis_proc.proc.pid)))
+                    log(json.dumps(run))
+                    runs.append(run)
+        finally:
+            redis_proc.stop(5.0)
     record = {"cpus": os.cpu_count(), "runs": runs}
     if args.out:
         out = Path(args.out)

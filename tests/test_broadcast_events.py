@@ -65,8 +65,8 @@ def test_a_follower_behind_the_bounded_log_resumes_at_the_oldest_kept_event() ->
 def test_a_filtered_watcher_is_woken_only_by_the_kinds_it_asked_for() -> None:
     async def scenario() -> tuple[bool, bool, bool]:
         log = EventLog()
-        published_only = log._waiter(frozenset({PUBLISHED}))
-        everything = log._waiter()
+        published_only = log.waiter(frozenset({PUBLISHED}))
+        everything = log.waiter()
         log.emit(UPDATED, 1, "w0")  # another worker's ack: wakes the unfiltered watchers only
         woken_by_ack = published_only.is_set()
         log.emit(PUBLISHED, 2)
@@ -74,3 +74,17 @@ def test_a_filtered_watcher_is_woken_only_by_the_kinds_it_asked_for() -> None:
 
     woken_by_ack, woken_by_publish, unfiltered_woken = asyncio.run(scenario())
     assert not woken_by_ack and woken_by_publish and unfiltered_woken
+
+
+def test_seq_is_dense_in_order_and_replay_skips_what_a_watcher_has() -> None:
+    log = EventLog(max_events=1000)
+    for version in (1, 2, 3):
+        _emit_version(log, version)
+    seqs = [event.seq for event in log.since(0)]
+    assert seqs == list(range(seqs[0], seqs[0] + 12)) and seqs[0] > 1_600_000_000 * 10**6
+    assert log.next_seq == seqs[-1] + 1
+    # the catch-up read of parity/version_watch.py: versions > after_version, seq > after_seq, kinds
+    replayed = log.replay(1, frozenset({PUBLISHED, DISTRIBUTED}), after_seq=seqs[4])
+    assert [(e.kind, e.version) for e in replayed] == [(DISTRIBUTED, 2), (PUBLISHED, 3), (DISTRIBUTED, 3)]
+    assert log.replay(0, frozenset(), after_seq=seqs[-1]) == []
+    assert EventLog().next_seq > seqs[-1]  # a restarted service continues above the old seqs

@@ -9,9 +9,13 @@ the Kubernetes 1.37 schema (kubernetes-validate, strict), and keeps the deployme
   and runs gloo;
 - no secret in an env literal, a command or args (they come from Secrets by secretKeyRef);
 - every image is pinned by a tag (not `latest`) or a digest;
-- the ConfigMap's run.toml loads with parity's own config loader and holds no secret.
+- the ConfigMap's run.toml loads with parity's own config loader and holds no secret;
+- Redis notify (broadcast.notify_redis=auto): the broadcast container gets run.redis_url from the
+  Secret's redis-url (PARITY_RUN_REDIS_URL by secretKeyRef), and the NetworkPolicies let broadcast
+  pods reach Redis on 6379 (ingress to an in-cluster redis; egress, if a policy restricts it).
 The invariant checks are shown to fail on mutated copies: a probe or a GPU limit removed from the
-rendered objects, and a probe removed from a copy of the source tree before rendering.
+rendered objects, the Redis URL or the redis policy's broadcast peer removed, and a probe removed
+from a copy of the source tree before rendering.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ SECRET_NAME = re.compile(r"(TOKEN|PASSWORD|SECRET|REDIS_URL|API_KEY|CREDENTIAL)"
 SECRET_TEXT = re.compile(r"(--auth_token|auth-token=|requirepass\s+[^\"$]|redis://:[^@$]+@|Bearer\s+\w)")
 # Custom resources the Kubernetes schema does not cover: the fields this repository relies on.
 CRD_REQUIRED = {("monitoring.coreos.com/v1", "ServiceMonitor"): ("selector", "endpoints")}
+REDIS_URL_ENV = "PARITY_RUN_REDIS_URL"  # run.redis_url (parity/config/loader.py: PARITY_<SECTION>_<FIELD>)
+REDIS_URL_REF = {"name": "parity-secrets", "key": "redis-url"}
+REDIS_PORT = 6379
 
 
 def kubectl() -> str:
@@ -146,6 +153,94 @@ def violations(docs: list[dict]) -> list[str]:
     return found
 
 
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels, matchExpressions) selects `labels`."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {
+            "In": labels.get(key) in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def pod_labels(obj: dict) -> dict[str, str]:
+    return obj["spec"]["template"]["metadata"].get("labels", {})
+
+
+def port_open(ports: list[dict] | None, port: int, names: set[str]) -> bool:
+    """A rule's `ports` admits `port` (absent = every port; a name is a container port's name)."""
+    return not ports or any(p.get("port") in (port, *names) or "port" not in p for p in ports)
+
+
+def peer_is_pod(peer: dict, labels: dict[str, str]) -> bool:
+    """A same-namespace NetworkPolicy peer that selects pods with `labels`."""
+    return "namespaceSelector" not in peer and "podSelector" in peer and selects(peer["podSelector"], labels)
+
+
+def redis_notify_violations(docs: list[dict]) -> list[str]:
+    """What keeps the broadcast service from publishing version events to Redis in one overlay."""
+    found: list[str] = []
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    broadcast = by_name.get(("Deployment", "broadcast"))
+    if broadcast is None:
+        return ["no Deployment/broadcast"]
+    (container,) = pod_spec(broadcast)["containers"]
+    urls = [v for v in container.get("env", []) if v["name"] == REDIS_URL_ENV]
+    if len(urls) != 1:
+        found.append(f"Deployment/broadcast: {len(urls)} {REDIS_URL_ENV} variable(s), expected 1")
+    elif "value" in urls[0] or urls[0].get("valueFrom", {}).get("secretKeyRef") != REDIS_URL_REF:
+        found.append(f"Deployment/broadcast: {REDIS_URL_ENV} must come from secretKeyRef {REDIS_URL_REF}")
+    if any(REDIS_URL_ENV in str(a) for a in container.get("command", []) + container.get("args", [])):
+        found.append(f"Deployment/broadcast: {REDIS_URL_ENV} on the command line")
+
+    from_labels = pod_labels(broadcast)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    redis = by_name.get(("StatefulSet", "redis"))
+    if redis is not None:  # in-cluster Redis (the external-redis component removes it)
+        redis_labels = pod_labels(redis)
+        names = {p["name"] for c in containers(redis) for p in c.get("ports", []) if "name" in p}
+        admitted = any(
+            port_open(rule.get("ports"), REDIS_PORT, names)
+            and ("from" not in rule or any(peer_is_pod(peer, from_labels) for peer in rule["from"]))
+            for pol in policies
+            if "Ingress" in pol["spec"].get("policyTypes", ["Ingress"])
+            and selects(pol["spec"]["podSelector"], redis_labels)
+            for rule in pol["spec"].get("ingress", [])
+        )
+        if not admitted:
+            found.append(f"no NetworkPolicy admits broadcast pods to redis pods on {REDIS_PORT}")
+    egress = [
+        pol
+        for pol in policies
+        if "Egress" in pol["spec"].get("policyTypes", []) and selects(pol["spec"]["podSelector"], from_labels)
+    ]
+    if egress:
+        to_labels = pod_labels(redis) if redis is not None else None
+        allowed = any(
+            port_open(rule.get("ports"), REDIS_PORT, set())
+            and (
+                "to" not in rule
+                or any(
+                    (to_labels is not None and peer_is_pod(peer, to_labels))
+                    or (to_labels is None and "ipBlock" in peer)
+                    for peer in rule["to"]
+                )
+            )
+            for pol in egress
+            for rule in pol["spec"].get("egress", [])
+        )
+        if not allowed:
+            found.append(f"an egress policy on broadcast pods does not let them reach redis on {REDIS_PORT}")
+    return found
+
+
 # -- tests -----------------------------------------------------------------------------------------
 def test_the_overlays_the_issue_asks_for_exist() -> None:
     assert {"single-node", "multi-node", "cpu-dev"} <= set(OVERLAYS)
@@ -215,6 +310,22 @@ def test_topology_of_the_multi_node_overlay(rendered: dict[str, list[dict]]) -> 
     assert "ServiceMonitor" in {k for k, _ in by_name}
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_broadcast_reaches_redis_for_version_notify(
+    overlay: str, rendered: dict[str, list[dict]], tmp_path: Path
+) -> None:
+    """broadcast.notify_redis is on in every overlay: the URL from the Secret, the policy admits it, and
+    the run config (as the broadcast command loads it, with that URL) does not turn notify off."""
+    from parity.config import load
+
+    assert redis_notify_violations(rendered[overlay]) == []
+    path = tmp_path / "run.toml"
+    path.write_text(run_config(rendered[overlay]))
+    environ = {REDIS_URL_ENV: "redis://:pw@redis:6379/0"}
+    config = load(["--config", str(path)], home="broadcast", environ=environ).config
+    assert config.run.redis_url and config.broadcast.notify_redis in ("auto", "on")
+
+
 def test_only_the_broadcast_service_reaches_rollout_grpc(rendered: dict[str, list[dict]]) -> None:
     policies = {d["metadata"]["name"]: d for d in rendered["single-node"] if d["kind"] == "NetworkPolicy"}
     assert policies["default-deny-ingress"]["spec"]["podSelector"] == {}
@@ -261,6 +372,67 @@ def test_invariants_catch_a_removed_probe_and_gpu_limit(rendered: dict[str, list
     assert any("is a literal" in v for v in found), found
     assert any("on the command line" in v for v in found), found
     assert any("not pinned" in v for v in found), found
+
+
+def test_redis_notify_check_catches_a_lost_url_or_peer(rendered: dict[str, list[dict]]) -> None:
+    import copy
+
+    docs = copy.deepcopy(rendered["single-node"])
+    broadcast = containers(_find(docs, "Deployment", "broadcast"))[0]
+    broadcast["env"] = [v for v in broadcast["env"] if v["name"] != REDIS_URL_ENV]
+    assert redis_notify_violations(docs) == [
+        f"Deployment/broadcast: 0 {REDIS_URL_ENV} variable(s), expected 1"
+    ]
+
+    docs = copy.deepcopy(rendered["single-node"])
+    broadcast = containers(_find(docs, "Deployment", "broadcast"))[0]
+    (url,) = [v for v in broadcast["env"] if v["name"] == REDIS_URL_ENV]
+    url["valueFrom"]["secretKeyRef"]["key"] = "auth-token"
+    assert any("must come from secretKeyRef" in v for v in redis_notify_violations(docs))
+
+    docs = copy.deepcopy(rendered["single-node"])
+    for rule in _find(docs, "NetworkPolicy", "redis")["spec"]["ingress"]:
+        rule["from"] = [
+            p for p in rule["from"] if p["podSelector"]["matchLabels"] != {"parity.dev/role": "broadcast"}
+        ]
+    assert redis_notify_violations(docs) == [
+        f"no NetworkPolicy admits broadcast pods to redis pods on {REDIS_PORT}"
+    ]
+
+    docs = copy.deepcopy(rendered["single-node"])  # a deny-all egress policy on broadcast pods
+    docs.append(
+        {
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "broadcast-egress"},
+            "spec": {
+                "podSelector": {"matchLabels": {"parity.dev/role": "broadcast"}},
+                "policyTypes": ["Egress"],
+            },
+        }
+    )
+    assert any("egress policy" in v for v in redis_notify_violations(docs))
+
+
+def test_the_external_redis_component_keeps_the_url(tmp_path: Path) -> None:
+    """With components/external-redis (no in-cluster redis, no redis policy) broadcast still gets the URL."""
+    copy_root = tmp_path / "k8s"
+    shutil.copytree(K8S, copy_root)
+    overlay = copy_root / "overlays" / "external-redis"  # kustomize takes relative paths only
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": ["../single-node"],
+                "components": ["../../components/external-redis"],
+            }
+        )
+    )
+    docs = render(overlay)
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("StatefulSet", "redis") not in names and ("NetworkPolicy", "redis") not in names
+    assert redis_notify_violations(docs) == []
 
 
 def test_a_probe_removed_from_the_source_fails(tmp_path: Path) -> None:
