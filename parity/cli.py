@@ -21,6 +21,14 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+if __name__ == "__mp_main__":
+    # A multiprocessing child of a parity command (vLLM's engine core and its workers, spawned by
+    # `parity serve rollout`) imports this module as its main: it dies with its parent, so a
+    # service killed by any means leaves no engine behind (parity.procs.die_with_parent).
+    from parity.procs import die_with_parent
+
+    die_with_parent()
+
 SERVE_TARGETS = {
     "rollout": "rollout.server:main",
     "trainer": "trainer.server:main",

@@ -12,18 +12,22 @@ half-written model behind.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 MODEL_NAMES = ("tiny", "smollm2-135m")
 MANIFEST = "MANIFEST.json"
+# How long a second process waits for another one building the same model (SmolLM2 converts in ~1 min).
+BUILD_LOCK_TIMEOUT_S = 900.0
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 1234
 CHAT_TEMPLATE = (
@@ -86,6 +90,32 @@ def prepare(name: str, force: bool = False) -> Path:
     if not force and verify(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time per cache (parallel test workers, two launchers): a second process waits,
+    # then finds the first one's verified build instead of replacing a directory someone is reading.
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        _lock(lock, name, timeout_s=BUILD_LOCK_TIMEOUT_S)
+        if not force and verify(target):
+            return target
+        return _build(name, target)
+
+
+def _lock(file, name: str, timeout_s: float) -> None:
+    """Take the build lock, or raise after `timeout_s` (a lock holder that died releases it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"another process has been building the {name} model for over {timeout_s:.0f} s "
+                    f"(lock {file.name}); is it stuck?"
+                ) from None
+            time.sleep(0.2)
+
+
+def _build(name: str, target: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         if name == "tiny":

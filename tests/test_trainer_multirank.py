@@ -139,6 +139,10 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
             # Metrics of the whole batch, measured on two ranks and gathered on rank 0.
             for key in ("num_tokens", "trainable_tokens", "zero_variance_groups", "lag_hist"):
                 assert two[key] == ref[key], key
+            # Own-version mismatch (issue 17): rank 0 rescores stale tokens under the full weights
+            # of their version, all-gathered from the shards when that version was published.
+            for key in ("own_version_tokens", "own_version_rescored_tokens"):
+                assert two[key] == ref[key], key
             for key in (
                 "entropy",
                 "kl_new_old",
@@ -146,12 +150,15 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
                 "mismatch_k3",
                 "policy_drift_k3",
                 "policy_drift_max_abs",
+                "mismatch_k3_own_version",
+                "mismatch_max_abs_own_version",
             ):
                 if ref[key] is None:  # nothing to measure (no lag-0 token at step 2)
                     assert two[key] is None, key
                 else:
                     assert math.isclose(two[key], ref[key], rel_tol=1e-5, abs_tol=1e-6), key
 
+        assert rows_two[1]["own_version_rescored_tokens"] > 0  # step 2 rescored v0 tokens under v0
         # After one step (the FSDP test's rule): 1e-6 wherever AdamW's first step moved the weight by
         # ~lr (gradient well above eps); eps-sized gradients turn summation-order noise into up to 2 lr.
         w0 = {name: p.detach() for name, p in load_model(tiny_model).named_parameters()}

@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from parity.procs import die_with_parent
+
 if TYPE_CHECKING:
     from parity.config import ParityConfig
 
@@ -46,20 +48,7 @@ def rank() -> int:
 
 def die_with_agent() -> None:
     """Linux: SIGKILL this rank when its parent (torchrun's agent) exits; exit now if it already has."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    parent = os.getppid()
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
-        log.warning(
-            "prctl(PR_SET_PDEATHSIG) failed (errno %d): this rank may outlive its agent", ctypes.get_errno()
-        )
-    if parent == 1 or os.getppid() != parent:
-        os._exit(1)  # the agent is already gone
+    die_with_parent()
 
 
 def torchrun_command(nproc: int) -> list[str]:

@@ -50,6 +50,7 @@ from trainer.checkpoint import CheckpointStore, TrainerState, atomic_write_text
 from trainer.consumer import Batch, RolloutConsumer, token_context_versions, token_versions
 from trainer.device import peak_flops, peak_memory_bytes, reset_peak_memory, resolve_device, to_device
 from trainer.flat_params import flatten_parameters
+from trainer.freeze import freeze_parameters
 from trainer.mismatch_gate import MismatchGate
 from trainer.policy import (
     SequenceInput,
@@ -168,6 +169,7 @@ class Trainer:
             fsdp.init_process_group(self.device, cfg.dist_timeout_s)
         self.model_dir = models.resolve(self.model_name)
         self.model = load_model(self.model_dir, cfg.dtype, self.device, packing=cfg.packing)
+        freeze_parameters(self.model, cfg.freeze)
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not self.distributed:  # publishing then sends the parameters with no packing copy
@@ -188,9 +190,11 @@ class Trainer:
         )
         self.ref_model = self._frozen_copy() if cfg.kl_coef > 0 else None
         # The weights of past versions: the PPO old policy (old_logprobs=recompute) and the
-        # own-version backend mismatch (own_version_groups) both rescore tokens under them.
-        own_version = cfg.own_version_groups > 0 and not self.distributed
-        self.old_model = self._frozen_copy() if cfg.old_logprobs == "recompute" or own_version else None
+        # own-version backend mismatch (own_version_groups) both rescore tokens under them. On several
+        # ranks only rank 0 rescores (it holds the whole batch), with an unsharded copy of its own.
+        own_version = cfg.own_version_groups > 0 and self.rank == 0
+        recompute = cfg.old_logprobs == "recompute"
+        self.old_model = self._frozen_copy(shard=recompute) if recompute or own_version else None
         self.flops_per_token = fsdp_free_flops_per_token(self.model)
 
     def setup(self) -> None:
@@ -253,13 +257,13 @@ class Trainer:
         self._snapshot_current()
         self.ready = True
 
-    def _frozen_copy(self):
+    def _frozen_copy(self, shard: bool = True):
         copy = load_model(self.model_dir, self.config.dtype, self.device, packing=self.config.packing)
         copy.eval()
         for param in copy.parameters():
             param.requires_grad_(False)
         scorer = scorer_for(copy, self.config.precision)
-        if self.distributed:
+        if self.distributed and shard:
             from trainer import fsdp
 
             fsdp.shard_scorer(scorer, self.config.precision)
@@ -597,9 +601,17 @@ class Trainer:
             return
         # On an accelerator the snapshots live in host memory (one copy back per use).
         host = self.device.type != "cpu"
+        if self.distributed:
+            # Rank 0 of several: the full weights, all-gathered bucket by bucket (announced to the
+            # other ranks as GATHER, like a publish); one bucket of full tensors on the device at once.
+            from trainer.policy import weight_buckets
+
+            buckets = weight_buckets(self.model, self.config.bucket_bytes)
+            named = ((name, tensor) for bucket in buckets for name, _, _, tensor in bucket)
+        else:
+            named = ((name, p.detach()) for name, p in self.model.named_parameters())
         self._snapshots[self.state.weight_version] = {
-            name: (p.detach().to("cpu", copy=True) if host else p.detach().clone())
-            for name, p in self.model.named_parameters()
+            name: (tensor.to("cpu", copy=True) if host else tensor.clone()) for name, tensor in named
         }
         for old in sorted(self._snapshots)[: max(0, len(self._snapshots) - (self.schedule.max_lag + 1))]:
             del self._snapshots[old]

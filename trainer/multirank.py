@@ -10,7 +10,8 @@ that needs the other ranks starts with a command, one int64 tensor broadcast fro
            STEP(version, tokens, seqs)   ->    scatter_sequences: own share of the batch
            local_update(share)          <->    local_update(share)   FSDP2: grads summed over ranks
            gather_totals                <-     gather_totals         (metrics see the whole batch)
-           GATHER                        ->    all-gather full weights with rank 0 (publish)
+           GATHER                        ->    all-gather full weights with rank 0 (publish, and
+                                                 rank 0's own-version snapshot of each version)
            CHECKPOINT(step)              ->    DCP save of their shards (collective)
            STOP                          ->    leave the group, exit 0
 

@@ -102,6 +102,7 @@ class Publisher:
         self._catch_up_thread: threading.Thread | None = None
         self.catch_ups_sent = 0
         self.publish_retries_total = 0
+        self.delta_bytes_saved = 0  # bytes delta updates did not send (broadcast.delta_updates)
 
     def latest_version(self) -> int:
         """The broadcast service's latest version (0 in local mode)."""
@@ -212,12 +213,26 @@ class Publisher:
                 broadcast_pb2.VERSION_STATE_COMMITTED,
                 broadcast_pb2.VERSION_STATE_DISTRIBUTED,
             )
-            if committed and self.keep_snapshot:
-                self._keep(version, ordered)
+            if committed and self.keep_snapshot:  # the whole version, also after a delta
+                self._keep(version, [by_name[meta.name] for meta in metas])
             seconds = time.perf_counter() - start
             span.set_attribute(tracing.ATTR_BYTES, sent)
             span.set_attribute("parity.committed", committed)
-            log.info("published version %d: %.1f MB in %.2fs", version, sent / 1e6, seconds)
+            if plan.base_version:
+                self.delta_bytes_saved += int(plan.full_bytes) - sent
+                log.info(
+                    "published version %d: %.1f MB in %.2fs (a delta against v%d: %d of %d tensors, "
+                    "%.1f MB not sent)",
+                    version,
+                    sent / 1e6,
+                    seconds,
+                    plan.base_version,
+                    len(plan.tensors),
+                    len(metas),
+                    (int(plan.full_bytes) - sent) / 1e6,
+                )
+            else:
+                log.info("published version %d: %.1f MB in %.2fs", version, sent / 1e6, seconds)
             return PublishResult(version, sent, seconds, committed)
 
     def _wait_final(self, version: int, plan: common_pb2.TransferPlan) -> broadcast_pb2.VersionInfo | None:
@@ -274,6 +289,9 @@ class Publisher:
 
         if plan.version != snapshot.version:  # cannot happen: the service asks for what we hold
             log.error("catch-up asks for v%d, the trainer holds v%d", plan.version, snapshot.version)
+            return
+        if plan.base_version or len(plan.tensors) != len(snapshot.tensors):  # catch-ups are whole
+            log.error("catch-up plan for v%d is not the whole version; not sent", plan.version)
             return
         start = time.perf_counter()
         try:

@@ -9,7 +9,8 @@ trackers show as tables).
 Gauges are `parity_trainer_<name>` for every numeric metric in REQUIRED_METRICS plus a few extras;
 totals are counters (`_total`). No labels (the lag histogram stays in the JSON). A metric the step
 could not measure (NaN, e.g. lag-0 mismatch in a step without lag-0 tokens) is `null` in the JSON
-and NaN in its gauge, never the previous step's value.
+and NaN in its gauge, never the previous step's value; a metric the step leaves out (own-version
+scoring off) is absent from the JSON and NaN in its gauge, never the gauge's initial 0.0.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ EXTRA_GAUGES = (
     "backlog",
 )
 COUNTERS = ("rollouts_trained", "dropped_stale", "duplicates_skipped")
+# Gauges the trainer sets outside a step's metrics (Telemetry.set_gauge, at each publish).
+SET_BETWEEN_STEPS = ("weight_version", "publish_s")
 
 
 def prometheus_name(name: str) -> str:
@@ -140,6 +143,7 @@ class Telemetry:
             full = f"parity_trainer_{prometheus_name(name)}"
             existing = REGISTRY._names_to_collectors.get(full)  # re-created in-process by tests
             self._gauges[name] = existing or Gauge(full, f"Trainer metric {name} (see docs/trainer.md)")
+            self._gauges[name].set(math.nan)  # nothing measured yet
         for name in COUNTERS:
             full = f"parity_trainer_{name}"
             existing = REGISTRY._names_to_collectors.get(
@@ -172,6 +176,10 @@ class Telemetry:
             value = metrics.get(name)
             if isinstance(value, (int, float)):
                 gauge.set(float(value))  # NaN: not measured in this step
+            elif name not in SET_BETWEEN_STEPS:
+                # Absent from the step (own-version scoring off: own_version_groups 0): NaN, never
+                # the gauge's initial 0.0 or an earlier step's value.
+                gauge.set(math.nan)
         for name, amount in counter_increments.items():
             if name in self._counters and amount > 0:
                 self._counters[name].inc(amount)
