@@ -57,6 +57,19 @@ class BroadcastConfig(ServiceConfig):
     history_versions: int = Field(
         256, gt=0, le=100_000, description="How many versions GetStatus and WatchVersions remember."
     )
+    delta_updates: bool = Field(
+        False,
+        description="Send only the tensors whose checksum changed since the previous version (with "
+        "the tensors sharing their module), when every worker of the epoch serves that version; "
+        "otherwise the whole version. Saves bytes when parameters are frozen (trainer.freeze).",
+    )
+    notify_redis: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Also publish every version event, serialized once, to Redis pub/sub channels "
+        "'<run.stream>:versions:<kind>' (parity/version_watch.py reads them; Redis fans out in C, so "
+        "1,000 watchers cost the service one write per event, not 1,000 gRPC stream writes). "
+        "auto: when run.redis_url is set; on: run.redis_url is required; off: gRPC WatchVersions only.",
+    )
 
     @model_validator(mode="after")
     def _timeouts_consistent(self) -> BroadcastConfig:

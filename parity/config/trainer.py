@@ -127,6 +127,13 @@ class TrainerConfig(ServiceConfig):
         30.0, ge=0, description="Wait this long for the broadcast to commit each version; 0 skips waiting."
     )
     torch_threads: int = Field(0, ge=0, description="torch.set_num_threads; 0 leaves the default.")
+    freeze: str = Field(
+        "",
+        description="Comma-separated fnmatch patterns of parameter names (e.g. 'model.embed_tokens.*,"
+        "model.layers.[0-3].*') that are not trained: no gradient, no optimizer state, unchanged in every "
+        "published version (with broadcast.delta_updates their bytes are not resent). Each pattern "
+        "must match a parameter.",
+    )
     max_nonfinite_steps: int = Field(
         3,
         ge=1,

@@ -228,26 +228,32 @@ class WeightBroadcastServiceGetStatusResponse(_message.Message):
     def __init__(self, latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., backend: _Optional[str] = ..., updates_failed_total: _Optional[int] = ..., epoch: _Optional[int] = ..., epoch_members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WatchVersionsRequest(_message.Message):
-    __slots__ = ("after_version", "kinds")
+    __slots__ = ("after_version", "kinds", "after_seq", "replay_only")
     AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_ONLY_FIELD_NUMBER: _ClassVar[int]
     after_version: int
     kinds: _containers.RepeatedScalarFieldContainer[VersionEventKind]
-    def __init__(self, after_version: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[VersionEventKind, str]]] = ...) -> None: ...
+    after_seq: int
+    replay_only: bool
+    def __init__(self, after_version: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[VersionEventKind, str]]] = ..., after_seq: _Optional[int] = ..., replay_only: _Optional[bool] = ...) -> None: ...
 
 class VersionEvent(_message.Message):
-    __slots__ = ("kind", "version", "worker_id", "error", "at_unix")
+    __slots__ = ("kind", "version", "worker_id", "error", "at_unix", "seq")
     KIND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     kind: VersionEventKind
     version: int
     worker_id: str
     error: str
     at_unix: float
-    def __init__(self, kind: _Optional[_Union[VersionEventKind, str]] = ..., version: _Optional[int] = ..., worker_id: _Optional[str] = ..., error: _Optional[str] = ..., at_unix: _Optional[float] = ...) -> None: ...
+    seq: int
+    def __init__(self, kind: _Optional[_Union[VersionEventKind, str]] = ..., version: _Optional[int] = ..., worker_id: _Optional[str] = ..., error: _Optional[str] = ..., at_unix: _Optional[float] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class WatchVersionsResponse(_message.Message):
     __slots__ = ("event",)

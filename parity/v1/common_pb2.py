@@ -24,29 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16parity/v1/common.proto\x12\tparity.v1\"~\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0c\n\x04stop\x18\x07 \x03(\t\"@\n\x11WeightVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"J\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"\x92\x01\n\nRendezvous\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\x12\x0e\n\x06secret\x18\x08 \x01(\t\"\xc2\x01\n\x0cTransferPlan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.parity.v1.TensorMeta\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x03\x12\x38\n\x12\x63hecksum_algorithm\x18\x04 \x01(\x0e\x32\x1c.parity.v1.ChecksumAlgorithm\x12)\n\nrendezvous\x18\x05 \x01(\x0b\x32\x15.parity.v1.Rendezvous*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*a\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x01\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x02*Z\n\nUpdateMode\x12\x1b\n\x17UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10UPDATE_MODE_KEEP\x10\x01\x12\x19\n\x15UPDATE_MODE_RECOMPUTE\x10\x02*V\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43HECKSUM_ALGORITHM_WSUM64\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16parity/v1/common.proto\x12\tparity.v1\"\x92\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"@\n\x11WeightVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"J\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"\x92\x01\n\nRendezvous\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\x12\x0e\n\x06secret\x18\x08 \x01(\t\"\xec\x01\n\x0cTransferPlan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.parity.v1.TensorMeta\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x03\x12\x38\n\x12\x63hecksum_algorithm\x18\x04 \x01(\x0e\x32\x1c.parity.v1.ChecksumAlgorithm\x12)\n\nrendezvous\x18\x05 \x01(\x0b\x32\x15.parity.v1.Rendezvous\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12\x12\n\nfull_bytes\x18\x07 \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*a\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x01\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x02*Z\n\nUpdateMode\x12\x1b\n\x17UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10UPDATE_MODE_KEEP\x10\x01\x12\x19\n\x15UPDATE_MODE_RECOMPUTE\x10\x02*V\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43HECKSUM_ALGORITHM_WSUM64\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'parity.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=653
-  _globals['_FINISHREASON']._serialized_end=773
-  _globals['_LOGPROBSMODE']._serialized_start=775
-  _globals['_LOGPROBSMODE']._serialized_end=872
-  _globals['_UPDATEMODE']._serialized_start=874
-  _globals['_UPDATEMODE']._serialized_end=964
-  _globals['_CHECKSUMALGORITHM']._serialized_start=966
-  _globals['_CHECKSUMALGORITHM']._serialized_end=1052
-  _globals['_SAMPLINGPARAMS']._serialized_start=37
-  _globals['_SAMPLINGPARAMS']._serialized_end=163
-  _globals['_WEIGHTVERSIONSPAN']._serialized_start=165
-  _globals['_WEIGHTVERSIONSPAN']._serialized_end=229
-  _globals['_TENSORMETA']._serialized_start=231
-  _globals['_TENSORMETA']._serialized_end=305
-  _globals['_RENDEZVOUS']._serialized_start=308
-  _globals['_RENDEZVOUS']._serialized_end=454
-  _globals['_TRANSFERPLAN']._serialized_start=457
-  _globals['_TRANSFERPLAN']._serialized_end=651
+  _globals['_FINISHREASON']._serialized_start=716
+  _globals['_FINISHREASON']._serialized_end=836
+  _globals['_LOGPROBSMODE']._serialized_start=838
+  _globals['_LOGPROBSMODE']._serialized_end=935
+  _globals['_UPDATEMODE']._serialized_start=937
+  _globals['_UPDATEMODE']._serialized_end=1027
+  _globals['_CHECKSUMALGORITHM']._serialized_start=1029
+  _globals['_CHECKSUMALGORITHM']._serialized_end=1115
+  _globals['_SAMPLINGPARAMS']._serialized_start=38
+  _globals['_SAMPLINGPARAMS']._serialized_end=184
+  _globals['_WEIGHTVERSIONSPAN']._serialized_start=186
+  _globals['_WEIGHTVERSIONSPAN']._serialized_end=250
+  _globals['_TENSORMETA']._serialized_start=252
+  _globals['_TENSORMETA']._serialized_end=326
+  _globals['_RENDEZVOUS']._serialized_start=329
+  _globals['_RENDEZVOUS']._serialized_end=475
+  _globals['_TRANSFERPLAN']._serialized_start=478
+  _globals['_TRANSFERPLAN']._serialized_end=714
 # @@protoc_insertion_point(module_scope)

@@ -131,13 +131,17 @@ class Coordinator:
         worker = self.membership.live.get(worker_id)
         if worker is None:
             return "left before the update"
-        plan = record.plan(self.rendezvous(group_name, secret, rank, world))
+        # an epoch's version may be a delta; a catch-up's group always carries the whole version
+        whole = group_name.startswith(ONE_SHOT_PREFIX)
+        plan = record.plan(self.rendezvous(group_name, secret, rank, world), whole=whole)
         worker.busy, worker.state = True, WorkerState.WORKER_STATE_UPDATING
         worker.attempted_version = max(worker.attempted_version, record.version)
+        plan_bytes = record.plan_bytes(whole)
         attrs = {
             "parity.weight_version": record.version,
             "parity.worker_id": worker_id,
-            "bytes": record.layout.total_bytes,
+            "bytes": plan_bytes,
+            "parity.base_version": plan.base_version,
         }
         error, code, reply = "", None, None
         with tracing.span("broadcast_transfer", attrs, kind="client", parent_traceparent=record.traceparent):
@@ -159,7 +163,7 @@ class Coordinator:
         if reply is not None and not error:
             # the service's own check: the worker's checksums of what it received equal the trainer's
             with tracing.span("verify", attrs, parent_traceparent=record.traceparent):
-                error = check_reply(reply, record)
+                error = check_reply(reply, plan)
         if not error:
             worker.weight_version, worker.verified = record.version, True
             if not group_name.startswith(ONE_SHOT_PREFIX):
@@ -167,7 +171,7 @@ class Coordinator:
             worker.state, worker.last_error = WorkerState.WORKER_STATE_SERVING, ""
             worker.updates_applied += 1
             telemetry.UPDATE_SECONDS.observe(elapsed)
-            telemetry.BYTES.labels("received").inc(record.layout.total_bytes)
+            telemetry.BYTES.labels("received").inc(plan_bytes)
             self.registry.commit(record, elapsed)
             self.registry.events.emit(Kind.VERSION_EVENT_KIND_WORKER_UPDATED, record.version, worker_id)
             log.info("worker %s verified and serves v%d (%.2fs)", worker_id, record.version, elapsed)
@@ -243,7 +247,7 @@ class Coordinator:
 
         task = asyncio.ensure_future(run())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return record.plan(self.rendezvous(name, secret, 0, world))
+        return record.plan(self.rendezvous(name, secret, 0, world), whole=True)
 
 
 def absent_ranks(host: str, port: int, group_name: str, world: int, timeout_s: float = 5.0) -> list[int]:
@@ -258,15 +262,16 @@ def absent_ranks(host: str, port: int, group_name: str, world: int, timeout_s: f
         return []
 
 
-def check_reply(reply: rollout_pb2.UpdateWeightsResponse, record: VersionRecord) -> str:
-    """ "" when the ack proves the worker verified and applied `record`, else what is wrong."""
+def check_reply(reply: rollout_pb2.UpdateWeightsResponse, plan: common_pb2.TransferPlan) -> str:
+    """ "" when the ack proves the worker verified and applied `plan` (every tensor it sent, the
+    changed ones of a delta), else what is wrong."""
     if reply.outcome == rollout_pb2.UPDATE_OUTCOME_FAILED:
         return reply.error or "worker reported FAILED without an error"
     if reply.outcome != rollout_pb2.UPDATE_OUTCOME_APPLIED:
         return f"worker answered outcome {rollout_pb2.UpdateOutcome.Name(reply.outcome)}, not APPLIED"
-    if reply.weight_version != record.version:
-        return f"worker acked version {reply.weight_version}, expected {record.version}"
-    if list(reply.checksums) != [m.checksum for m in record.metas]:
+    if reply.weight_version != plan.version:
+        return f"worker acked version {reply.weight_version}, expected {plan.version}"
+    if list(reply.checksums) != [m.checksum for m in plan.tensors]:
         return "checksum: the worker's reported checksums differ from the trainer's"
     return ""
 

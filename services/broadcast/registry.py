@@ -49,16 +49,33 @@ class VersionRecord:
     receive_seconds: float = 0.0
     error: str = ""
     traceparent: str = ""  # of the publish_version span: parent of every transfer of this version
+    # A delta update (services/broadcast/delta.py): the epoch's plan sends only `delta_metas`, which
+    # apply on top of `base_version`; 0 / None: the whole version.
+    base_version: int = 0
+    delta_metas: list[common_pb2.TensorMeta] | None = None
+    delta_bytes: int = 0
 
-    def plan(self, rendezvous: common_pb2.Rendezvous) -> common_pb2.TransferPlan:
-        """The plan that moves this version's bytes through the group `rendezvous` describes."""
+    def plan(self, rendezvous: common_pb2.Rendezvous, whole: bool = False) -> common_pb2.TransferPlan:
+        """The plan that moves this version's bytes through the group `rendezvous` describes: the
+        delta when there is one, unless `whole` (catch-ups and late joiners)."""
+        delta = self.delta_metas is not None and not whole
         return common_pb2.TransferPlan(
             version=self.version,
-            tensors=self.metas,
+            tensors=self.delta_metas if delta else self.metas,
             bucket_bytes=self.bucket_bytes,
             checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64,
             rendezvous=rendezvous,
+            base_version=self.base_version if delta else 0,
+            full_bytes=self.layout.total_bytes if delta else 0,
         )
+
+    def set_delta(self, base_version: int, metas: list[common_pb2.TensorMeta]) -> None:
+        self.base_version, self.delta_metas = base_version, metas
+        self.delta_bytes = Layout.of(metas).total_bytes
+
+    def plan_bytes(self, whole: bool = False) -> int:
+        """Bytes that `plan(..., whole)` moves (computed once, not per worker)."""
+        return self.delta_bytes if self.delta_metas is not None and not whole else self.layout.total_bytes
 
     def info(self) -> pb.VersionInfo:
         return pb.VersionInfo(

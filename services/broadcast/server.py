@@ -8,6 +8,8 @@ It reads the `broadcast` section of the run config (`--field`, `--broadcast.fiel
 default; off loopback it refuses to start without an auth token (PARITY_BROADCAST_AUTH_TOKEN). The TCPStore
 for the data groups' rendezvous listens on --data_host:--store_port only (0 picks a port); it is the
 only data-plane port the service opens, and the service never joins a data group itself.
+With `broadcast.notify_redis` (auto: when run.redis_url is set) it also publishes every version event
+to Redis pub/sub for parity/version_watch.py (services/broadcast/notify.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from parity.config.entry import entrypoint
 log = logging.getLogger("parity.broadcast")
 
 
-async def serve(config: BroadcastConfig) -> int:
+async def serve(config: BroadcastConfig, notify: tuple[str, str] | None = None) -> int:
+    """Serve until a shutdown signal. `notify` = (redis_url, stream): publish events to Redis."""
     from parity import metrics, tracing
     from parity.server import GrpcServer, install_shutdown_handlers
     from parity.transport import serve_store
@@ -40,22 +43,30 @@ async def serve(config: BroadcastConfig) -> int:
     await server.start()
     metrics_port = metrics.serve_metrics(config.metrics_port, config.host)
     reaper = asyncio.ensure_future(service.reap_forever())
+    notifier = None
+    if notify is not None:
+        from services.broadcast.notify import RedisNotifier
+
+        notifier = asyncio.ensure_future(RedisNotifier(service.events, *notify).run())
 
     async def shutdown() -> None:
         reaper.cancel()
+        if notifier is not None:
+            notifier.cancel()
         await service.close()
         await server.stop(2.0)
 
     stopped = install_shutdown_handlers(shutdown)
     await server.set_serving(True)
     log.info(
-        "broadcast serving on %s:%d (backend %s, store %s:%d, metrics %s)",
+        "broadcast serving on %s:%d (backend %s, store %s:%d, metrics %s, events to redis %s)",
         config.host,
         server.port,
         config.backend,
         config.data_host,
         store_port,
         metrics_port,
+        f"channels {notify[1]}:versions:*" if notify else "off",
     )
     await stopped.wait()
     await server.server.wait_for_termination()
@@ -64,7 +75,16 @@ async def serve(config: BroadcastConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     def body(config: ParityConfig) -> int:
-        return asyncio.run(serve(config.broadcast))
+        mode, url = config.broadcast.notify_redis, config.run.redis_url
+        if mode == "on" and not url:
+            print(
+                "parity serve broadcast: error: broadcast.notify_redis: 'on' needs run.redis_url "
+                "(or set it to auto/off)",
+                file=sys.stderr,
+            )
+            return 2
+        notify = (url, config.run.stream) if url and mode != "off" else None
+        return asyncio.run(serve(config.broadcast, notify))
 
     return entrypoint(
         "parity serve broadcast", "broadcast", list(sys.argv[1:] if argv is None else argv), body

@@ -25,11 +25,11 @@ from parity.config.broadcast import BroadcastConfig
 from parity.errors import RequestError
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc
-from services.broadcast import telemetry
+from services.broadcast import delta, telemetry
 from services.broadcast.coordinator import Coordinator
 from services.broadcast.events import EventLog, Kind
-from services.broadcast.membership import Membership, WorkerState
-from services.broadcast.registry import VersionRegistry, is_final_for, reached
+from services.broadcast.membership import Epoch, Membership, WorkerState
+from services.broadcast.registry import VersionRecord, VersionRegistry, is_final_for, reached
 
 log = logging.getLogger(__name__)
 SERVICE = "parity.v1.WeightBroadcastService"
@@ -100,6 +100,8 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
             bucket_bytes = request.bucket_bytes or self.config.bucket_bytes
             record = self.registry.begin(request, bucket_bytes, epoch.number)
             record.traceparent = tracing.current_traceparent()
+            if self.config.delta_updates:
+                self._plan_delta(record, epoch)
             self._spawn(self.coordinator.distribute(record, epoch))
             log.info(
                 "v%d published to epoch %d: %d tensors, %.1f MB",
@@ -110,6 +112,33 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
             )
             rdv = self.coordinator.rendezvous(epoch.group_name, epoch.secret, 0, len(epoch.members) + 1)
             return pb.PublishVersionResponse(plan=record.plan(rdv))
+
+    def _plan_delta(self, record: VersionRecord, epoch: Epoch) -> None:
+        """Make `record` a delta against the previous version when every epoch member serves it
+        (services/broadcast/delta.py); a version that changes every tensor stays whole."""
+        previous = self.registry.get(record.version - 1)
+        members = [self.membership.live.get(wid) for wid in epoch.members]
+        base = delta.delta_base(
+            previous.version if previous is not None else 0,
+            previous is not None and reached(previous.state, pb.VERSION_STATE_COMMITTED),
+            (w.weight_version if w is not None and w.verified else None for w in members),
+        )
+        if not base:
+            return
+        changed = delta.changed_tensors(previous.metas, record.metas)
+        if changed and len(changed) < len(record.metas):
+            record.set_delta(base, changed)
+            sent = record.delta_bytes
+            telemetry.DELTA_BYTES_SAVED.inc(record.layout.total_bytes - sent)
+            log.info(
+                "v%d is a delta against v%d: %d of %d tensors, %.1f of %.1f MB",
+                record.version,
+                base,
+                len(changed),
+                len(record.metas),
+                sent / 1e6,
+                record.layout.total_bytes / 1e6,
+            )
 
     async def AwaitCatchUp(self, request: pb.AwaitCatchUpRequest, context: grpc.aio.ServicerContext):
         if request.have_version < 0:
@@ -222,5 +251,12 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"kinds: unknown event kind(s) {unknown}; leave empty for all",
             )
-        async for event in self.events.follow(request.after_version, frozenset(request.kinds)):
+        if request.after_seq < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "after_seq: must be >= 0")
+        kinds = frozenset(request.kinds)
+        if request.replay_only:
+            for event in self.events.replay(request.after_version, kinds, request.after_seq):
+                yield pb.WatchVersionsResponse(event=event)
+            return
+        async for event in self.events.follow(request.after_version, kinds, request.after_seq):
             yield pb.WatchVersionsResponse(event=event)

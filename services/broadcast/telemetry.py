@@ -15,6 +15,11 @@ BYTES = Counter(
     "ack of a version (the service itself moves no tensor bytes).",
     ["direction"],
 )
+DELTA_BYTES_SAVED = Counter(
+    "parity_broadcast_delta_bytes_saved",
+    "Bytes a delta update did not send to each epoch (whole version minus the changed tensors; "
+    "broadcast.delta_updates).",
+)
 FAILURES = Counter(
     "parity_broadcast_update_failures",
     "Failed worker updates by reason: checksum, transfer, timeout, unreachable, rpc, internal.",

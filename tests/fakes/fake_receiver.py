@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ class StandinReceiver:
         self.args = args
         self.version = 0
         self.weights: list = []
+        self.names: list[str] = []  # of self.weights
         self.served_buffer = None  # the packed buffer self.weights view
         self.spare_buffer = None  # a buffer nobody serves from: received into next time
         self.latest_seen = 0
@@ -114,10 +116,24 @@ class StandinReceiver:
                     checksums=staged.checksums,
                     transfer_seconds=staged.transfer_s,
                 )
+            if plan.base_version and plan.base_version != self.version:
+                return rollout_pb2.UpdateWeightsResponse(
+                    outcome=rollout_pb2.UPDATE_OUTCOME_FAILED,
+                    weight_version=self.version,
+                    error=f"plan.base_version: a delta against v{plan.base_version}, but this stand-in "
+                    f"serves v{self.version}; nothing applied",
+                    checksums=staged.checksums,
+                )
             paused_at = time.monotonic()  # pause(keep): a real engine stops scheduling here
-            # the swap: reference assignments; the buffer served until now becomes the spare
-            self.spare_buffer, self.served_buffer = self.served_buffer, staged.buffer
-            self.weights, self.version = staged.tensors, plan.version
+            if plan.base_version:  # a delta: the changed tensors are copied over the served ones
+                index = {name: i for i, name in enumerate(self.names)}
+                for name, tensor in staged.named():
+                    self.weights[index[name]].copy_(tensor)
+                self.version = plan.version
+            else:  # the swap: reference assignments; the buffer served until now becomes the spare
+                self.spare_buffer, self.served_buffer = self.served_buffer, staged.buffer
+                self.weights, self.version = staged.tensors, plan.version
+                self.names = list(staged.names)
             paused_s = time.monotonic() - paused_at  # resume
             self._write_state()
         if self.version >= self.latest_seen:
@@ -142,6 +158,12 @@ class StandinReceiver:
         from parity.membership_client import MembershipClient
         from parity.server import GrpcServer, install_shutdown_handlers
         from parity.v1 import rollout_pb2_grpc
+
+        # Loaded before registering, as a real rollout worker has torch loaded (by vLLM) long before
+        # it registers: a first UpdateWeights that paid the import would miss a short rendezvous
+        # deadline on a loaded box (the trainer waited transfer_timeout_s=4 for this rank).
+        for module in ("torch", "torch.distributed", "rollout.weight_receiver"):
+            importlib.import_module(module)
 
         name = "parity.v1.RolloutService"
         config = ServiceConfig(port=0, auth_token=self.args.auth_token, port_file=self.args.port_file)
