@@ -72,6 +72,7 @@ class GenerationSpec:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -214,6 +215,13 @@ class RolloutEngine(ABC):
                 transfer_s=staged["transfer_s"],
                 verify_s=staged["verify_s"],
             )
+            if not result.error and plan.base_version and plan.base_version != self.weight_version:
+                # received (the other ranks' collective completed) but never applied: a delta holds
+                # only what changed since its base (services/broadcast/delta.py)
+                result.error = (
+                    f"plan.base_version: a delta against v{plan.base_version}, but this engine serves "
+                    f"v{self.weight_version}; nothing applied"
+                )
             if result.error:
                 return result
             paused_at = time.perf_counter()

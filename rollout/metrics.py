@@ -9,13 +9,43 @@ from __future__ import annotations
 import collections
 import time
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 RATE_WINDOW_S = 10.0
 
 TOKENS_TOTAL = Counter("parity_rollout_tokens", "Generated completion tokens.")
 TOKENS_PER_SECOND = Gauge(
     "parity_rollout_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW_S:.0f} s."
+)
+GENERATE_SECONDS = Histogram(
+    "parity_rollout_generate_duration_seconds",
+    "Admitted Generate/GenerateStream RPCs, server side: from admission to the last completion "
+    "(refused attempts are not observed; the actor's own groups bypass admission).",
+    buckets=(
+        0.05,
+        0.1,
+        0.2,
+        0.3,
+        0.4,
+        0.5,
+        0.6,
+        0.7,
+        0.8,
+        0.9,
+        1,
+        1.25,
+        1.5,
+        2,
+        2.5,
+        3,
+        4,
+        5,
+        7.5,
+        10,
+        20,
+        60,
+        300,
+    ),
 )
 QUEUE_DEPTH = Gauge("parity_rollout_queue_depth", "Rollout groups in Redis not yet consumed by the trainer.")
 PAUSE_SECONDS = Counter("parity_rollout_pause_seconds", "Seconds generation was paused for weight updates.")

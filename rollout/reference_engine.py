@@ -127,7 +127,7 @@ class ReferenceEngine(RolloutEngine):
                 logprobs[i].append(float(chosen_n[i]))
                 versions[i].append(version)
                 text = self.tokenizer.decode(generated[i], skip_special_tokens=True)
-                if tok in self._eos_ids or any(s and s in text for s in spec.stop):
+                if (tok in self._eos_ids and not spec.ignore_eos) or any(s and s in text for s in spec.stop):
                     finished[i] = "stop"
                 elif len(generated[i]) >= spec.max_tokens:
                     finished[i] = "length"

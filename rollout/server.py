@@ -41,7 +41,7 @@ from pathlib import Path
 
 import grpc
 
-from parity import tracing
+from parity import procs, tracing
 from parity.config import ParityConfig
 from parity.config.entry import entrypoint
 from parity.config.rollout import RolloutConfig
@@ -506,6 +506,7 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
         stopped.set()
 
     install_shutdown_handlers(shutdown)
+    procs.children_die_with_this_process()  # vLLM's engine core, when forked (parity.procs)
     started = time.monotonic()
     await engine.start()
     log.info(
@@ -552,6 +553,9 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     if config.broadcast_address:
         await link.unregister()
     await engine.shutdown()
+    if servicer._recovery is not None and not servicer._recovery.done():
+        # a restart in progress: the engine it is building is shut down as soon as it is built
+        await asyncio.wait({servicer._recovery}, timeout=config.shutdown_grace_s)
     log.info("rollout service stopped")
     return 0
 

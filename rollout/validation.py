@@ -120,6 +120,7 @@ def generation_spec(request, prompt_token_ids: list[int] | None, limits: Limits)
         top_p=top_p if top_p > 0 else 1.0,
         seed=int(s.seed) if s.seed else None,
         stop=tuple(s.stop),
+        ignore_eos=bool(s.ignore_eos),
     )
 
 
@@ -156,6 +157,13 @@ def check_update_request(
         )
     if not plan.tensors:
         raise invalid("plan.tensors", "empty")
+    if not 0 <= plan.base_version < plan.version:
+        raise invalid(
+            "plan.base_version",
+            f"must be 0 (whole version) or in [1, {plan.version}) (got {plan.base_version})",
+        )
+    if plan.full_bytes < 0:
+        raise invalid("plan.full_bytes", f"must be >= 0 (got {plan.full_bytes})")
     if plan.bucket_bytes <= 0:
         raise invalid("plan.bucket_bytes", f"must be > 0 (got {plan.bucket_bytes})")
     rdv = plan.rendezvous

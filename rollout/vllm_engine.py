@@ -77,6 +77,7 @@ class VllmEngine(RolloutEngine):
         self.llm = None
         self._admissions: dict[str, _Admission] = {}  # vLLM request id -> its current submission
         self.restarted_requests_total = 0
+        self._closed = False  # shut down: an engine built after that (a restart) is shut down at once
 
     def engine_args(self):
         from vllm import AsyncEngineArgs
@@ -114,7 +115,11 @@ class VllmEngine(RolloutEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
-        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self.engine_args())
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self.engine_args())
+        if self._closed:  # the service stopped while this engine was starting (a restart)
+            llm.shutdown()
+            raise EngineDeadError("the engine was shut down while it started")
+        self.llm = llm
         self.vocab_size = int(self.llm.model_config.get_vocab_size())
         self.top_p_impl = await self._rpc_one("parity_install_top_p", mode=self.config.cpu_top_p)
         head = self.llm.model_config.hf_config
@@ -141,6 +146,7 @@ class VllmEngine(RolloutEngine):
             logprobs=0,
             seed=spec.seed,
             stop=list(spec.stop) or None,
+            ignore_eos=spec.ignore_eos,
             # Deltas even for unary calls: the engine must know which requests have produced a
             # token when an update lands (module docstring). `stream` is kept for the interface.
             output_kind=RequestOutputKind.DELTA,
@@ -318,6 +324,7 @@ class VllmEngine(RolloutEngine):
         await self._start_llm()
 
     async def shutdown(self) -> None:
+        self._closed = True
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None

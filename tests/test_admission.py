@@ -38,3 +38,24 @@ def test_a_failing_request_releases_its_slot() -> None:
     with pytest.raises(KeyError), admission.admit(10):
         raise KeyError("engine failed")
     assert admission.requests == 0 and admission.tokens == 0
+
+
+def test_clients_refused_together_are_told_to_come_back_spread_out() -> None:
+    import time
+
+    admission = Admission(max_requests=2, max_tokens=1000)
+    with admission.admit(10):
+        time.sleep(0.2)  # the mean admitted request now takes ~0.2 s
+    mean = admission.retry_after_s()
+    assert 0.2 <= mean < 0.4
+    hints = []
+    with admission.admit(10), admission.admit(10):
+        for _ in range(5):
+            with pytest.raises(RequestError) as refused:
+                admission.precheck()
+            hints.append(int(dict(refused.value.trailing_metadata())["retry-after-ms"]))
+        # the k-th refusal within one mean time waits (1 + (k-1)/2) means: a slot frees every mean / 2
+        expected = [round(1000 * mean * (1 + k / 2)) for k in range(5)]
+        assert all(abs(h - e) <= 0.1 * e for h, e in zip(hints, expected, strict=True)), (hints, expected)
+        time.sleep(mean + 0.05)  # those refusals are older than a mean time: back to one mean
+        assert abs(admission.retry_after_s() - mean) < 0.1 * mean

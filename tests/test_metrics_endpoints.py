@@ -153,7 +153,11 @@ def pipeline(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     started: dict[str, ServiceProcess] = {}
     try:
         started["broadcast"] = start_service(
-            "broadcast", ["--metrics_port", str(ports["broadcast"])], log_dir=log_dir, env=env
+            # with the run's Redis, so the service also publishes version events there (notify_redis)
+            "broadcast",
+            ["--metrics_port", str(ports["broadcast"]), "--redis_url", redis_server],
+            log_dir=log_dir,
+            env=env,
         ).wait_ready(60)
         broadcast = started["broadcast"].address
         started["rollout"] = start_service(

@@ -459,3 +459,30 @@ def test_metrics_are_exported(services, metrics_port: int) -> None:
     for name in ("parity_rollout_pause_seconds_total", "parity_rollout_backpressure_wait_seconds_total",
                  "parity_rollout_queue_depth", "parity_rollout_tokens_per_second"):  # fmt: skip
         assert name in values
+
+
+@pytest.mark.parametrize("name", ["guarded", "reference"])
+def test_ignore_eos_runs_every_completion_to_max_tokens(services, name: str) -> None:
+    """SamplingParams.ignore_eos (the load bench's requests of one length): the same seeded group
+    that ends some completions at the end token runs every one to max_tokens with it."""
+    stub = services[name].stub
+
+    def group(ignore_eos: bool):
+        return stub.Generate(
+            rollout_pb2.GenerateRequest(
+                prompt_token_ids=prompt_ids(5, 12),
+                sampling=common_pb2.SamplingParams(
+                    temperature=1.0, max_tokens=300, n=8, seed=5, ignore_eos=ignore_eos
+                ),
+            ),
+            timeout=300,
+        ).completions
+
+    plain = group(False)
+    assert any(len(c.token_ids) < 300 and c.finish_reason == common_pb2.FINISH_REASON_STOP for c in plain), [
+        (len(c.token_ids), c.finish_reason) for c in plain
+    ]  # the test's own check: without ignore_eos this group does stop early
+    forced = group(True)
+    assert [(len(c.token_ids), c.finish_reason) for c in forced] == [
+        (300, common_pb2.FINISH_REASON_LENGTH)
+    ] * 8
