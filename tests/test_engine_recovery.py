@@ -11,11 +11,21 @@ vLLM's engine-core process is killed with SIGKILL. Then:
 - a greedy Generate afterwards is labelled version 1 and gives the same tokens as before the kill
   (the weights are version 1's, not the checkpoint's relabelled);
 - the actor's lost group is generated again (the same group id, never a half-done one) and
-  published with every token at version 1.
+  published with every token at version 1;
+- no engine process is left behind: the dead engine's worker is gone once the service serves
+  again, and after the service's leader alone gets SIGTERM (no process-group kill), the restarted
+  engine core and its worker are gone too.
+
+`test_a_service_killed_alone_takes_its_engine_with_it`: a rollout service whose leader alone is
+SIGKILLed (the OOM killer, a `kill -9 PID`) leaves no vLLM process behind (parity.procs.
+die_with_parent). Engine processes are identified by pid (psutil checks the start time too), as
+recorded from the service's descendants: other vLLM engines on the machine are never looked at.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 import time
@@ -29,6 +39,7 @@ import pytest
 from parity import health
 from parity.ports import free_port
 from parity.rollout_queue import RolloutQueue
+from parity.server import bearer
 from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.fakes.rollout_helpers import perturbed_state_dict
 from trainer.publisher import Publisher
@@ -52,6 +63,37 @@ def engine_core(service_pid: int) -> psutil.Process:
     cores = [p for p in children if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]
     assert len(cores) == 1, [(p.pid, p.name(), p.cmdline()) for p in children]
     return cores[0]
+
+
+def vllm_processes(service_pid: int) -> list[psutil.Process]:
+    """The service's vLLM descendants (engine core, workers), by their process titles."""
+    found = []
+    for proc in psutil.Process(service_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if proc.name().startswith("VLLM::") or " ".join(proc.cmdline()).startswith("VLLM::"):
+                found.append(proc)
+    return found
+
+
+def left_behind(procs: list[psutil.Process], timeout_s: float) -> list[tuple[int, str, int]]:
+    """Those of `procs` still alive (zombies count as gone) after up to `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append((proc.pid, proc.name(), proc.ppid()))
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def kill_all(procs: list[psutil.Process]) -> None:
+    """Clean-up after a failed check: SIGKILL exactly these processes (pid and start time)."""
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
 
 
 def wait_health(address: str, serving: bool, timeout_s: float) -> float:
@@ -80,6 +122,7 @@ def test_a_killed_engine_is_restarted_at_the_current_version(
     stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(svc.address))
     queue = RolloutQueue(redis_url, stream=STREAM)
     publisher = Publisher(broadcast.address, "tiny", auth_token=TOKEN, bucket_bytes=1 << 20)
+    engines: list[psutil.Process] = []  # every vLLM process the service ran, for the clean-up
     try:
         result = publisher.publish_tensors(list(perturbed_state_dict(tiny_model, seed=1).items()), 1)
         assert result.committed
@@ -99,20 +142,40 @@ def test_a_killed_engine_is_restarted_at_the_current_version(
             except BaseException as exc:
                 failures.append(exc)
 
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240  # the actor's first 400-token group, on a busy box
         first = []
         while not first:
             assert time.monotonic() < deadline, "the actor published nothing"
             first = queue.read("test", count=1, block_ms=500)
+        # its own wait: the first one may have used most of its time
+        deadline = time.monotonic() + 120
+        seen: list[int] = []  # the running counts observed, for the failure message
+
+        def wait_running(count: int, what: str) -> None:
+            while True:
+                status = stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
+                if not seen or seen[-1] != status.num_running_requests:
+                    seen.append(status.num_running_requests)
+                if status.num_running_requests >= count:
+                    return
+                assert time.monotonic() < deadline, f"{what}; running counts seen: {seen}"
+                time.sleep(0.02)
+
+        # Everything in flight is frozen (PauseGeneration, keep mode: the sequences stay in the
+        # engine) before the kill, so that nothing finishes first. Waiting for five running requests
+        # without the pause lost the race on the CI box (counts 0, 1, 2, 4, 3, 0: a request ended
+        # before the last one started), since the tiny model's requests may end early at EOS.
         clients = [threading.Thread(target=long_generate) for _ in range(4)]
         for client in clients:
             client.start()
+        wait_running(4, "the four clients never ran together")
         queue.ack([first[0].entry_id])  # the actor may start its next group now
+        wait_running(5, "the actor's second group never started beside the clients")
+        stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(), metadata=bearer(TOKEN), timeout=30)
         status = stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
-        while status.num_running_requests < 5:
-            assert time.monotonic() < deadline, f"{status.num_running_requests} requests running"
-            time.sleep(0.05)
-            status = stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
+        assert (status.paused, status.num_running_requests) == (True, 5), (status, seen)
+        dead_engine = vllm_processes(svc.proc.pid)
+        engines += dead_engine
         engine_core(svc.proc.pid).send_signal(signal.SIGKILL)
         for client in clients:
             client.join(60)
@@ -122,6 +185,7 @@ def test_a_killed_engine_is_restarted_at_the_current_version(
             assert exc.details().startswith("engine: "), exc.details()
         wait_health(svc.address, serving=False, timeout_s=5)
         recovered_s = wait_health(svc.address, serving=True, timeout_s=240)
+        assert left_behind(dead_engine, timeout_s=10) == [], "the dead engine's processes live on"
 
         status = stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
         assert (status.engine_restarts_total, status.weight_version) == (1, 1)
@@ -143,6 +207,28 @@ def test_a_killed_engine_is_restarted_at_the_current_version(
         log = svc.log_path.read_text()
         assert "engine died while serving v1" in log and "engine restarted in" in log
         print(f"recovered {recovered_s:.1f}s after the kill")
+
+        # SIGTERM to the leader alone: the restarted engine must go with the service by itself (a
+        # supervisor's process-group SIGKILL would hide a leak here)
+        restarted = vllm_processes(svc.proc.pid)
+        engines += restarted
+        assert {p.name() for p in restarted} == {"VLLM::EngineCore", "VLLM::Worker"}, restarted
+        os.kill(svc.proc.pid, signal.SIGTERM)
+        assert svc.proc.wait(60) == 0, svc.log_tail()
+        assert left_behind(restarted, timeout_s=15) == [], "the restarted engine outlived its service"
     finally:
         publisher.close()
         queue.close()
+        kill_all(engines)
+
+
+def test_a_service_killed_alone_takes_its_engine_with_it(start_services, tiny_model: Path) -> None:
+    svc = start_services("rollout", "--model", str(tiny_model), "--engine", "vllm", "--max_model_len", "256")
+    engines = vllm_processes(svc.proc.pid)
+    try:
+        assert {p.name() for p in engines} == {"VLLM::EngineCore", "VLLM::Worker"}, engines
+        os.kill(svc.proc.pid, signal.SIGKILL)  # the leader alone, not its process group
+        svc.proc.wait(30)
+        assert left_behind(engines, timeout_s=10) == [], "the engine outlived its killed service"
+    finally:
+        kill_all(engines)
