@@ -191,6 +191,12 @@ def main() -> int:
         default=0,
         help="sequential calls of the single client (0: 4 x requests)",
     )
+    parser.add_argument(
+        "--service_args",
+        default="",
+        help="extra `parity serve rollout` flags for both services, space-separated "
+        "(e.g. '--stream_interval 16')",
+    )
     args = parser.parse_args()
 
     from parity import models
@@ -207,6 +213,7 @@ def main() -> int:
         "cap": args.cap,
         "retry_scale": args.retry_scale,
         "ignore_eos": args.ignore_eos == "true",
+        "service_args": args.service_args,
     }
     same_length = args.ignore_eos == "true"
     for name, cap in (("uncapped", 1024), ("capped", args.cap)):
@@ -214,7 +221,7 @@ def main() -> int:
         service = start_service(
             "rollout",
             ["--model", str(model_dir), "--max_inflight_requests", str(cap), "--max_model_len", "512",
-             "--metrics_port", str(metrics_port)],
+             "--metrics_port", str(metrics_port), *args.service_args.split()],
             log_dir=log_dir,
             name=name,
         )  # fmt: skip

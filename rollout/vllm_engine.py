@@ -150,6 +150,8 @@ class VllmEngine(RolloutEngine):
             # Deltas even for unary calls: the engine must know which requests have produced a
             # token when an update lands (module docstring). `stream` is kept for the interface.
             output_kind=RequestOutputKind.DELTA,
+            # the first token still comes at once (what `produced` needs), then batches of tokens
+            stream_interval=self.config.stream_interval,
         )
 
     def _prompt(self, spec: GenerationSpec, version: int | None = None) -> dict:

