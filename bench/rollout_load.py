@@ -99,10 +99,30 @@ class Load:
         self.errors: list[str] = []
         self._lock = threading.Lock()
 
-    def client(self, index: int, requests: int) -> None:
+    def attempt_done(self, error, started: float, first: float) -> float | None:
+        """Record one Generate attempt (`error` None when it was admitted and answered): the seconds
+        to sleep before retrying a refusal, or None when the request is finished."""
         import grpc
 
         from parity.errors import RETRY_AFTER_METADATA_KEY
+
+        done = time.monotonic()
+        with self._lock:
+            self.attempts += 1
+            if error is None:
+                self.admitted_s.append(done - started)
+                self.end_to_end_s.append(done - first)
+                return None
+            if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.errors.append(f"{error.code().name}: {error.details()}")
+                return None
+            self.refused += 1
+        hint = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_METADATA_KEY, "100")
+        return int(hint) / 1000 * self.retry_scale
+
+    def client(self, index: int, requests: int) -> None:
+        import grpc
+
         from parity.v1 import rollout_pb2_grpc
 
         with grpc.insecure_channel(self.address) as chan:
@@ -111,27 +131,15 @@ class Load:
                 request = self.request(index, i)
                 first = time.monotonic()
                 while True:
-                    started = time.monotonic()
+                    started, error = time.monotonic(), None
                     try:
                         stub.Generate(request, timeout=300)
                     except grpc.RpcError as exc:
-                        with self._lock:
-                            self.attempts += 1
-                        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                            with self._lock:
-                                self.errors.append(f"{exc.code().name}: {exc.details()}")
-                            break
-                        hint = dict(exc.trailing_metadata() or ()).get(RETRY_AFTER_METADATA_KEY, "100")
-                        with self._lock:
-                            self.refused += 1
-                        time.sleep(int(hint) / 1000 * self.retry_scale)
-                        continue
-                    done = time.monotonic()
-                    with self._lock:
-                        self.attempts += 1
-                        self.admitted_s.append(done - started)
-                        self.end_to_end_s.append(done - first)
-                    break
+                        error = exc
+                    retry_s = self.attempt_done(error, started, first)
+                    if retry_s is None:
+                        break
+                    time.sleep(retry_s)
 
     def request(self, index: int, i: int):
         from parity.v1 import common_pb2, rollout_pb2
@@ -154,7 +162,6 @@ class Load:
 
         import grpc
 
-        from parity.errors import RETRY_AFTER_METADATA_KEY
         from parity.v1 import rollout_pb2_grpc
 
         async with grpc.aio.insecure_channel(self.address) as chan:
@@ -163,24 +170,15 @@ class Load:
                 request = self.request(index, i)
                 first = time.monotonic()
                 while True:
-                    started = time.monotonic()
+                    started, error = time.monotonic(), None
                     try:
                         await stub.Generate(request, timeout=300)
                     except grpc.aio.AioRpcError as exc:
-                        self.attempts += 1
-                        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                            self.errors.append(f"{exc.code().name}: {exc.details()}")
-                            break
-                        trailing = exc.trailing_metadata() or ()
-                        hint = dict(trailing).get(RETRY_AFTER_METADATA_KEY, "100")
-                        self.refused += 1
-                        await asyncio.sleep(int(hint) / 1000 * self.retry_scale)
-                        continue
-                    done = time.monotonic()
-                    self.attempts += 1
-                    self.admitted_s.append(done - started)
-                    self.end_to_end_s.append(done - first)
-                    break
+                        error = exc
+                    retry_s = self.attempt_done(error, started, first)
+                    if retry_s is None:
+                        break
+                    await asyncio.sleep(retry_s)
 
     def run(self, clients: int, requests: int, aio: bool = False) -> dict[str, float]:
         started = time.monotonic()
