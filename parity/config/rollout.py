@@ -75,6 +75,14 @@ class RolloutConfig(ServiceConfig):
         "(100x slower steps) on shared CPUs.",
     )
     max_num_seqs: int = Field(64, gt=0, description="Most sequences the engine batches at once.")
+    engine_core_nap_us: int = Field(
+        20,
+        ge=0,
+        le=10_000,
+        description="CPU only: vLLM's engine-core process waits for each step of its worker in naps of "
+        "this many microseconds instead of spinning on a core (rollout/cpu_engine_wait.py); 0 keeps "
+        "vLLM's spin. The spin starves the serving process on hosts with few cores.",
+    )
     stream_interval: int = Field(
         1,
         ge=1,
