@@ -20,8 +20,9 @@ of the call that was admitted, not counting refused attempts), the RESOURCE_EXHA
 attempts, the end-to-end time per request including retries, and the ratios of the load's p99 to
 the single client's p50 and p99 of the same service. `single_p99_over_single_p50` is the control:
 what the machine alone does to one client's tail with no load from the bench. Goal: capped admitted
-p99 <= 2x single-client latency; both readings (x single p50, x single p99) are reported. Final
-stdout line: a JSON object.
+p99 <= 2x single-client latency; both readings (x single p50, x single p99) are reported. Each load
+also reports `cpu_cores_during_load`: the CPU the service's processes used during it, in cores (the
+serving process, vLLM's engine core, its worker; Linux /proc). Final stdout line: a JSON object.
 """
 
 from __future__ import annotations
@@ -57,6 +58,55 @@ def server_histogram(metrics_port: int) -> dict[float, float]:
             le = line.split('le="', 1)[1].split('"', 1)[0]
             buckets[float(le)] = float(line.rsplit(" ", 1)[1])
     return buckets
+
+
+def process_tree(root: int) -> dict[int, str]:
+    """pid -> name (comm) of `root` and every descendant, read from /proc (Linux; {} elsewhere)."""
+    if not Path("/proc").is_dir():
+        return {}
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    tree, todo = [root], [root]
+    while todo:
+        pid = todo.pop()
+        children = [child for child, parent in parents.items() if parent == pid]
+        tree += children
+        todo += children
+    names = {}
+    for pid in tree:
+        try:
+            names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+    return names
+
+
+def cpu_seconds(pids: dict[int, str]) -> dict[int, float]:
+    """User + system CPU seconds of each pid so far (a pid that has exited is left out)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        seconds[pid] = (int(fields[11]) + int(fields[12])) / ticks
+    return seconds
+
+
+def cpu_shares(pids: dict[int, str], before: dict[int, float], after: dict[int, float], wall_s: float):
+    """Each service process's CPU over the load, in cores (1.0 = one core busy throughout), by name."""
+    shares: dict[str, float] = {}
+    for pid, name in pids.items():
+        if pid in before and pid in after:
+            label = "service" if name.startswith("python") else name
+            shares[label] = round(shares.get(label, 0.0) + (after[pid] - before[pid]) / wall_s, 3)
+    return shares
 
 
 def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
@@ -290,10 +340,17 @@ def main() -> int:
             )
             log(f"{name} single: {single}")
             histogram_before = server_histogram(metrics_port)
+            tree = process_tree(service.proc.pid)
+            cpu_before, load_started = cpu_seconds(tree), time.monotonic()
             row = Load(service.address, prompt, args.n, args.max_tokens, args.retry_scale, same_length).run(
                 args.clients, args.requests, aio=args.clients_mode == "aio"
             )
             histogram_after = server_histogram(metrics_port)
+            # where the cores went during the load: the serving process (gRPC, vLLM's output handler),
+            # vLLM's engine core (scheduling, and waiting for its worker) and its worker (the model)
+            row["cpu_cores_during_load"] = cpu_shares(
+                tree, cpu_before, cpu_seconds(tree), time.monotonic() - load_started
+            )
             log(f"{name}: {row}")
         finally:
             service.stop()
