@@ -58,6 +58,30 @@ def smollm2_weights() -> list[tuple[str, object]]:
     return sorted(load_file(str(path)).items())
 
 
+def smollm2_shaped_weights(seed: int = 0) -> list[tuple[str, object]]:
+    """SmolLM2-135M's 272 tensors (names, shapes, fp32: 538,060,032 bytes) with random values, for a
+    host without the checkpoint (a GPU host that cannot download): the transfer sees the same layout."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden, kv, inter, vocab = 576, 192, 1536, 49152
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(30):
+        prefix = f"model.layers.{i}."
+        shapes |= {
+            prefix + "self_attn.q_proj.weight": (hidden, hidden),
+            prefix + "self_attn.k_proj.weight": (kv, hidden),
+            prefix + "self_attn.v_proj.weight": (kv, hidden),
+            prefix + "self_attn.o_proj.weight": (hidden, hidden),
+            prefix + "mlp.gate_proj.weight": (inter, hidden),
+            prefix + "mlp.up_proj.weight": (inter, hidden),
+            prefix + "mlp.down_proj.weight": (hidden, inter),
+            prefix + "input_layernorm.weight": (hidden,),
+            prefix + "post_attention_layernorm.weight": (hidden,),
+        }
+    return sorted((name, torch.rand(shape, generator=gen)) for name, shape in shapes.items())
+
+
 def random_weights(total_mb: int, seed: int = 0) -> list[tuple[str, object]]:
     import torch
 
@@ -349,12 +373,19 @@ def main(argv: list[str] | None = None) -> int:
         "do (trainer/flat_params.py), so the send copies nothing; scattered: separately allocated "
         "tensors (as sharded parameters gathered at publish time), packed into buckets as they go",
     )
+    parser.add_argument(
+        "--smollm2",
+        choices=("file", "shape"),
+        default="file",
+        help="file: SmolLM2-135M's checkpoint; shape: its tensors' names and shapes with random values "
+        "(same bytes and layout, no checkpoint needed)",
+    )
     args = parser.parse_args(argv)
 
     import torch
 
     torch.set_num_threads(1)
-    models = [("smollm2-135m", smollm2_weights)]
+    models = [("smollm2-135m", smollm2_weights if args.smollm2 == "file" else smollm2_shaped_weights)]
     if args.large_mb:
         models.append((f"random-{args.large_mb}mb", lambda: random_weights(args.large_mb)))
     log_dir = Path(tempfile.mkdtemp(prefix="parity-bench-sync-"))
