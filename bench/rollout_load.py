@@ -22,12 +22,13 @@ the single client's p50 and p99 of the same service. `single_p99_over_single_p50
 what the machine alone does to one client's tail with no load from the bench. Goal: capped admitted
 p99 <= 2x single-client latency; both readings (x single p50, x single p99) are reported. Each load
 also reports `cpu_cores_during_load`: the CPU the service's processes used during it, in cores (the
-serving process, vLLM's engine core, its worker; Linux /proc). Final stdout line: a JSON object.
+serving process, vLLM's engine core, its worker). Final stdout line: a JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -60,52 +61,33 @@ def server_histogram(metrics_port: int) -> dict[float, float]:
     return buckets
 
 
-def process_tree(root: int) -> dict[int, str]:
-    """pid -> name (comm) of `root` and every descendant, read from /proc (Linux; {} elsewhere)."""
-    if not Path("/proc").is_dir():
-        return {}
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    tree, todo = [root], [root]
-    while todo:
-        pid = todo.pop()
-        children = [child for child, parent in parents.items() if parent == pid]
-        tree += children
-        todo += children
-    names = {}
-    for pid in tree:
-        try:
-            names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            continue
-    return names
+def process_tree(root: int) -> list:
+    """`root` and every descendant, as psutil processes."""
+    import psutil
+
+    service = psutil.Process(root)
+    return [service, *service.children(recursive=True)]
 
 
-def cpu_seconds(pids: dict[int, str]) -> dict[int, float]:
-    """User + system CPU seconds of each pid so far (a pid that has exited is left out)."""
-    ticks = os.sysconf("SC_CLK_TCK")
+def cpu_seconds(procs: list) -> dict[int, float]:
+    """User + system CPU seconds of each process so far (one that has exited is left out)."""
+    import psutil
+
     seconds = {}
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        seconds[pid] = (int(fields[11]) + int(fields[12])) / ticks
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            seconds[proc.pid] = times.user + times.system
     return seconds
 
 
-def cpu_shares(pids: dict[int, str], before: dict[int, float], after: dict[int, float], wall_s: float):
+def cpu_shares(procs: list, before: dict[int, float], after: dict[int, float], wall_s: float):
     """Each service process's CPU over the load, in cores (1.0 = one core busy throughout), by name."""
     shares: dict[str, float] = {}
-    for pid, name in pids.items():
-        if pid in before and pid in after:
-            label = "service" if name.startswith("python") else name
-            shares[label] = round(shares.get(label, 0.0) + (after[pid] - before[pid]) / wall_s, 3)
+    for proc in procs:
+        if proc.pid in before and proc.pid in after:
+            label = "service" if proc.name().startswith("python") else proc.name()
+            shares[label] = round(shares.get(label, 0.0) + (after[proc.pid] - before[proc.pid]) / wall_s, 3)
     return shares
 
 
