@@ -15,8 +15,10 @@ For each model, in the same run and on the same machine:
 - stall: the longest paused time a worker reported for that update (workers receive and verify
         while generating, and pause only for the swap);
 - trainer cost: publish + send, i.e. until the trainer may train again.
-Then, for SmolLM2 only, a real vLLM rollout service (`parity serve rollout`) is the worker while one
-client keeps it generating (`--vllm_updates`, 0 skips it): its e2e and its stall.
+Then, for SmolLM2 only, a real vLLM rollout service (`parity serve rollout`) is the worker while two
+clients keep it generating (`--vllm_updates`, 0 skips it): its e2e, its stall, and its generation
+rate during updates vs before them, once per swap mode (`--vllm_swap prepared,in_place`: the
+rollout.prepared_swap option on, the default, and off), so the two are compared in the same run.
 Raw and e2e rounds alternate, and each ratio is the median of per-round ratios, so background load
 on a shared host hits both alike. It also measures WSUM64 checksum cost (ms per 100 MB).
 Goals: e2e / raw <= 1.2 and stall / raw <= 1.5. The final stdout line is a JSON object.
@@ -250,14 +252,16 @@ def update_round(stub, model: str, named: list, version: int, bucket: int) -> di
 
 
 class GenerationLoad:
-    """One client thread that keeps the rollout service generating (groups of `n`), so updates
-    land on an engine that is busy, as they do in training."""
+    """Client threads that keep the rollout service generating (groups of `n`), so updates land on an
+    engine that is busy, as they do in training. Each reply's end time and token count are kept, so
+    the generation rate inside any time window can be read afterwards (`rate`)."""
 
-    def __init__(self, address: str, n: int = 4, max_tokens: int = 32) -> None:
+    def __init__(self, address: str, n: int = 2, max_tokens: int = 8, clients: int = 4) -> None:
         from parity.v1 import rollout_pb2, rollout_pb2_grpc
 
         self.stop = threading.Event()
         self.tokens = 0
+        self.replies: list[tuple[float, int]] = []  # (monotonic end time, tokens)
         self.errors: list[str] = []
         request = rollout_pb2.GenerateRequest(
             prompt_text="Count from one to twenty in words:",
@@ -270,23 +274,35 @@ class GenerationLoad:
                 while not self.stop.is_set():
                     try:
                         reply = stub.Generate(request, timeout=300)
-                        self.tokens += sum(len(c.token_ids) for c in reply.completions)
                     except grpc.RpcError as exc:
                         self.errors.append(f"{exc.code().name}: {exc.details()}")
                         return
+                    count = sum(len(c.token_ids) for c in reply.completions)
+                    self.tokens += count
+                    self.replies.append((time.monotonic(), count))
 
-        self.thread = threading.Thread(target=loop, name="generation-load", daemon=True)
-        self.thread.start()
+        self.threads = [
+            threading.Thread(target=loop, name=f"generation-load-{i}", daemon=True) for i in range(clients)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def rate(self, start: float, end: float) -> float:
+        """Tokens per second of the replies that ended inside [start, end]."""
+        return sum(n for t, n in self.replies if start <= t <= end) / max(end - start, 1e-9)
 
     def close(self) -> None:
         self.stop.set()
-        self.thread.join(timeout=300)
+        for thread in self.threads:
+            thread.join(timeout=300)
 
 
-def vllm_receiver_phase(args: argparse.Namespace, log_dir: Path) -> dict:
+def vllm_receiver_phase(args: argparse.Namespace, log_dir: Path, swap: str) -> dict:
     """SmolLM2 into one real vLLM rollout service (`parity serve rollout`) that keeps generating:
     the real worker's stall. Unlike the stand-ins, it receives and verifies into staging while it
-    generates, and pauses only for the swap (pause(keep) -> load -> prefix-cache reset -> resume)."""
+    generates, and pauses only for the swap. `swap`: prepared (the new version's kernel form built
+    on a shadow of the model while generating; the pause copies and rebinds) or in_place (vLLM's
+    reload, weight processing included, inside the pause)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -294,35 +310,41 @@ def vllm_receiver_phase(args: argparse.Namespace, log_dir: Path) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(models.resolve("smollm2-135m"), dtype=torch.float32)
     named = [(name, param.detach()) for name, param in model.named_parameters()]  # as the trainer publishes
-    broadcast = start_broadcast(log_dir, "broadcast-vllm", args.bucket_bytes)
+    broadcast = start_broadcast(log_dir, f"broadcast-vllm-{swap}", args.bucket_bytes)
     rollout = start_service(
         "rollout",
         ["--model", "smollm2-135m", "--broadcast_address", broadcast.address, "--worker_id", "vllm",
-         "--max_model_len", "512"],
+         "--max_model_len", "512", "--prepared_swap", str(swap == "prepared").lower()],
         log_dir=log_dir,
-        name="rollout-vllm",
+        name=f"rollout-vllm-{swap}",
     )  # fmt: skip
-    rows, load = [], None
+    rows, load, idle_rate, busy_rate = [], None, float("nan"), float("nan")
     try:
-        log(f"real vLLM receiver: starting a SmolLM2 rollout service (log: {rollout.log_path})")
+        log(f"real vLLM receiver, {swap} swap: starting a SmolLM2 rollout service (log: {rollout.log_path})")
         rollout.wait_ready(900)
         load = GenerationLoad(rollout.address)
         deadline = time.monotonic() + 300
         while not load.tokens and not load.errors and time.monotonic() < deadline:
             time.sleep(0.2)  # the engine is warm and busy before the first update
+        idle_from = time.monotonic()
+        time.sleep(args.vllm_idle_s)
+        idle_rate = load.rate(idle_from, time.monotonic())
         with grpc.insecure_channel(broadcast.address) as chan:
             stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(chan)
             for i in range(1 + args.vllm_updates):
+                if i == 1:
+                    updates_from = time.monotonic()  # after the warm-up update
                 row = update_round(stub, "smollm2-135m", named, i + 1, args.bucket_bytes)
                 worker = stub.GetStatus(pb.WeightBroadcastServiceGetStatusRequest(), timeout=10).workers[0]
                 row["update_rpc_s"] = worker.last_update_seconds
                 log(
                     f"  vLLM update v{i + 1}: e2e {row['e2e_s']:.3f}s, worker RPC {row['update_rpc_s']:.3f}s, "
-                    f"paused {row['stall_s']:.3f}s, generated {load.tokens} tokens so far"
+                    f"paused {row['stall_s']:.3f}s, {load.tokens} tokens generated so far"
                     + (" (warm-up, not counted)" if i == 0 else "")
                 )
                 if i:
                     rows.append(row)
+            busy_rate = load.rate(updates_from, time.monotonic())  # back to back: the whole window
         if load.errors:
             raise RuntimeError(f"generation failed during updates: {load.errors[0]}")
     finally:
@@ -331,12 +353,18 @@ def vllm_receiver_phase(args: argparse.Namespace, log_dir: Path) -> dict:
         rollout.stop(30)
         broadcast.stop(10)
     e2e, stall = statistics.median(r["e2e_s"] for r in rows), statistics.median(r["stall_s"] for r in rows)
-    log(f"real vLLM receiver: e2e {e2e:.3f}s, stall (paused) {stall:.3f}s, median of {len(rows)} updates")
+    log(
+        f"real vLLM receiver, {swap} swap: e2e {e2e:.3f}s, stall (paused) {stall:.3f}s (median of {len(rows)} "
+        f"updates); generation {busy_rate:.1f} tokens/s across the updates vs {idle_rate:.1f} before them"
+    )
     return {
+        "swap": swap,
         "bytes": rows[0]["bytes"],
         "e2e_s": round(e2e, 4),
         "stall_s": round(stall, 4),
         "update_rpc_s": round(statistics.median(r["update_rpc_s"] for r in rows), 4),
+        "generation_tokens_per_s_during_updates": round(busy_rate, 2),
+        "generation_tokens_per_s_without_updates": round(idle_rate, 2),
         "generating_during_updates": True,
     }
 
@@ -364,6 +392,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large_mb", type=int, default=1024, help="random model size; 0 skips it")
     parser.add_argument(
         "--vllm_updates", type=int, default=3, help="updates into a real vLLM rollout service (0 skips it)"
+    )
+    parser.add_argument(
+        "--vllm_swap",
+        default="prepared,in_place",
+        help="comma-separated swap modes to run the real vLLM phase with, one rollout service each: "
+        "prepared (rollout.prepared_swap true, the default) and/or in_place",
+    )
+    parser.add_argument(
+        "--vllm_idle_s",
+        type=float,
+        default=6.0,
+        help="seconds of generation measured before the first update",
     )
     parser.add_argument(
         "--layout",
@@ -471,18 +511,20 @@ def main(argv: list[str] | None = None) -> int:
             f"stall {stall * 1000:.1f}ms"
         )
         del named
-    vllm = vllm_receiver_phase(args, log_dir) if args.vllm_updates else None
-    if vllm is not None and "smollm2-135m" in results:
-        # against the same bytes' raw broadcast measured above (to 2 receivers; this phase has 1)
-        vllm["stall_over_raw"] = round(vllm["stall_s"] / results["smollm2-135m"]["raw_s"], 3)
-        vllm["e2e_over_raw"] = round(vllm["e2e_s"] / results["smollm2-135m"]["raw_s"], 3)
+    vllm = {}
+    for swap in args.vllm_swap.split(",") if args.vllm_updates else []:
+        vllm[swap] = phase = vllm_receiver_phase(args, log_dir, swap)
+        if "smollm2-135m" in results:
+            # against the same bytes' raw broadcast measured above (to 2 receivers; this phase has 1)
+            phase["stall_over_raw"] = round(phase["stall_s"] / results["smollm2-135m"]["raw_s"], 3)
+            phase["e2e_over_raw"] = round(phase["e2e_s"] / results["smollm2-135m"]["raw_s"], 3)
     summary = {
         "benchmark": "weight_sync",
         "goal_e2e_over_raw": 1.2,
         "goal_stall_over_raw": 1.5,
         "met": all(r["e2e_over_raw"] <= 1.2 and r["stall_over_raw"] <= 1.5 for r in results.values()),
         "models": results,
-        "vllm_receiver": vllm,
+        "vllm_receiver": vllm or None,
     }
     print(json.dumps(summary))
     return 0

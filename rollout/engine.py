@@ -120,6 +120,7 @@ class UpdateResult:
     verify_s: float = 0.0
     swap_s: float = 0.0
     paused_s: float = 0.0
+    prepare_s: float | None = None  # a prepared swap's build time, while generating (None: in place)
 
 
 class RolloutEngine(ABC):
@@ -214,6 +215,7 @@ class RolloutEngine(ABC):
                 checksums=staged["checksums"],
                 transfer_s=staged["transfer_s"],
                 verify_s=staged["verify_s"],
+                prepare_s=staged.get("prepare_s"),
             )
             if not result.error and plan.base_version and plan.base_version != self.weight_version:
                 # received (the other ranks' collective completed) but never applied: a delta holds

@@ -335,11 +335,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self.updates_applied += 1
             metrics.WEIGHT_VERSION.set(result.weight_version)
             log.info(
-                "weights v%d applied (%s): transfer %.2fs verify %.2fs swap %.2fs paused %.2fs",
+                "weights v%d applied (%s): transfer %.2fs verify %.2fs %sswap %.2fs paused %.2fs",
                 version,
                 mode,
                 result.transfer_s,
                 result.verify_s,
+                "" if result.prepare_s is None else f"prepared {result.prepare_s:.2f}s (generating), ",
                 result.swap_s,
                 result.paused_s,
             )
@@ -358,6 +359,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             verify_seconds=result.verify_s,
             swap_seconds=result.swap_s,
             paused_seconds=result.paused_s,
+            prepare_seconds=result.prepare_s,
         )
 
     async def PauseGeneration(self, request, context):

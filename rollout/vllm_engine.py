@@ -271,7 +271,10 @@ class VllmEngine(RolloutEngine):
         if error:
             return {"error": error, "checksums": [], "transfer_s": 0.0, "verify_s": 0.0}
         started = await self._rpc_one(
-            "parity_stage_weights", plan_bytes=plan_to_bytes(plan), fault_corrupt_tensor=fault_corrupt_tensor
+            "parity_stage_weights",
+            plan_bytes=plan_to_bytes(plan),
+            fault_corrupt_tensor=fault_corrupt_tensor,
+            prepare=self.config.prepared_swap,
         )
         if started["error"]:
             return {"error": started["error"], "checksums": [], "transfer_s": 0.0, "verify_s": 0.0}
@@ -282,6 +285,12 @@ class VllmEngine(RolloutEngine):
             await asyncio.sleep(0.02)
             report = await self._rpc_one("parity_stage_result")
             if not report.get("pending"):
+                if report.get("prepare_error"):
+                    log.warning(
+                        "v%d: preparing the swap failed (%s); reloading in place while paused instead",
+                        plan.version,
+                        report["prepare_error"],
+                    )
                 return report
         return {
             "error": "staging did not finish in time",

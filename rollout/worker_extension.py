@@ -12,8 +12,11 @@ Two steps, so that a bad transfer never touches the serving weights:
      engine core keeps stepping (generating) during the transfer. The service process completed
      the rendezvous first (`rendezvous_ready`), so a dead one never reaches the engine. Staged
      tensors are kept only if every checksum matched.
-  2. `parity_apply_staged(version)`: called while generation is paused; loads the staged tensors
-     with vLLM's in-place `reload_weights`, refreshes what vLLM derived from them, and drops them.
+  2. `parity_apply_staged(version)`: called while generation is paused. On CPU (`prepare=True`)
+     the staging thread has already loaded and processed the staged tensors into a shadow of the
+     model while the engine generated (`rollout.prepared_swap`): the pause only copies and rebinds.
+     Otherwise (GPU, `prepare=False`, or a preparation that failed) it loads them with vLLM's
+     in-place `reload_weights` and refreshes what vLLM derived from them. Either way they are dropped.
 
 `reload_weights` re-processes only the modules that received tensors. A tied lm_head receives none
 (its weight *is* the embedding, and the trainer publishes tied weights once), but on CPU vLLM keeps
@@ -32,10 +35,13 @@ import time
 class ParityWorkerExtension:
     """Mixed into vLLM's Worker class via `worker_extension_cls`."""
 
-    def parity_stage_weights(self, plan_bytes: bytes, fault_corrupt_tensor: str = "") -> dict:
+    def parity_stage_weights(
+        self, plan_bytes: bytes, fault_corrupt_tensor: str = "", prepare: bool = False
+    ) -> dict:
         """Start receiving and verifying `plan` on a thread of this worker and return at once: the
         engine core serves this RPC between steps, so a receive inside it would stop generation for
-        the whole transfer. Poll `parity_stage_result`."""
+        the whole transfer. With `prepare` (host staging only) the thread then builds the verified
+        version's kernel form off to the side (`rollout.prepared_swap`). Poll `parity_stage_result`."""
         import threading
 
         from rollout.engine import plan_from_bytes
@@ -46,7 +52,7 @@ class ParityWorkerExtension:
             return {"error": "a weight transfer is already being received"}
         plan = plan_from_bytes(plan_bytes)
         device = "cuda" if plan.rendezvous.backend == "nccl" else "cpu"
-        self._parity_staged, self._parity_stage_report = None, None
+        self._parity_staged, self._parity_stage_report, self._parity_prepared = None, None, None
 
         def stage() -> None:
             report: dict = {"error": "staging crashed", "checksums": [], "transfer_s": 0.0, "verify_s": 0.0}
@@ -54,6 +60,8 @@ class ParityWorkerExtension:
                 staged = receive_and_verify(plan, device=device, fault_corrupt_tensor=fault_corrupt_tensor)
                 self._parity_staged = None if staged.error else (int(plan.version), staged.named())
                 report = staged.report()
+                if self._parity_staged is not None and prepare and device == "cpu":
+                    report.update(self._parity_prepare(self._parity_staged[1]))
             finally:
                 self._parity_stage_report = report
 
@@ -69,16 +77,47 @@ class ParityWorkerExtension:
         report = getattr(self, "_parity_stage_report", None)
         return report if report is not None else {"error": "no weight transfer was started"}
 
+    def _parity_prepare(self, named: list) -> dict:
+        """On the staging thread: the staged version loaded and processed into a shadow of the model
+        (`rollout.prepared_swap`); {"prepare_s"} when ready, {"prepare_error"} when the swap will
+        reload in place instead."""
+        from rollout.prepared_swap import prepare
+
+        start = time.perf_counter()
+        runner = self.model_runner  # type: ignore[attr-defined]
+        try:
+            self._parity_prepared = prepare(
+                self.vllm_config,
+                runner.get_model(),
+                named,
+                _refresh_embedding_derived_weights,  # type: ignore[attr-defined]
+            )
+        except Exception as exc:  # the in-place reload still works: fall back to it at the swap
+            self._parity_prepared = None
+            return {"prepare_error": f"{type(exc).__name__}: {exc}"}
+        return {"prepare_s": time.perf_counter() - start}
+
     def parity_apply_staged(self, version: int) -> dict:
         staged = getattr(self, "_parity_staged", None)
         if staged is None or staged[0] != version:
             return {"error": f"no verified staged weights for version {version}"}
         start = time.perf_counter()
-        named = staged[1]
-        self.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
-        _refresh_embedding_derived_weights(self.model_runner.model)  # type: ignore[attr-defined]
-        self._parity_staged = None
-        return {"error": "", "swap_s": time.perf_counter() - start, "num_tensors": len(named)}
+        named, prepared = staged[1], getattr(self, "_parity_prepared", None)
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if prepared is not None:
+            prepared.apply()
+            for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+                getattr(runner, reset, lambda: None)()  # what vLLM's reload_weights resets after loading
+        else:
+            self.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
+            _refresh_embedding_derived_weights(runner.model)
+        self._parity_staged, self._parity_prepared = None, None
+        return {
+            "error": "",
+            "swap_s": time.perf_counter() - start,
+            "num_tensors": len(named),
+            "swap_mode": "prepared" if prepared is not None else "in_place",
+        }
 
     def parity_install_top_p(self, mode: str) -> str:
         """Select the top-k/top-p masking in this worker ("bounded" or "sort"); returns what is in

@@ -204,6 +204,9 @@ def test_generation_goes_on_while_a_version_is_received(start_services, tiny_mod
     assert reply[0].transfer_seconds >= 2.5  # the slow transfer really happened
     assert len(latencies) >= 3 and max(latencies) < 2.0, latencies  # generation went on throughout
     assert reply[0].paused_seconds < reply[0].transfer_seconds
+    # vLLM on CPU prepares the swap while generating (rollout.prepared_swap, on by default): the
+    # reply says how long that took, and the pause only copied and rebound
+    assert reply[0].HasField("prepare_seconds") and reply[0].prepare_seconds > 0
 
 
 @pytest.mark.slow

@@ -83,6 +83,12 @@ class RolloutConfig(ServiceConfig):
         "this many microseconds instead of spinning on a core (rollout/cpu_engine_wait.py); 0 keeps "
         "vLLM's spin. The spin starves the serving process on hosts with few cores.",
     )
+    prepared_swap: bool = Field(
+        True,
+        description="vLLM on CPU only: build a verified version's kernel form (vLLM's weight processing, "
+        "the prepacked GEMMs) on a shadow of the model while generating, so that the update's pause only "
+        "copies and rebinds (rollout/prepared_swap.py); false reloads in place during the pause.",
+    )
     stream_interval: int = Field(
         1,
         ge=1,

@@ -150,7 +150,7 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, plan: _Optional[_Union[_common_pb2.TransferPlan, _Mapping]] = ..., update_mode: _Optional[_Union[_common_pb2.UpdateMode, str]] = ..., fault_corrupt_tensor: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("outcome", "weight_version", "error", "checksums", "transfer_seconds", "verify_seconds", "swap_seconds", "paused_seconds")
+    __slots__ = ("outcome", "weight_version", "error", "checksums", "transfer_seconds", "verify_seconds", "swap_seconds", "paused_seconds", "prepare_seconds")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class UpdateWeightsResponse(_message.Message):
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SWAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PAUSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     outcome: UpdateOutcome
     weight_version: int
     error: str
@@ -167,7 +168,8 @@ class UpdateWeightsResponse(_message.Message):
     verify_seconds: float
     swap_seconds: float
     paused_seconds: float
-    def __init__(self, outcome: _Optional[_Union[UpdateOutcome, str]] = ..., weight_version: _Optional[int] = ..., error: _Optional[str] = ..., checksums: _Optional[_Iterable[int]] = ..., transfer_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., swap_seconds: _Optional[float] = ..., paused_seconds: _Optional[float] = ...) -> None: ...
+    prepare_seconds: float
+    def __init__(self, outcome: _Optional[_Union[UpdateOutcome, str]] = ..., weight_version: _Optional[int] = ..., error: _Optional[str] = ..., checksums: _Optional[_Iterable[int]] = ..., transfer_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., swap_seconds: _Optional[float] = ..., paused_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ...) -> None: ...
 
 class PauseGenerationRequest(_message.Message):
     __slots__ = ("mode",)
