@@ -22,6 +22,7 @@ and a shadow would double the weights' device memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,7 +63,9 @@ class PreparedSwap:
                     live_attrs[key] = value
             for key in [k for k in live_attrs if k not in new_attrs and k not in _TREE_KEYS]:
                 del live_attrs[key]  # processing removed it (e.g. a "processed already" flag)
-        self.pairs = []  # the shadow's prepacked data now belongs to the live modules
+        for _, shadow in self.pairs:  # freed now, not at the next garbage collection: its tensors
+            shadow.__dict__.clear()  # and loaders bound to it form cycles (vLLM's own layout)
+        self.pairs = []  # what the live modules took from the shadows lives on there
         return copied
 
 
@@ -110,54 +113,78 @@ def shadow_of(
     model: torch.nn.Module,
 ) -> tuple[torch.nn.Module, list[tuple[torch.nn.Module, torch.nn.Module]]]:
     """A copy of `model` that shares no tensor storage and no parameter, buffer or child dict with it
-    (a module that appears twice, such as a tied lm_head, is copied once)."""
+    (a module that appears twice, such as a tied lm_head, is copied once), and the (live, shadow)
+    pairs of its modules."""
+    pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+    return _copy_module(model, {}, {}, pairs), pairs
+
+
+def _copy_module(
+    module: torch.nn.Module,
+    memo: dict[int, torch.nn.Module],
+    tensors: dict[int, torch.Tensor],
+    pairs: list[tuple[torch.nn.Module, torch.nn.Module]],
+) -> torch.nn.Module:
+    # a plain recursive function, not a closure: a self-referencing closure is a reference cycle that
+    # would keep every shadow alive until the next garbage collection
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    memo: dict[int, torch.nn.Module] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
-
-    def copy(module: torch.nn.Module) -> torch.nn.Module:
-        if id(module) in memo:
-            return memo[id(module)]
-        shadow = module.__class__.__new__(module.__class__)
-        shadow.__dict__.update(module.__dict__)
-        memo[id(module)] = shadow
-        shadow.__dict__["_parameters"] = {
-            k: None if p is None else _clone_tensor(p, tensors) for k, p in module._parameters.items()
-        }
-        shadow.__dict__["_buffers"] = {
-            k: None if b is None else _clone_tensor(b, tensors) for k, b in module._buffers.items()
-        }
-        shadow.__dict__["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
-        shadow.__dict__["_modules"] = {
-            k: None if child is None else copy(child) for k, child in module._modules.items()
-        }
-        live_info, shadow_info = get_layerwise_info(module), get_layerwise_info(shadow)
-        params, buffers = live_info.restore_metadata  # the checkpoint form to load into
-        shadow_info.restore_metadata = (
-            {k: _meta_for(t, module, shadow) for k, t in params.items()},
-            {k: _meta_for(t, module, shadow) for k, t in buffers.items()},
-        )
-        shadow_info.restore_device = live_info.restore_device
-        pairs.append((module, shadow))
-        return shadow
-
-    return copy(model), pairs
+    if id(module) in memo:
+        return memo[id(module)]
+    shadow = module.__class__.__new__(module.__class__)
+    shadow.__dict__.update(module.__dict__)
+    memo[id(module)] = shadow
+    shadow.__dict__["_parameters"] = {
+        k: None if p is None else _clone_tensor(p, tensors) for k, p in module._parameters.items()
+    }
+    shadow.__dict__["_buffers"] = {
+        k: None if b is None else _clone_tensor(b, tensors) for k, b in module._buffers.items()
+    }
+    shadow.__dict__["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
+    shadow.__dict__["_modules"] = {
+        k: None if child is None else _copy_module(child, memo, tensors, pairs)
+        for k, child in module._modules.items()
+    }
+    live_info, shadow_info = get_layerwise_info(module), get_layerwise_info(shadow)
+    params, buffers = live_info.restore_metadata  # the checkpoint form to load into
+    shadow_info.restore_metadata = (
+        {k: _meta_for(t, module, shadow) for k, t in params.items()},
+        {k: _meta_for(t, module, shadow) for k, t in buffers.items()},
+    )
+    shadow_info.restore_device = live_info.restore_device
+    pairs.append((module, shadow))
+    return shadow
 
 
 def prepare(
-    vllm_config, model: torch.nn.Module, named: list[tuple[str, torch.Tensor]], refresh
+    vllm_config,
+    model: torch.nn.Module,
+    named: list[tuple[str, torch.Tensor]],
+    snapshot: Callable[[torch.nn.Module], object],
+    refresh: Callable[[torch.nn.Module, object], object],
 ) -> PreparedSwap:
     """Load and process `named` (checkpoint-format tensors) into a shadow of `model` with vLLM's own
-    layerwise reload, then `refresh(shadow)` (re-derive what vLLM keeps beside the weights). The live
-    model is only read."""
+    layerwise reload, then `refresh(shadow, snapshot(shadow) taken before the reload)`: re-derive
+    what vLLM keeps beside the weights and did not process itself. The live model is only read."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     shadow, pairs = shadow_of(model)
-    with torch.no_grad(), set_current_vllm_config(vllm_config):
-        reload_weights(vllm_config, shadow, iter(named), None, True)
-        refresh(shadow)
+    try:
+        with torch.no_grad(), set_current_vllm_config(vllm_config):
+            before = snapshot(shadow)
+            reload_weights(vllm_config, shadow, iter(named), None, True)
+            refresh(shadow, before)
+    finally:
+        # vLLM keeps each module's reload record in a dict keyed weakly by the module; the shadow's
+        # records hold loaders bound to the shadow (and its deferred loaders hold the records), so
+        # left there they would keep every shadow (its prepacked weights: ~0.8 GB for SmolLM2)
+        # alive for good, and merely dropped they would wait for a garbage collection
+        for _, module in pairs:
+            info = LAYERWISE_INFO.pop(module, None)
+            if info is not None:
+                info.restore_metadata = ({}, {})
+                info.reset()
     return PreparedSwap(pairs=pairs, num_tensors=len(named))

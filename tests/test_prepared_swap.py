@@ -6,14 +6,16 @@
 - After `apply`, the engine computes exactly what vLLM's own in-place reload of the same tensors
   gives (bit for bit), and not what it computed before: the new weights and the prepacked GEMMs
   derived from them (the tied lm_head included) are the ones in use; two prepared versions in a row
-  too.
+  too. The shadow is freed by the swap itself (it held ~0.8 GB for SmolLM2 per version).
 - The same for a delta (only block 0's tensors), where the other layers keep what they had.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -75,10 +77,14 @@ def worker_of(llm):
 
 def prepare(worker, named):
     from rollout.prepared_swap import prepare as prepare_swap
-    from rollout.worker_extension import _refresh_embedding_derived_weights
+    from rollout.worker_extension import _derived_gemms, _refresh_embedding_derived_weights
 
     return prepare_swap(
-        worker.vllm_config, worker.model_runner.get_model(), named, _refresh_embedding_derived_weights
+        worker.vllm_config,
+        worker.model_runner.get_model(),
+        named,
+        _derived_gemms,
+        _refresh_embedding_derived_weights,
     )
 
 
@@ -111,8 +117,14 @@ def test_preparing_leaves_the_live_model_alone_and_apply_equals_the_in_place_rel
     assert all(run == before for run in during), "preparing changed what the live model computes"
     assert generate(llm) == before
 
-    copied = prepared[0].apply()
-    assert copied > 0
+    shadows = [weakref.ref(shadow) for _, shadow in prepared[0].pairs]
+    gc.disable()  # the shadow must be freed by apply itself, not by a later collection
+    try:
+        copied = prepared[0].apply()
+        assert copied > 0
+        assert all(ref() is None for ref in shadows), "the shadow model outlived its swap"
+    finally:
+        gc.enable()
     after = generate(llm)
     assert after != before  # the new version is in use
     # A second prepared version on top of the first (vLLM's reload records must not tie one shadow
