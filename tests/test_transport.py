@@ -193,14 +193,18 @@ def test_checksum_detects_single_word_change_and_swaps() -> None:
     swapped = base.clone()
     swapped[[3, 900]] = swapped[[900, 3]]
     assert checksum.tensor_checksum(swapped) != reference
-    # the implementation equals the definition sum (2c+1)(2j+1) w_i mod 2**64, i = c*C + j
-    big = torch.randint(-(2**62), 2**62, (checksum.CHUNK_WORDS * 2 + 3,), dtype=torch.int64)
-    words = big.tolist()
+    # the implementation equals the definition sum (2c+1)(2j+1) w_i mod 2**64, i = c*C + j: a whole
+    # chunk and a partial one that ends mid-row (the CPU path's row/column sums), and a small tensor
+    # (its plain dot)
     chunk = checksum.CHUNK_WORDS
-    expected = (
-        sum((2 * (i // chunk) + 1) * (2 * (i % chunk) + 1) * (w % 2**64) for i, w in enumerate(words)) % 2**64
-    )
-    assert checksum.tensor_checksum(big) == expected
+    for count in (chunk + 70_001, 1000):
+        values = torch.randint(-(2**62), 2**62, (count,), dtype=torch.int64)
+        words = values.tolist()
+        expected = (
+            sum((2 * (i // chunk) + 1) * (2 * (i % chunk) + 1) * (w % 2**64) for i, w in enumerate(words))
+            % 2**64
+        )
+        assert checksum.tensor_checksum(values) == expected, count
     # unaligned views (storage offset not a multiple of 8 bytes) are handled
     halves = torch.randn(101).to(torch.bfloat16)
     assert checksum.tensor_checksum(halves[1:]) == checksum.tensor_checksum(halves[1:].clone())
