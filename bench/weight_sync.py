@@ -15,7 +15,7 @@ For each model, in the same run and on the same machine:
 - stall: the longest paused time a worker reported for that update (workers receive and verify
         while generating, and pause only for the swap);
 - trainer cost: publish + send, i.e. until the trainer may train again.
-Then, for SmolLM2 only, a real vLLM rollout service (`parity serve rollout`) is the worker while two
+Then, for SmolLM2 only, a real vLLM rollout service (`parity serve rollout`) is the worker while four
 clients keep it generating (`--vllm_updates`, 0 skips it): its e2e, its stall, and its generation
 rate during updates vs before them, once per swap mode (`--vllm_swap prepared,in_place`: the
 rollout.prepared_swap option on, the default, and off), so the two are compared in the same run.

@@ -38,7 +38,6 @@ class PreparedSwap:
     """Pairs of (live module, shadow module) whose shadow holds the new version, processed."""
 
     pairs: list[tuple[torch.nn.Module, torch.nn.Module]]
-    num_tensors: int
 
     def apply(self) -> int:
         """While paused: move the shadow's state into the live modules. Returns the bytes copied."""
@@ -187,4 +186,4 @@ def prepare(
             if info is not None:
                 info.restore_metadata = ({}, {})
                 info.reset()
-    return PreparedSwap(pairs=pairs, num_tensors=len(named))
+    return PreparedSwap(pairs=pairs)

@@ -114,12 +114,7 @@ class ParityWorkerExtension:
             self.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
             _refresh_embedding_derived_weights(runner.model, before)
         self._parity_staged, self._parity_prepared = None, None
-        return {
-            "error": "",
-            "swap_s": time.perf_counter() - start,
-            "num_tensors": len(named),
-            "swap_mode": "prepared" if prepared is not None else "in_place",
-        }
+        return {"error": "", "swap_s": time.perf_counter() - start, "num_tensors": len(named)}
 
     def parity_install_top_p(self, mode: str) -> str:
         """Select the top-k/top-p masking in this worker ("bounded" or "sort"); returns what is in
