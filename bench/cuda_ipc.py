@@ -59,7 +59,8 @@ def _consumer(conn, port: int, metas_b64: list[str]) -> None:
             return
         t0 = time.perf_counter()
         if command["op"] == "ipc":
-            source = import_buffer(IpcHandle.from_json(command["handle"]))
+            handle = common_pb2.CudaIpcHandle.FromString(base64.b64decode(command["handle"]))
+            source = import_buffer(IpcHandle.from_proto(handle))
         else:
             source = group.recv_packed(metas, BUCKET, device="cuda", out=landing)
         torch.cuda.synchronize()
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         buffer = pack(tensors, layout, device="cuda")
         torch.cuda.synchronize()
-        reply = ask({"op": "ipc", "handle": export_buffer(buffer).to_json()})
+        handle = base64.b64encode(export_buffer(buffer).to_proto().SerializeToString()).decode()
+        reply = ask({"op": "ipc", "handle": handle})
         reply["total_s"] = time.perf_counter() - t0
         del buffer
         return reply

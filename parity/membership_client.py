@@ -48,6 +48,7 @@ class MembershipClient:
         heartbeat_interval_s: float,
         weight_version: Callable[[], int],
         on_registered: Callable[[int], Awaitable[None] | None],
+        device_uuid: str = "",
     ) -> None:
         self.broadcast_address = broadcast_address
         self.worker_id = worker_id
@@ -55,6 +56,7 @@ class MembershipClient:
         self.interval_s = heartbeat_interval_s
         self.weight_version = weight_version
         self.on_registered = on_registered
+        self.device_uuid = device_uuid  # the engine's GPU ("" on CPU): same GPU as the trainer -> CUDA IPC
         self._channel = channel(broadcast_address)
         self._stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(self._channel)
         self._metadata = bearer(auth_token)
@@ -66,7 +68,10 @@ class MembershipClient:
             try:
                 reply = await self._stub.RegisterWorker(
                     broadcast_pb2.RegisterWorkerRequest(
-                        worker_id=self.worker_id, address=self.address, weight_version=self.weight_version()
+                        worker_id=self.worker_id,
+                        address=self.address,
+                        weight_version=self.weight_version(),
+                        device_uuid=self.device_uuid,
                     ),
                     timeout=10.0,
                     metadata=self._metadata,

@@ -262,11 +262,26 @@ def secret_proof(secret: str, group_name: str, rank: int) -> bytes:
     return hmac.new(secret.encode(), f"{group_name}/{rank}".encode(), hashlib.sha256).digest()
 
 
-def cuda_device_uuid() -> str:
-    """The current CUDA device's UUID (what NCCL calls a duplicate GPU)."""
+def cuda_device_uuid(device: object = None) -> str:
+    """The UUID of `device` (default: the current CUDA device): what NCCL calls a duplicate GPU, and
+    what tells a trainer and a rollout worker that they share one (then CUDA IPC, not NCCL)."""
     import torch
 
-    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).uuid)
+
+
+def local_cuda_index(device_uuid: str) -> int | None:
+    """This process's index of the GPU whose UUID is `device_uuid` (None when it sees no such GPU:
+    CUDA_VISIBLE_DEVICES may number one GPU differently in two processes)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == device_uuid:
+            return index
+    return None
 
 
 def refuse_shared_devices(

@@ -187,6 +187,10 @@ class RolloutEngine(ABC):
     @abstractmethod
     async def shutdown(self) -> None: ...
 
+    async def device_uuid(self) -> str:
+        """The UUID of the GPU the engine runs on; "" on CPU (the default)."""
+        return ""
+
     @abstractmethod
     async def _stage(self, plan, fault_corrupt_tensor: str) -> dict:
         """Receive and verify `plan` into staging tensors, away from the serving weights; generation

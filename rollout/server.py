@@ -543,6 +543,7 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
             heartbeat_interval_s=config.heartbeat_interval_s,
             weight_version=lambda: engine.weight_version,
             on_registered=caught_up_to,
+            device_uuid=await engine.device_uuid(),
         )
         servicer.membership = link
         background.append(asyncio.create_task(link.run()))

@@ -166,14 +166,17 @@ def check_update_request(
         raise invalid("plan.full_bytes", f"must be >= 0 (got {plan.full_bytes})")
     if plan.bucket_bytes <= 0:
         raise invalid("plan.bucket_bytes", f"must be > 0 (got {plan.bucket_bytes})")
-    rdv = plan.rendezvous
-    if rdv.backend not in ("gloo", "nccl"):
-        raise invalid("plan.rendezvous.backend", f"must be gloo or nccl (got {rdv.backend!r})")
-    if rdv.world_size < 2 or not 1 <= rdv.rank < rdv.world_size:
-        raise invalid("plan.rendezvous.rank", f"receiver rank must be in [1, {rdv.world_size})")
-    problem = rendezvous_problem(rdv)  # finite, bounded timeout_s; the group's secret; a port
-    if problem is not None:
-        raise invalid(f"plan.rendezvous.{problem[0]}", problem[1])
+    if plan.HasField("cuda_ipc"):  # a worker on the trainer's GPU: no group to join
+        check_ipc_handle(plan)
+    else:
+        rdv = plan.rendezvous
+        if rdv.backend not in ("gloo", "nccl"):
+            raise invalid("plan.rendezvous.backend", f"must be gloo or nccl (got {rdv.backend!r})")
+        if rdv.world_size < 2 or not 1 <= rdv.rank < rdv.world_size:
+            raise invalid("plan.rendezvous.rank", f"receiver rank must be in [1, {rdv.world_size})")
+        problem = rendezvous_problem(rdv)  # finite, bounded timeout_s; the group's secret; a port
+        if problem is not None:
+            raise invalid(f"plan.rendezvous.{problem[0]}", problem[1])
     for meta in plan.tensors:
         expected = checkpoint_shapes.get(meta.name)
         if expected is None:
@@ -191,6 +194,19 @@ def check_update_request(
             "fault_corrupt_tensor",
             "fault injection is disabled (start the service with --enable_fault_injection true)",
         )
+
+
+def check_ipc_handle(plan) -> None:
+    """A CUDA IPC plan: no rendezvous, and a handle with what mapping it needs."""
+    handle = plan.cuda_ipc
+    if plan.HasField("rendezvous"):
+        raise invalid("plan.rendezvous", "must be unset when plan.cuda_ipc is set (one path per update)")
+    if handle.nbytes <= 0:
+        raise invalid("plan.cuda_ipc.nbytes", f"must be > 0 (got {handle.nbytes})")
+    if not handle.storage_handle or not handle.ref_counter_handle:
+        raise invalid("plan.cuda_ipc.storage_handle", "the storage and ref-counter handles are required")
+    if not handle.device_uuid:
+        raise invalid("plan.cuda_ipc.device_uuid", "the GPU UUID of the buffer is required")
 
 
 def checkpoint_shapes(model_dir) -> dict[str, tuple[int, ...]]:

@@ -265,9 +265,13 @@ class VllmEngine(RolloutEngine):
                 call.cancel()
                 raise EngineDeadError(f"{method}: the engine died")
 
+    async def device_uuid(self) -> str:
+        return str(await self._rpc_one("parity_device_uuid") or "")
+
     async def _stage(self, plan, fault_corrupt_tensor: str) -> dict:
         # the rendezvous completes here, off the engine core: a dead one never blocks generation
-        error = await asyncio.to_thread(rendezvous_ready, plan.rendezvous)
+        ipc = plan.HasField("cuda_ipc")  # on the trainer's GPU: maps its buffer, joins no group
+        error = "" if ipc else await asyncio.to_thread(rendezvous_ready, plan.rendezvous)
         if error:
             return {"error": error, "checksums": [], "transfer_s": 0.0, "verify_s": 0.0}
         started = await self._rpc_one(
@@ -280,7 +284,8 @@ class VllmEngine(RolloutEngine):
             return {"error": started["error"], "checksums": [], "transfer_s": 0.0, "verify_s": 0.0}
         # the worker receives on its own thread; the engine keeps generating meanwhile. Its join and
         # every bucket have timeout_s each; this bound only guards against a wedged thread.
-        deadline = time.monotonic() + 2 * float(plan.rendezvous.timeout_s) + 30
+        timeout_s = float(plan.cuda_ipc.timeout_s if ipc else plan.rendezvous.timeout_s) or 60.0
+        deadline = time.monotonic() + 2 * timeout_s + 30
         while time.monotonic() < deadline:
             await asyncio.sleep(0.02)
             report = await self._rpc_one("parity_stage_result")

@@ -5,7 +5,8 @@ in the service process) and the tests' stand-in receiver. Nothing here touches t
 the caller swaps the staged tensors in only when `StagedWeights.error` is empty, so a failed or
 corrupted transfer leaves the old weights serving.
 
-The group is held across versions (`parity.transport.GroupHolder`: one join per membership epoch),
+A worker on the trainer's own GPU gets a plan with `cuda_ipc` instead of a rendezvous: it maps the
+trainer's packed buffer (`map_and_verify`), never joins a group. The group is held across versions (`parity.transport.GroupHolder`: one join per membership epoch),
 the plan's size is checked against free memory before anything is allocated, and each tensor is
 checksummed as soon as its last byte arrives, while the next bucket is on the wire.
 """
@@ -78,6 +79,8 @@ def receive_and_verify(
 
     from parity.transport import Layout, StreamVerifier, TransferError, check_fits
 
+    if plan.HasField("cuda_ipc"):
+        return map_and_verify(plan, fault_corrupt_tensor, out)
     metas = list(plan.tensors)
     staged = StagedWeights(names=[meta.name for meta in metas])
     start = time.perf_counter()
@@ -110,6 +113,57 @@ def receive_and_verify(
     received = time.perf_counter()
     staged.transfer_s = received - start
     bad = verifier.mismatched()  # the tail: tensors finished by the last bucket
+    staged.buffer, staged.tensors, staged.checksums = out, verifier.tensors, verifier.checksums
+    staged.verify_s = time.perf_counter() - received
+    if bad:
+        staged.error = f"checksum mismatch in version {plan.version} for tensor(s): {', '.join(bad)}"
+    return staged
+
+
+def map_and_verify(plan, fault_corrupt_tensor: str = "", out: torch.Tensor | None = None) -> StagedWeights:
+    """`receive_and_verify` for a worker on the trainer's GPU: map the trainer's packed buffer by CUDA
+    IPC (`plan.cuda_ipc`), copy it into this worker's own buffer (device to device: the trainer frees
+    its buffer once the version settles) and verify that copy. Never raises on a bad handoff."""
+    import torch
+
+    from parity.cuda_ipc import IpcHandle, import_buffer
+    from parity.transport import Layout, StreamVerifier, TransferError, check_fits, local_cuda_index
+
+    metas = list(plan.tensors)
+    staged = StagedWeights(names=[meta.name for meta in metas])
+    start = time.perf_counter()
+    handle = plan.cuda_ipc
+    try:
+        layout = Layout.of(metas)
+        if handle.nbytes != layout.total_bytes:
+            raise TransferError(
+                f"cuda_ipc.nbytes: {handle.nbytes}, the plan packs {layout.total_bytes} bytes"
+            )
+        if fault_corrupt_tensor and fault_corrupt_tensor not in staged.names:
+            raise TransferError(f"fault_corrupt_tensor: {fault_corrupt_tensor!r} is not in the plan")
+        index = local_cuda_index(handle.device_uuid)
+        if index is None:
+            raise TransferError(f"cuda_ipc.device_uuid: this process sees no GPU {handle.device_uuid}")
+        device = torch.device("cuda", index)
+        if out is None or out.numel() != layout.total_bytes or out.device != device:
+            check_fits(layout.total_bytes, str(device))
+            out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+        fields = IpcHandle.from_proto(handle)
+        source = import_buffer(IpcHandle(**{**fields.__dict__, "device_index": index}))
+        with torch.cuda.device(index):
+            out.copy_(source)
+            torch.cuda.synchronize()
+        del source
+        if fault_corrupt_tensor:  # flip one byte, as a bad copy would
+            out[layout.offsets[staged.names.index(fault_corrupt_tensor)]] ^= 0xFF
+    except Exception as exc:  # a failed handoff must leave the old weights serving
+        staged.error = f"CUDA IPC handoff of version {plan.version} failed: {type(exc).__name__}: {exc}"
+        staged.transfer_s = time.perf_counter() - start
+        return staged
+    received = time.perf_counter()
+    staged.transfer_s = received - start
+    verifier = StreamVerifier(out, metas)
+    bad = verifier.mismatched()
     staged.buffer, staged.tensors, staged.checksums = out, verifier.tensors, verifier.checksums
     staged.verify_s = time.perf_counter() - received
     if bad:

@@ -51,7 +51,7 @@ class ParityWorkerExtension:
         if running is not None and running.is_alive():
             return {"error": "a weight transfer is already being received"}
         plan = plan_from_bytes(plan_bytes)
-        device = "cuda" if plan.rendezvous.backend == "nccl" else "cpu"
+        device = "cuda" if plan.rendezvous.backend == "nccl" or plan.HasField("cuda_ipc") else "cpu"
         self._parity_staged, self._parity_stage_report, self._parity_prepared = None, None, None
 
         def stage() -> None:
@@ -115,6 +115,16 @@ class ParityWorkerExtension:
             _refresh_embedding_derived_weights(runner.model, before)
         self._parity_staged, self._parity_prepared = None, None
         return {"error": "", "swap_s": time.perf_counter() - start, "num_tensors": len(named)}
+
+    def parity_device_uuid(self) -> str:
+        """The UUID of the GPU this worker runs on ("" on CPU): registered with the broadcast
+        service, it tells whether the trainer shares the GPU (then CUDA IPC, never NCCL)."""
+        device = getattr(getattr(self, "device", None), "type", "cpu")
+        if device != "cuda":
+            return ""
+        from parity.transport import cuda_device_uuid
+
+        return cuda_device_uuid(self.device)
 
     def parity_install_top_p(self, mode: str) -> str:
         """Select the top-k/top-p masking in this worker ("bounded" or "sort"); returns what is in

@@ -80,7 +80,8 @@ class Cluster:
         return {w.worker_id: w for w in self.status().workers}
 
     def state(self, worker_id: str) -> dict:
-        return json.loads((self.log_dir / f"{worker_id}.json").read_text())
+        served = json.loads((self.log_dir / f"{worker_id}.json").read_text())
+        return {"version": served["version"], "checksums": served["checksums"]}
 
     def assert_verified(
         self, worker_ids: tuple[str, ...], version: int, state: int = pb.WORKER_STATE_SERVING

@@ -47,7 +47,7 @@ def _named(device: str) -> list[tuple[str, object]]:
     ]
 
 
-def _consumer(handle_json: str, metas_bytes: list[bytes], results) -> None:
+def _consumer(handle_bytes: bytes, metas_bytes: list[bytes], results) -> None:
     try:
         import torch
 
@@ -56,7 +56,7 @@ def _consumer(handle_json: str, metas_bytes: list[bytes], results) -> None:
 
         metas = [common_pb2.TensorMeta.FromString(b) for b in metas_bytes]
         start = time.perf_counter()
-        buffer = import_buffer(IpcHandle.from_json(handle_json))
+        buffer = import_buffer(IpcHandle.from_proto(common_pb2.CudaIpcHandle.FromString(handle_bytes)))
         torch.cuda.synchronize()
         map_s = time.perf_counter() - start
         tensors = views(buffer, metas, Layout.of(metas))
@@ -76,7 +76,8 @@ def test_cuda_ipc_handoff_maps_the_producers_buffer_and_verifies() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     proc = ctx.Process(
-        target=_consumer, args=(handle.to_json(), [m.SerializeToString() for m in metas], results)
+        target=_consumer,
+        args=(handle.to_proto().SerializeToString(), [m.SerializeToString() for m in metas], results),
     )
     proc.start()
     status, bad, map_s, mapped = results.get(timeout=120)
@@ -151,3 +152,78 @@ def test_two_nccl_ranks_on_one_gpu_are_refused_before_nccl() -> None:
         proc.join(30)
     for message in outcome.values():
         assert "ranks 0 and 1 of this group are on the same GPU" in message, outcome
+
+
+def _served(log_dir, worker_id: str) -> dict:
+    import json
+
+    return json.loads((log_dir / f"{worker_id}.json").read_text())
+
+
+def _cuda_versions(version: int) -> list[tuple[str, object]]:
+    from tests.test_broadcast import toy_weights
+
+    return [(name, tensor.cuda()) for name, tensor in toy_weights(version)]
+
+
+@pytest.mark.parametrize("with_group_worker", [False, True], ids=["ipc-only", "ipc-and-group"])
+def test_update_weights_by_cuda_ipc_to_a_worker_on_the_trainers_gpu(
+    tmp_path, with_group_worker: bool
+) -> None:
+    """The service path: a stand-in receiver on this GPU registers its device, the trainer's
+    publisher (CUDA tensors) offers one packed buffer by IPC, the worker maps, copies and verifies it;
+    with a CPU worker too, that one gets the same version over the gloo group in the same publish."""
+    import grpc
+
+    from parity.procs import start_service
+    from parity.transport import cuda_device_uuid
+    from parity.v1 import broadcast_pb2 as pb
+    from parity.v1 import broadcast_pb2_grpc
+    from tests.test_broadcast import TOKEN, start_standin
+    from trainer.publisher import Publisher
+
+    broadcast = start_service(
+        "broadcast",
+        ["--transfer_timeout_s", "60"],
+        log_dir=tmp_path,
+        env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
+    ).wait_ready(60)
+    workers = {"gpu-w": start_standin(tmp_path, broadcast.address, "gpu-w", "--device", "cuda")}
+    if with_group_worker:
+        workers["cpu-w"] = start_standin(tmp_path, broadcast.address, "cpu-w")
+    publisher = Publisher(
+        broadcast.address, "toy", auth_token=TOKEN, wait_committed_s=60, keep_snapshot=False
+    )
+    try:
+        for worker in workers.values():
+            worker.wait_ready(120)
+        for version in (1, 2):
+            named = _cuda_versions(version)
+            result = publisher.publish_tensors(named, version)
+            assert result.committed, result
+            expected = [str(m.checksum) for m in checksum.describe(named)]
+            gpu = _served(tmp_path, "gpu-w")
+            assert gpu["version"] == version and gpu["checksums"] == expected, gpu
+            assert gpu["path"] == "cuda_ipc" and gpu["device"].startswith("cuda"), gpu
+            if with_group_worker:
+                cpu = _served(tmp_path, "cpu-w")
+                assert (
+                    cpu["version"] == version and cpu["checksums"] == expected and cpu["path"] == "group"
+                ), cpu
+            assert result.bytes_sent == (
+                sum(t.numel() * t.element_size() for _, t in named) if with_group_worker else 0
+            )
+        with grpc.insecure_channel(broadcast.address) as chan:
+            status = broadcast_pb2_grpc.WeightBroadcastServiceStub(chan).GetStatus(
+                pb.WeightBroadcastServiceGetStatusRequest(), timeout=5
+            )
+        info = {w.worker_id: w for w in status.workers}
+        assert info["gpu-w"].device_uuid == cuda_device_uuid() and info["gpu-w"].verified
+        assert info["gpu-w"].weight_version == 2
+        assert list(status.epoch_members) == (["cpu-w"] if with_group_worker else [])
+        print(f"ipc path ok ({'with' if with_group_worker else 'without'} a group worker)")
+    finally:
+        publisher.close()
+        for worker in workers.values():
+            worker.stop(10)
+        broadcast.stop(10)

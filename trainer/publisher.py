@@ -181,12 +181,14 @@ class Publisher:
             from parity.transport import TransferError
 
             metas = describe(named)
+            device_uuid = _device_uuid(named)
             request = broadcast_pb2.PublishVersionRequest(
                 version=version,
                 model=self.model_name,
                 tensors=metas,
                 checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64,
                 bucket_bytes=self.bucket_bytes,
+                device_uuid=device_uuid,
             )
             try:
                 reply = self._stub.PublishVersion(request, timeout=self.rpc_timeout_s, metadata=self.metadata)
@@ -199,6 +201,8 @@ class Publisher:
             except KeyError as exc:
                 raise PublishError(f"plan names tensor {exc} that the trainer does not have") from None
             sent = 0
+            # workers on this GPU map one packed copy (kept until the version settles), never a rank
+            ipc_buffer = self._offer_ipc(version, plan, ordered, device_uuid) if reply.ipc_workers else None
             if plan.rendezvous.world_size > 1:  # else: no worker in the epoch, nothing to send
                 try:
                     with self._holder.use(plan.rendezvous) as group:
@@ -207,6 +211,7 @@ class Publisher:
                     self._wait_final(version, plan)  # settle it, so the number may be published again
                     raise PublishError(f"transfer of version {version}: {exc}") from exc
             info = self._wait_final(version, plan)
+            del ipc_buffer  # settled: every worker on this GPU copied it out (or failed)
             if info is not None and info.state == broadcast_pb2.VERSION_STATE_FAILED:
                 raise PublishError(f"version {version} failed: {info.error}")
             committed = info is not None and info.state in (
@@ -234,6 +239,33 @@ class Publisher:
             else:
                 log.info("published version %d: %.1f MB in %.2fs", version, sent / 1e6, seconds)
             return PublishResult(version, sent, seconds, committed)
+
+    def _offer_ipc(self, version: int, plan: common_pb2.TransferPlan, ordered: list, device_uuid: str):
+        """Pack the plan's tensors into one CUDA buffer and hand its IPC handle to the broadcast
+        service for the epoch's workers on this GPU; the buffer (to keep until the version settles),
+        or None when that failed (those workers then fail this version, and the group's do not)."""
+        import torch
+
+        from parity.cuda_ipc import export_buffer
+        from parity.transport import Layout, pack
+
+        try:
+            buffer = pack(ordered, Layout.of(plan.tensors), device=str(ordered[0].device))
+            torch.cuda.synchronize(buffer.device)
+            handle = export_buffer(buffer).to_proto(device_uuid, float(plan.rendezvous.timeout_s))
+            self._stub.OfferIpcBuffer(
+                broadcast_pb2.OfferIpcBufferRequest(version=version, handle=handle),
+                timeout=self.rpc_timeout_s,
+                metadata=self.metadata,
+            )
+        except (grpc.RpcError, RuntimeError, ValueError) as exc:
+            detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else repr(exc)
+            log.warning(
+                "CUDA IPC offer of version %d failed (%s): workers on this GPU miss it", version, detail
+            )
+            return None
+        log.info("version %d: %.1f MB offered by CUDA IPC to %s", version, buffer.numel() / 1e6, device_uuid)
+        return buffer
 
     def _wait_final(self, version: int, plan: common_pb2.TransferPlan) -> broadcast_pb2.VersionInfo | None:
         """Wait until every worker of the epoch acked `version` (DISTRIBUTED) or it FAILED; None
@@ -317,3 +349,14 @@ class Publisher:
         self._holder.close()
         if self._channel is not None:
             self._channel.close()
+
+
+def _device_uuid(named: Sequence[tuple[str, object]]) -> str:
+    """The GPU the tensors are on ("" for CPU tensors): the broadcast service keeps workers on the
+    same GPU out of the data group and hands them the version by CUDA IPC."""
+    tensor = named[0][1] if named else None
+    if tensor is None or not getattr(tensor, "is_cuda", False):
+        return ""
+    from parity.transport import cuda_device_uuid
+
+    return cuda_device_uuid(tensor.device)

@@ -61,25 +61,43 @@ VERSION_EVENT_KIND_WORKER_JOINED: VersionEventKind
 VERSION_EVENT_KIND_WORKER_DROPPED: VersionEventKind
 VERSION_EVENT_KIND_EPOCH_STARTED: VersionEventKind
 
+class OfferIpcBufferRequest(_message.Message):
+    __slots__ = ("version", "handle")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    handle: _common_pb2.CudaIpcHandle
+    def __init__(self, version: _Optional[int] = ..., handle: _Optional[_Union[_common_pb2.CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class OfferIpcBufferResponse(_message.Message):
+    __slots__ = ("ipc_workers",)
+    IPC_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ipc_workers: int
+    def __init__(self, ipc_workers: _Optional[int] = ...) -> None: ...
+
 class PublishVersionRequest(_message.Message):
-    __slots__ = ("version", "model", "tensors", "checksum_algorithm", "bucket_bytes")
+    __slots__ = ("version", "model", "tensors", "checksum_algorithm", "bucket_bytes", "device_uuid")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     version: int
     model: str
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorMeta]
     checksum_algorithm: _common_pb2.ChecksumAlgorithm
     bucket_bytes: int
-    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorMeta, _Mapping]]] = ..., checksum_algorithm: _Optional[_Union[_common_pb2.ChecksumAlgorithm, str]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorMeta, _Mapping]]] = ..., checksum_algorithm: _Optional[_Union[_common_pb2.ChecksumAlgorithm, str]] = ..., bucket_bytes: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class PublishVersionResponse(_message.Message):
-    __slots__ = ("plan",)
+    __slots__ = ("plan", "ipc_workers")
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    IPC_WORKERS_FIELD_NUMBER: _ClassVar[int]
     plan: _common_pb2.TransferPlan
-    def __init__(self, plan: _Optional[_Union[_common_pb2.TransferPlan, _Mapping]] = ...) -> None: ...
+    ipc_workers: int
+    def __init__(self, plan: _Optional[_Union[_common_pb2.TransferPlan, _Mapping]] = ..., ipc_workers: _Optional[int] = ...) -> None: ...
 
 class AwaitCatchUpRequest(_message.Message):
     __slots__ = ("have_version", "timeout_s")
@@ -134,7 +152,7 @@ class VersionInfo(_message.Message):
     def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., state: _Optional[_Union[VersionState, str]] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., published_at_unix: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "weight_version", "state", "last_error", "last_heartbeat_unix", "updates_applied", "updates_failed", "last_update_seconds", "last_paused_seconds", "last_attempted_version", "verified", "epoch")
+    __slots__ = ("worker_id", "address", "weight_version", "state", "last_error", "last_heartbeat_unix", "updates_applied", "updates_failed", "last_update_seconds", "last_paused_seconds", "last_attempted_version", "verified", "epoch", "device_uuid")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +166,7 @@ class WorkerInfo(_message.Message):
     LAST_ATTEMPTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     weight_version: int
@@ -161,17 +180,20 @@ class WorkerInfo(_message.Message):
     last_attempted_version: int
     verified: bool
     epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_error: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., updates_applied: _Optional[int] = ..., updates_failed: _Optional[int] = ..., last_update_seconds: _Optional[float] = ..., last_paused_seconds: _Optional[float] = ..., last_attempted_version: _Optional[int] = ..., verified: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_error: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., updates_applied: _Optional[int] = ..., updates_failed: _Optional[int] = ..., last_update_seconds: _Optional[float] = ..., last_paused_seconds: _Optional[float] = ..., last_attempted_version: _Optional[int] = ..., verified: _Optional[bool] = ..., epoch: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "weight_version")
+    __slots__ = ("worker_id", "address", "weight_version", "device_uuid")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     weight_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("latest_version", "heartbeat_interval_s")

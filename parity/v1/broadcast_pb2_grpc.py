@@ -78,6 +78,11 @@ class WeightBroadcastServiceStub:
                 request_serializer=parity_dot_v1_dot_broadcast__pb2.WatchVersionsRequest.SerializeToString,
                 response_deserializer=parity_dot_v1_dot_broadcast__pb2.WatchVersionsResponse.FromString,
                 _registered_method=True)
+        self.OfferIpcBuffer = channel.unary_unary(
+                '/parity.v1.WeightBroadcastService/OfferIpcBuffer',
+                request_serializer=parity_dot_v1_dot_broadcast__pb2.OfferIpcBufferRequest.SerializeToString,
+                response_deserializer=parity_dot_v1_dot_broadcast__pb2.OfferIpcBufferResponse.FromString,
+                _registered_method=True)
 
 
 class WeightBroadcastServiceServicer:
@@ -145,6 +150,15 @@ class WeightBroadcastServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OfferIpcBuffer(self, request, context):
+        """The trainer hands over the CUDA IPC handle of version v's packed buffer, for the epoch's
+        workers on its own GPU (PublishVersionResponse.ipc_workers > 0). Those workers' updates wait
+        for it at most the transfer timeout, then fail.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightBroadcastServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -187,6 +201,11 @@ def add_WeightBroadcastServiceServicer_to_server(servicer, server):
                     servicer.WatchVersions,
                     request_deserializer=parity_dot_v1_dot_broadcast__pb2.WatchVersionsRequest.FromString,
                     response_serializer=parity_dot_v1_dot_broadcast__pb2.WatchVersionsResponse.SerializeToString,
+            ),
+            'OfferIpcBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferIpcBuffer,
+                    request_deserializer=parity_dot_v1_dot_broadcast__pb2.OfferIpcBufferRequest.FromString,
+                    response_serializer=parity_dot_v1_dot_broadcast__pb2.OfferIpcBufferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -409,6 +428,33 @@ class WeightBroadcastService:
             '/parity.v1.WeightBroadcastService/WatchVersions',
             parity_dot_v1_dot_broadcast__pb2.WatchVersionsRequest.SerializeToString,
             parity_dot_v1_dot_broadcast__pb2.WatchVersionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferIpcBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/parity.v1.WeightBroadcastService/OfferIpcBuffer',
+            parity_dot_v1_dot_broadcast__pb2.OfferIpcBufferRequest.SerializeToString,
+            parity_dot_v1_dot_broadcast__pb2.OfferIpcBufferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -106,7 +106,7 @@ class Rendezvous(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., group_name: _Optional[str] = ..., timeout_s: _Optional[float] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class TransferPlan(_message.Message):
-    __slots__ = ("version", "tensors", "bucket_bytes", "checksum_algorithm", "rendezvous", "base_version", "full_bytes")
+    __slots__ = ("version", "tensors", "bucket_bytes", "checksum_algorithm", "rendezvous", "base_version", "full_bytes", "cuda_ipc")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class TransferPlan(_message.Message):
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     FULL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     bucket_bytes: int
@@ -121,4 +122,33 @@ class TransferPlan(_message.Message):
     rendezvous: Rendezvous
     base_version: int
     full_bytes: int
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., bucket_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., base_version: _Optional[int] = ..., full_bytes: _Optional[int] = ...) -> None: ...
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., bucket_bytes: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., base_version: _Optional[int] = ..., full_bytes: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("nbytes", "device_index", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "tensor_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_uuid", "timeout_s")
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    nbytes: int
+    device_index: int
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    tensor_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    device_uuid: str
+    timeout_s: float
+    def __init__(self, nbytes: _Optional[int] = ..., device_index: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., tensor_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_uuid: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...

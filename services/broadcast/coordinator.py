@@ -12,6 +12,10 @@ The protocol (`v` is the trainer's version, E the current membership epoch, N it
               first verified ack -> COMMITTED; all acks -> DISTRIBUTED; none verified -> FAILED
     catch-up: a worker behind the trainer's snapshot (late joiner, failed update) gets it through a
               one-shot group of the trainer and the workers behind (AwaitCatchUp), never through E.
+    same GPU: workers registered on the trainer's GPU are E's IPC members, never ranks of a group:
+              PublishVersion answers ipc_workers > 0, the trainer packs the plan's tensors into one
+              CUDA buffer and calls OfferIpcBuffer(v, handle); their UpdateWeights carries the
+              handle (plan.cuda_ipc), waited for at most transfer_timeout_s.
 
 Invariants:
 - One transfer at a time (`lock`): a version or a catch-up, so ranks of a group never meet two
@@ -67,6 +71,20 @@ class Coordinator:
         self.lock = asyncio.Lock()
         self.failures_total = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._ipc_offers: dict[int, asyncio.Future] = {}  # version -> the trainer's CudaIpcHandle
+
+    # -- CUDA IPC (workers on the trainer's GPU) ------------------------------------------------
+    def expect_ipc(self, version: int) -> None:
+        """`version` has IPC members: their updates wait for the trainer's OfferIpcBuffer."""
+        self._ipc_offers[version] = asyncio.get_running_loop().create_future()
+
+    def offer_ipc(self, version: int, handle: common_pb2.CudaIpcHandle) -> bool:
+        """Hand the trainer's handle to `version`'s IPC members; False when none waits for one."""
+        offer = self._ipc_offers.get(version)
+        if offer is None or offer.done():
+            return False
+        offer.set_result(handle)
+        return True
 
     def rendezvous(self, group_name: str, secret: str, rank: int, world_size: int) -> common_pb2.Rendezvous:
         return common_pb2.Rendezvous(
@@ -96,19 +114,25 @@ class Coordinator:
         """Send UpdateWeights for `record` to every worker of `epoch` and settle the version."""
         async with self.lock:
             start = time.monotonic()
-            if not epoch.members:
+            if not epoch.members and not epoch.ipc_members:
                 self.registry.commit(record, 0.0)
                 self.registry.distributed(record)
                 return
             world = len(epoch.members) + 1
-            results = await asyncio.gather(
-                *(
-                    self._update(worker_id, record, epoch.group_name, epoch.secret, rank, world, start)
-                    for rank, worker_id in enumerate(epoch.members, 1)
+            offer = self._ipc_offers.get(record.version)
+            try:
+                results = await asyncio.gather(
+                    *(
+                        self._update(worker_id, record, epoch.group_name, epoch.secret, rank, world, start)
+                        for rank, worker_id in enumerate(epoch.members, 1)
+                    ),
+                    *(self._update(wid, record, "", "", 0, 0, start, ipc=offer) for wid in epoch.ipc_members),
                 )
-            )
-            errors = [f"{wid}: {err}" for wid, err in zip(epoch.members, results, strict=True) if err]
-            if errors:
+            finally:
+                self._ipc_offers.pop(record.version, None)
+            ids = epoch.members + epoch.ipc_members
+            errors = [f"{wid}: {err}" for wid, err in zip(ids, results, strict=True) if err]
+            if any(results[: len(epoch.members)]):
                 self.membership.stale = True  # the group saw a failure: never reuse it
                 await self._exclude_absent(epoch.group_name, epoch.members, world)
             if record.state == pb.VERSION_STATE_RECEIVING:  # no worker verified it
@@ -126,15 +150,30 @@ class Coordinator:
         rank: int,
         world: int,
         start: float,
+        ipc: asyncio.Future | None = None,
     ) -> str:
-        """One worker's UpdateWeights; returns "" when it applied and verified, else the error."""
+        """One worker's UpdateWeights; returns "" when it applied and verified, else the error.
+        With `ipc` (a worker on the trainer's GPU) the plan carries the trainer's CUDA IPC handle,
+        once offered, instead of a rank of the group."""
         worker = self.membership.live.get(worker_id)
         if worker is None:
             return "left before the update"
         # an epoch's version may be a delta; a catch-up's group always carries the whole version
         whole = group_name.startswith(ONE_SHOT_PREFIX)
-        plan = record.plan(self.rendezvous(group_name, secret, rank, world), whole=whole)
         worker.busy, worker.state = True, WorkerState.WORKER_STATE_UPDATING
+        error, code, reply = "", None, None
+        if ipc is None:
+            plan = record.plan(self.rendezvous(group_name, secret, rank, world), whole=whole)
+        else:
+            plan = record.plan(None)
+            try:  # the trainer packs and offers right after PublishVersion: bounded like a rendezvous
+                handle = await asyncio.wait_for(asyncio.shield(ipc), self.config.transfer_timeout_s)
+                plan.cuda_ipc.CopyFrom(handle)
+            except TimeoutError:
+                error = (
+                    f"cuda_ipc: timed out after {self.config.transfer_timeout_s:g}s waiting for the "
+                    f"trainer's CUDA IPC buffer of v{record.version} (OfferIpcBuffer)"
+                )
         worker.attempted_version = max(worker.attempted_version, record.version)
         plan_bytes = record.plan_bytes(whole)
         attrs = {
@@ -142,15 +181,19 @@ class Coordinator:
             "parity.worker_id": worker_id,
             "bytes": plan_bytes,
             "parity.base_version": plan.base_version,
+            "parity.path": "cuda_ipc" if ipc is not None else "group",
         }
-        error, code, reply = "", None, None
         with tracing.span("broadcast_transfer", attrs, kind="client", parent_traceparent=record.traceparent):
             try:
+                if error:
+                    raise _NotSent
                 reply = await self._stub(worker).UpdateWeights(
                     rollout_pb2.UpdateWeightsRequest(plan=plan),
                     timeout=2 * self.config.transfer_timeout_s + self.config.rpc_margin_s,
                     metadata=bearer(self.config.auth_token),
                 )
+            except _NotSent:
+                pass
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 error = f"UpdateWeights: {code.name}: {exc.details()}"
@@ -166,7 +209,7 @@ class Coordinator:
                 error = check_reply(reply, plan)
         if not error:
             worker.weight_version, worker.verified = record.version, True
-            if not group_name.startswith(ONE_SHOT_PREFIX):
+            if ipc is not None or not group_name.startswith(ONE_SHOT_PREFIX):
                 worker.epoch = self.membership.epoch.number
             worker.state, worker.last_error = WorkerState.WORKER_STATE_SERVING, ""
             worker.updates_applied += 1
@@ -204,10 +247,13 @@ class Coordinator:
     def behind(self, version: int) -> list[WorkerRecord]:
         """Workers that should get `version` through a catch-up now."""
         now = time.monotonic()
+        trainer_gpu = self.membership.epoch.trainer_device
         return [
             w
             for w in self.membership.eligible()
             if not w.busy
+            # NCCL refuses a rank on the trainer's GPU; such a worker gets the next version by IPC
+            and not (self.config.backend == "nccl" and trainer_gpu and w.device_uuid == trainer_gpu)
             and w.known_version < version
             and (
                 w.state != WorkerState.WORKER_STATE_FAILED
@@ -248,6 +294,10 @@ class Coordinator:
         task = asyncio.ensure_future(run())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return record.plan(self.rendezvous(name, secret, 0, world), whole=True)
+
+
+class _NotSent(Exception):
+    """The update failed before its RPC (no IPC handle came): the error is already set."""
 
 
 def absent_ranks(host: str, port: int, group_name: str, world: int, timeout_s: float = 5.0) -> list[int]:

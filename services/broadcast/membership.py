@@ -28,6 +28,7 @@ from parity.v1 import broadcast_pb2 as pb
 
 WorkerState = pb.WorkerState
 _WORKER_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+DEVICE_UUID = re.compile(r"^[A-Za-z0-9-]{0,128}$")
 
 
 @dataclass
@@ -50,6 +51,7 @@ class WorkerRecord:
     excluded_until: float = 0.0  # monotonic; kept out of epochs until then
     epoch: int = 0
     busy: bool = False  # an UpdateWeights to it is in flight
+    device_uuid: str = ""  # the GPU its engine runs on ("" on CPU)
 
     @property
     def known_version(self) -> int:
@@ -71,17 +73,21 @@ class WorkerRecord:
             last_attempted_version=self.attempted_version,
             verified=self.verified,
             epoch=self.epoch,
+            device_uuid=self.device_uuid,
         )
 
 
 @dataclass(frozen=True)
 class Epoch:
-    """One data group: its number, members in rank order (rank 1 first), name and secret."""
+    """One data group: its number, members in rank order (rank 1 first), name and secret, plus the
+    workers on the trainer's GPU (`ipc_members`), which get each version by CUDA IPC instead."""
 
     number: int
     members: tuple[str, ...]
     group_name: str
     secret: str
+    ipc_members: tuple[str, ...] = ()
+    trainer_device: str = ""
 
 
 def validate_registration(request: pb.RegisterWorkerRequest) -> None:
@@ -94,6 +100,9 @@ def validate_registration(request: pb.RegisterWorkerRequest) -> None:
         )
     if request.weight_version < 0:
         raise invalid("weight_version", f"must be >= 0 (got {request.weight_version})")
+    if not DEVICE_UUID.match(request.device_uuid):
+        raise invalid("device_uuid", f"empty (CPU) or a GPU UUID of 1-128 characters from [A-Za-z0-9-] "
+                      f"(got {request.device_uuid[:140]!r})")  # fmt: skip
 
 
 class Membership:
@@ -122,6 +131,7 @@ class Membership:
             address=request.address,
             claimed_version=request.weight_version,
             attempted_version=request.weight_version,
+            device_uuid=request.device_uuid,
         )
         self.live[record.worker_id] = record
         self.dropped.pop(record.worker_id, None)
@@ -174,14 +184,29 @@ class Membership:
         now = time.monotonic()
         return [r for r in self.live.values() if r.excluded_until <= now]
 
-    def current_epoch(self) -> tuple[Epoch, bool]:
+    def current_epoch(self, trainer_device: str = "") -> tuple[Epoch, bool]:
         """The epoch the next version goes to: (epoch, whether it is new). A stale epoch, or one
-        whose members are no longer the eligible workers, is replaced."""
-        members = tuple(r.worker_id for r in self.eligible())
-        if self.stale or members != self.epoch.members or self.epoch.number == 0:
+        whose members are no longer the eligible workers, is replaced. Workers registered on
+        `trainer_device` (the trainer's GPU; "" on CPU) are the epoch's IPC members, not ranks of
+        its group: no two ranks of one group may share a GPU."""
+        eligible = self.eligible()
+        ipc = tuple(r.worker_id for r in eligible if trainer_device and r.device_uuid == trainer_device)
+        members = tuple(r.worker_id for r in eligible if r.worker_id not in ipc)
+        if (
+            self.stale
+            or members != self.epoch.members
+            or ipc != self.epoch.ipc_members
+            or trainer_device != self.epoch.trainer_device
+            or self.epoch.number == 0
+        ):
             number = self.epoch.number + 1
             self.epoch = Epoch(
-                number, members, f"epoch{number}-{secrets.token_hex(4)}", secrets.token_hex(16)
+                number,
+                members,
+                f"epoch{number}-{secrets.token_hex(4)}",
+                secrets.token_hex(16),
+                ipc,
+                trainer_device,
             )
             self.stale = False
             return self.epoch, True

@@ -22,20 +22,27 @@ import grpc
 
 from parity import tracing
 from parity.config.broadcast import BroadcastConfig
-from parity.errors import RequestError
+from parity.errors import RequestError, invalid
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc
 from services.broadcast import delta, telemetry
 from services.broadcast.coordinator import Coordinator
 from services.broadcast.events import EventLog, Kind
-from services.broadcast.membership import Epoch, Membership, WorkerState
+from services.broadcast.membership import DEVICE_UUID, Epoch, Membership, WorkerState
 from services.broadcast.registry import VersionRecord, VersionRegistry, is_final_for, reached
 
 log = logging.getLogger(__name__)
 SERVICE = "parity.v1.WeightBroadcastService"
 PROTECTED_METHODS = tuple(
     f"/{SERVICE}/{m}"
-    for m in ("PublishVersion", "AwaitCatchUp", "RegisterWorker", "UnregisterWorker", "Heartbeat")
+    for m in (
+        "PublishVersion",
+        "AwaitCatchUp",
+        "RegisterWorker",
+        "UnregisterWorker",
+        "Heartbeat",
+        "OfferIpcBuffer",
+    )
 )
 MAX_WAIT_S = 3600.0
 
@@ -89,19 +96,29 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
         with tracing.span("publish_version", attrs, kind="server"):
             try:
                 self.registry.validate(request)
+                if not DEVICE_UUID.match(request.device_uuid):
+                    raise invalid("device_uuid", "empty (CPU) or a GPU UUID of 1-128 characters [A-Za-z0-9-]")
             except RequestError as exc:
                 await context.abort(exc.code, exc.details)
-            epoch, new = self.membership.current_epoch()
+            epoch, new = self.membership.current_epoch(request.device_uuid)
             if new:
                 self.events.emit(Kind.VERSION_EVENT_KIND_EPOCH_STARTED, epoch.number)
                 log.info(
-                    "epoch %d: %d worker(s): %s", epoch.number, len(epoch.members), ", ".join(epoch.members)
+                    "epoch %d: %d worker(s): %s%s",
+                    epoch.number,
+                    len(epoch.members),
+                    ", ".join(epoch.members),
+                    f"; on the trainer's GPU (CUDA IPC): {', '.join(epoch.ipc_members)}"
+                    if epoch.ipc_members
+                    else "",
                 )
             bucket_bytes = request.bucket_bytes or self.config.bucket_bytes
             record = self.registry.begin(request, bucket_bytes, epoch.number)
             record.traceparent = tracing.current_traceparent()
             if self.config.delta_updates:
                 self._plan_delta(record, epoch)
+            if epoch.ipc_members:
+                self.coordinator.expect_ipc(record.version)
             self._spawn(self.coordinator.distribute(record, epoch))
             log.info(
                 "v%d published to epoch %d: %d tensors, %.1f MB",
@@ -111,13 +128,50 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
                 record.layout.total_bytes / 1e6,
             )
             rdv = self.coordinator.rendezvous(epoch.group_name, epoch.secret, 0, len(epoch.members) + 1)
-            return pb.PublishVersionResponse(plan=record.plan(rdv))
+            return pb.PublishVersionResponse(plan=record.plan(rdv), ipc_workers=len(epoch.ipc_members))
+
+    async def OfferIpcBuffer(self, request: pb.OfferIpcBufferRequest, context: grpc.aio.ServicerContext):
+        handle = request.handle
+        problem = None
+        if not request.HasField("handle"):
+            problem = ("handle", "required")
+        elif not handle.storage_handle or not handle.ref_counter_handle:
+            problem = (
+                "handle.storage_handle",
+                "the CUDA IPC handle's storage and ref-counter handles are required",
+            )
+        elif not DEVICE_UUID.match(handle.device_uuid) or not handle.device_uuid:
+            problem = ("handle.device_uuid", "the GPU UUID of the buffer is required")
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{problem[0]}: {problem[1]}")
+        record = self.registry.get(request.version)
+        if record is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"version: v{request.version} was not published")
+        expected = record.plan_bytes()
+        if handle.nbytes != expected:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"handle.nbytes: v{request.version}'s plan packs {expected} bytes, the buffer has {handle.nbytes}",
+            )
+        if handle.device_uuid != self.membership.epoch.trainer_device:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"handle.device_uuid: {handle.device_uuid} is not the GPU v{request.version} was published "
+                f"from ({self.membership.epoch.trainer_device or 'CPU'})",
+            )
+        if not self.coordinator.offer_ipc(request.version, handle):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"version: no worker waits for a CUDA IPC buffer of v{request.version} (none on the "
+                "trainer's GPU, already offered, or settled)",
+            )
+        return pb.OfferIpcBufferResponse(ipc_workers=len(self.membership.epoch.ipc_members))
 
     def _plan_delta(self, record: VersionRecord, epoch: Epoch) -> None:
         """Make `record` a delta against the previous version when every epoch member serves it
         (services/broadcast/delta.py); a version that changes every tensor stays whole."""
         previous = self.registry.get(record.version - 1)
-        members = [self.membership.live.get(wid) for wid in epoch.members]
+        members = [self.membership.live.get(wid) for wid in epoch.members + epoch.ipc_members]
         base = delta.delta_base(
             previous.version if previous is not None else 0,
             previous is not None and reached(previous.state, pb.VERSION_STATE_COMMITTED),

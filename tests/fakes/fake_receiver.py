@@ -14,7 +14,8 @@ Invariants (the same as the real worker's):
   epoch's data group is held between versions (rollout.weight_receiver, as the real worker does).
 - Only if every tensor's shape, dtype and WSUM64 match the plan are the new tensors swapped in;
   otherwise the old weights and version stay and the answer is FAILED naming the tensors.
-- After each swap `--state_file` holds {"version", "checksums"} of the weights it serves (for tests).
+- After each swap `--state_file` holds {"version", "checksums", "path", "device"} of the weights it
+  serves (for tests); path says how the version came ("group", or "cuda_ipc" on the trainer's GPU).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class StandinReceiver:
         self.served_buffer = None  # the packed buffer self.weights view
         self.spare_buffer = None  # a buffer nobody serves from: received into next time
         self.latest_seen = 0
+        self.last_path = ""  # how the served version came: "group" or "cuda_ipc"
         self.lock = asyncio.Lock()
         self.server = None  # GrpcServer, set in serve()
 
@@ -54,7 +56,12 @@ class StandinReceiver:
 
         path = Path(self.args.state_file)
         tmp = path.with_suffix(".tmp")
-        state = {"version": self.version, "checksums": [str(tensor_checksum(t)) for t in self.weights]}
+        state = {
+            "version": self.version,
+            "checksums": [str(tensor_checksum(t)) for t in self.weights],
+            "path": self.last_path,
+            "device": str(self.weights[0].device) if self.weights else "",
+        }
         tmp.write_text(json.dumps(state))
         tmp.replace(path)
 
@@ -66,7 +73,7 @@ class StandinReceiver:
         delay = self.args.bucket_delay_s
         return receive_and_verify(
             plan,
-            "cpu",
+            self.args.device,
             corrupt,
             out=self.spare_buffer,
             on_bucket=(lambda _end: time.sleep(delay)) if delay else None,
@@ -76,8 +83,11 @@ class StandinReceiver:
         from parity.v1 import rollout_pb2
 
         plan = request.plan
-        if not plan.tensors or not plan.HasField("rendezvous"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "plan: tensors and rendezvous are required")
+        if not plan.tensors or plan.HasField("rendezvous") == plan.HasField("cuda_ipc"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "plan: tensors and one of rendezvous or cuda_ipc are required",
+            )
         corrupt = request.fault_corrupt_tensor
         if corrupt and not self.args.enable_fault_injection:
             await context.abort(
@@ -90,7 +100,7 @@ class StandinReceiver:
             )
         corrupt = corrupt or self.args.corrupt_tensor_at.get(plan.version, "")
         if self.args.never_join:  # chaos: registered, but never comes to the data group
-            await asyncio.sleep(float(plan.rendezvous.timeout_s) + 1)
+            await asyncio.sleep(float(plan.rendezvous.timeout_s or plan.cuda_ipc.timeout_s) + 1)
             return rollout_pb2.UpdateWeightsResponse(
                 outcome=rollout_pb2.UPDATE_OUTCOME_FAILED, weight_version=self.version, error="never joined"
             )
@@ -124,6 +134,7 @@ class StandinReceiver:
                     f"serves v{self.version}; nothing applied",
                     checksums=staged.checksums,
                 )
+            self.last_path = "cuda_ipc" if plan.HasField("cuda_ipc") else "group"
             paused_at = time.monotonic()  # pause(keep): a real engine stops scheduling here
             if plan.base_version:  # a delta: the changed tensors are copied over the served ones
                 index = {name: i for i, name in enumerate(self.names)}
@@ -153,6 +164,15 @@ class StandinReceiver:
         self.latest_seen = latest_version
         await self.server.set_serving(self.version >= self.latest_seen)
 
+    def device_uuid(self) -> str:
+        """The GPU it receives on, registered so that a trainer on the same GPU hands it versions by
+        CUDA IPC; "" on CPU."""
+        if self.args.device == "cpu":
+            return ""
+        from parity.transport import cuda_device_uuid
+
+        return cuda_device_uuid(self.args.device)
+
     async def serve(self) -> int:
         from parity.config import ServiceConfig
         from parity.membership_client import MembershipClient
@@ -181,6 +201,7 @@ class StandinReceiver:
             heartbeat_interval_s=1.0,
             weight_version=lambda: self.version,
             on_registered=self.caught_up_to,
+            device_uuid=self.device_uuid(),
         )
         member = asyncio.ensure_future(membership.run())
 
@@ -202,6 +223,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--auth_token", default=os.environ.get("PARITY_AUTH_TOKEN", ""), help="shared token")
     parser.add_argument("--port_file", default="", help="write the gRPC port here once serving")
     parser.add_argument("--state_file", default="", help="JSON {version, checksums} after every swap")
+    parser.add_argument("--device", default="cpu", help="receive onto this device (cuda: registers its GPU)")
     parser.add_argument("--enable_fault_injection", action="store_true", help="honour fault_corrupt_tensor")
     parser.add_argument(
         "--corrupt_tensor_at",

@@ -1,0 +1,259 @@
+"""The same-GPU path of weight sync, its control plane on CPU: workers registered on the trainer's GPU
+are kept out of the data group and get each version by CUDA IPC (the trainer's OfferIpcBuffer).
+
+CUDA itself cannot run here, so the worker on the "trainer's GPU" is `RecordingWorker`, a fake
+RolloutService in this process that records the UpdateWeights it is sent and acks the trainer's
+checksums (it cannot map a CUDA buffer). The other worker is the real stand-in receiver over gloo.
+The mapping itself, end to end with the real receiver on a GPU, is tests/test_weight_sync_gpu.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from parity.procs import start_service
+from parity.server import bearer
+from parity.v1 import broadcast_pb2 as pb
+from parity.v1 import broadcast_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
+from tests.test_broadcast import TOKEN, publish_request, start_standin, toy_weights
+
+GPU = "GPU-0b1c2d3e-test-0000-0000-000000000001"  # the trainer's (and the recording worker's) GPU
+TRANSFER_TIMEOUT_S = 4
+
+
+class RecordingWorker(rollout_pb2_grpc.RolloutServiceServicer):
+    """A fake worker on the trainer's GPU: records each UpdateWeights, acks with the plan's own
+    checksums (what a worker that mapped and verified the buffer would report)."""
+
+    def __init__(self) -> None:
+        self.requests: list[rollout_pb2.UpdateWeightsRequest] = []
+        self.seen = threading.Event()
+
+    def UpdateWeights(self, request, context):
+        self.requests.append(request)
+        self.seen.set()
+        return rollout_pb2.UpdateWeightsResponse(
+            outcome=rollout_pb2.UPDATE_OUTCOME_APPLIED,
+            weight_version=request.plan.version,
+            checksums=[m.checksum for m in request.plan.tensors],
+        )
+
+
+class Env:
+    def __init__(self, log_dir: Path, address: str, recorder: RecordingWorker) -> None:
+        self.log_dir = log_dir
+        self.channel = grpc.insecure_channel(address)
+        self.stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(self.channel)
+        self.recorder = recorder
+
+    def status(self) -> pb.WeightBroadcastServiceGetStatusResponse:
+        return self.stub.GetStatus(pb.WeightBroadcastServiceGetStatusRequest(), timeout=5)
+
+    def offer(self, version: int, handle: common_pb2.CudaIpcHandle | None, token: str = TOKEN):
+        request = pb.OfferIpcBufferRequest(version=version, handle=handle)
+        return self.stub.OfferIpcBuffer(request, metadata=bearer(token) if token else (), timeout=5)
+
+    def wait(self, version: int, timeout_s: float = 30) -> pb.WaitVersionResponse:
+        request = pb.WaitVersionRequest(
+            version=version, state=pb.VERSION_STATE_DISTRIBUTED, timeout_s=timeout_s
+        )
+        return self.stub.WaitVersion(request, timeout=timeout_s + 10)
+
+
+def handle_for(nbytes: int, device_uuid: str = GPU) -> common_pb2.CudaIpcHandle:
+    """A well-formed handle (what `IpcHandle.to_proto` gives); its bytes map nothing here."""
+    return common_pb2.CudaIpcHandle(
+        nbytes=nbytes,
+        device_index=0,
+        storage_handle=b"\x01" * 64,
+        storage_size_bytes=nbytes,
+        ref_counter_handle=b"\x02" * 16,
+        device_uuid=device_uuid,
+        timeout_s=TRANSFER_TIMEOUT_S,
+    )
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    log_dir = tmp_path_factory.mktemp("ipc")
+    broadcast = start_service(
+        "broadcast",
+        ["--heartbeat_timeout_s", "600", "--transfer_timeout_s", str(TRANSFER_TIMEOUT_S)],
+        log_dir=log_dir,
+        env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
+    ).wait_ready(60)
+    recorder = RecordingWorker()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(recorder, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    standin = start_standin(log_dir, broadcast.address, "cpu-w")
+    try:
+        standin.wait_ready(90)
+        e = Env(log_dir, broadcast.address, recorder)
+        e.stub.RegisterWorker(
+            pb.RegisterWorkerRequest(worker_id="gpu-w", address=f"127.0.0.1:{port}", device_uuid=GPU),
+            metadata=bearer(TOKEN),
+            timeout=5,
+        )
+        yield e
+        e.channel.close()
+    finally:
+        standin.stop(10)
+        server.stop(1)
+        broadcast.stop(10)
+
+
+def publish_from_gpu(env: Env, version: int) -> tuple[pb.PublishVersionResponse, list]:
+    """The trainer's side, from "the GPU": announce, then send the group's share over gloo."""
+    from tests.test_broadcast import TRAINER_GROUPS
+
+    named = toy_weights(version)
+    request = publish_request(version, named)
+    request.device_uuid = GPU
+    reply = env.stub.PublishVersion(request, metadata=bearer(TOKEN), timeout=10)
+    with TRAINER_GROUPS.use(reply.plan.rendezvous) as group:
+        group.send([t for _, t in named], reply.plan.bucket_bytes)
+    return reply, named
+
+
+def test_a_worker_on_the_trainers_gpu_gets_the_handle_not_a_rank(env: Env) -> None:
+    reply, _ = publish_from_gpu(env, 1)
+    assert reply.ipc_workers == 1
+    # the group is the trainer and the CPU worker only: no two ranks of one group on one GPU
+    assert reply.plan.rendezvous.world_size == 2
+    nbytes = sum(t.numel() * t.element_size() for _, t in toy_weights(1))
+    sent = handle_for(nbytes)
+    assert env.offer(1, sent).ipc_workers == 1
+    assert env.recorder.seen.wait(10)
+    got = env.recorder.requests[-1].plan
+    assert got.version == 1 and got.cuda_ipc == sent and not got.HasField("rendezvous")
+    assert [m.checksum for m in got.tensors] == [m.checksum for m in reply.plan.tensors]
+    final = env.wait(1)
+    assert final.reached and final.version.state == pb.VERSION_STATE_DISTRIBUTED
+    workers = {w.worker_id: w for w in env.status().workers}
+    assert workers["gpu-w"].verified and workers["gpu-w"].weight_version == 1
+    assert workers["gpu-w"].device_uuid == GPU and workers["cpu-w"].device_uuid == ""
+    assert workers["cpu-w"].verified and workers["cpu-w"].weight_version == 1
+    assert list(env.status().epoch_members) == ["cpu-w"]
+
+
+def test_bad_ipc_offers_are_refused_naming_the_field(env: Env) -> None:
+    nbytes = sum(t.numel() * t.element_size() for _, t in toy_weights(1))
+    cases = [
+        (pb.OfferIpcBufferRequest(version=1), grpc.StatusCode.INVALID_ARGUMENT, "handle: required"),
+        (
+            pb.OfferIpcBufferRequest(
+                version=1, handle=common_pb2.CudaIpcHandle(nbytes=nbytes, device_uuid=GPU)
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "handle.storage_handle",
+        ),
+        (
+            pb.OfferIpcBufferRequest(version=99, handle=handle_for(nbytes)),
+            grpc.StatusCode.NOT_FOUND,
+            "version",
+        ),
+        (
+            pb.OfferIpcBufferRequest(version=1, handle=handle_for(nbytes + 1)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "handle.nbytes",
+        ),
+        (
+            pb.OfferIpcBufferRequest(version=1, handle=handle_for(nbytes, "GPU-another")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "handle.device_uuid",
+        ),
+        # v1 settled: nobody waits for its buffer any more (and an offer is taken once)
+        (
+            pb.OfferIpcBufferRequest(version=1, handle=handle_for(nbytes)),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "version",
+        ),
+    ]
+    for request, code, field in cases:
+        with pytest.raises(grpc.RpcError) as caught:
+            env.stub.OfferIpcBuffer(request, metadata=bearer(TOKEN), timeout=5)
+        assert caught.value.code() == code, (request, caught.value.details())
+        assert caught.value.details().startswith(field), caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:  # it hands a buffer to workers: token required
+        env.offer(1, handle_for(nbytes), token="")
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert env.status().latest_version == 1  # nothing changed, the service is up
+
+
+def test_no_offer_fails_the_gpu_worker_within_the_timeout_and_the_next_version_succeeds(env: Env) -> None:
+    env.recorder.seen.clear()
+    start = time.monotonic()
+    publish_from_gpu(env, 2)  # and never OfferIpcBuffer: a trainer that died after publishing
+    final = env.wait(2, timeout_s=TRANSFER_TIMEOUT_S + 20)
+    waited = time.monotonic() - start
+    assert final.reached, final
+    assert TRANSFER_TIMEOUT_S - 0.5 <= waited <= TRANSFER_TIMEOUT_S + 15
+    assert not env.recorder.seen.is_set()  # no UpdateWeights without a handle
+    workers = {w.worker_id: w for w in env.status().workers}
+    assert workers["gpu-w"].state == pb.WORKER_STATE_FAILED
+    assert "timed out" in workers["gpu-w"].last_error and "OfferIpcBuffer" in workers["gpu-w"].last_error
+    assert workers["gpu-w"].weight_version == 1  # kept its verified version
+    assert workers["cpu-w"].weight_version == 2  # the group's worker was not held back
+    reply, _ = publish_from_gpu(env, 3)
+    nbytes = sum(t.numel() * t.element_size() for _, t in toy_weights(3))
+    env.offer(3, handle_for(nbytes))
+    assert env.wait(3).reached
+    workers = {w.worker_id: w for w in env.status().workers}
+    assert workers["gpu-w"].weight_version == 3 and workers["gpu-w"].verified
+    assert reply.ipc_workers == 1
+
+
+def test_membership_splits_the_epoch_by_the_trainers_gpu() -> None:
+    from parity.errors import RequestError
+    from services.broadcast.membership import Membership
+
+    members = Membership(max_workers=8, heartbeat_timeout_s=60, exclude_s=5)
+    for wid, uuid in (("a", GPU), ("b", "GPU-other"), ("c", "")):
+        members.register(pb.RegisterWorkerRequest(worker_id=wid, address="127.0.0.1:1", device_uuid=uuid))
+    epoch, new = members.current_epoch(GPU)
+    assert new and epoch.members == ("b", "c") and epoch.ipc_members == ("a",)
+    assert members.current_epoch(GPU) == (epoch, False)  # held across versions
+    cpu_epoch, new = members.current_epoch("")  # a trainer on CPU: every worker is a rank
+    assert new and cpu_epoch.members == ("a", "b", "c") and cpu_epoch.ipc_members == ()
+    with pytest.raises(RequestError) as caught:
+        members.register(pb.RegisterWorkerRequest(worker_id="d", address="127.0.0.1:1", device_uuid="GPU 0;"))
+    assert caught.value.field == "device_uuid"
+
+
+def test_a_rollout_worker_validates_an_ipc_plan_and_fails_cleanly_without_cuda() -> None:
+    from parity import checksum
+    from parity.errors import RequestError
+    from rollout.validation import check_update_request
+    from rollout.weight_receiver import receive_and_verify
+
+    named = toy_weights(1)
+    metas = checksum.describe(named)
+    shapes = {m.name: tuple(m.shape) for m in metas}
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    plan = common_pb2.TransferPlan(
+        version=1, tensors=metas, bucket_bytes=1 << 20, cuda_ipc=handle_for(nbytes)
+    )
+    check_update_request(rollout_pb2.UpdateWeightsRequest(plan=plan), shapes, False)  # valid
+    both = common_pb2.TransferPlan()
+    both.CopyFrom(plan)
+    both.rendezvous.CopyFrom(common_pb2.Rendezvous(host="127.0.0.1", port=1, rank=1, world_size=2))
+    no_handle = common_pb2.TransferPlan()
+    no_handle.CopyFrom(plan)
+    no_handle.cuda_ipc.storage_handle = b""
+    for bad, field in ((both, "plan.rendezvous"), (no_handle, "plan.cuda_ipc.storage_handle")):
+        with pytest.raises(RequestError) as caught:
+            check_update_request(rollout_pb2.UpdateWeightsRequest(plan=bad), shapes, False)
+        assert caught.value.field == field
+    # this host sees no such GPU: the handoff fails with a clear error and nothing is staged
+    staged = receive_and_verify(plan, "cpu")
+    assert "CUDA IPC handoff of version 1 failed" in staged.error and GPU in staged.error
+    assert staged.tensors == []
