@@ -5,7 +5,7 @@
 A producer (this process, the trainer's role) holds `--mb` MiB of fp32 weights in `--tensors` CUDA
 tensors; a consumer process (the rollout worker's role) on the same GPU gets them and ends holding
 a verified copy in its own memory, by two paths, alternating round by round:
-- ipc:  pack into one CUDA buffer, export an IPC handle (plain JSON over a pipe, never pickled); the
+- ipc:  pack into one CUDA buffer, export an IPC handle (the CudaIpcHandle message over a pipe, never pickled); the
         consumer maps it, verifies every WSUM64 checksum on the device and copies it into its own
         weights (the swap);
 - gloo: the same tensors broadcast over a held two-rank gloo group with CUDA tensors (what a

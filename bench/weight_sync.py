@@ -191,7 +191,7 @@ def start_broadcast(log_dir: Path, name: str, bucket_bytes: int) -> ServiceProce
     return start_service("broadcast", args, log_dir=log_dir, name=name).wait_ready(120)
 
 
-def start_standin(log_dir: Path, broadcast: str, worker_id: str) -> ServiceProcess:
+def start_standin(log_dir: Path, broadcast: str, worker_id: str, *extra: str) -> ServiceProcess:
     port_file = log_dir / f"{worker_id}.port"
     log_path = log_dir / f"{worker_id}.log"
     cmd = [
@@ -204,6 +204,7 @@ def start_standin(log_dir: Path, broadcast: str, worker_id: str) -> ServiceProce
         worker_id,
         "--port_file",
         str(port_file),
+        *extra,
     ]
     with open(log_path, "ab") as handle:
         proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)

@@ -12,5 +12,7 @@ timeout 270 python3 -m pytest -m gpu -v -s -o timeout=150 tests/test_weight_sync
 echo "gpu tests exit ${PIPESTATUS[0]}"
 timeout 90 python3 bench/cuda_ipc.py --mb 1024 --repeats 3 2>&1 | tee "$out/cuda_ipc.log"
 echo "cuda_ipc bench exit ${PIPESTATUS[0]}"
+timeout 150 python3 bench/ipc_update.py --mb 1024 --repeats 3 2>&1 | tee "$out/ipc_update.log"
+echo "ipc_update bench exit ${PIPESTATUS[0]}"
 timeout 90 python3 bench/trainer_step.py --model tiny --device cuda --repeats 3 2>&1 | tee "$out/trainer_step_tiny.log"
 echo "trainer_step bench exit ${PIPESTATUS[0]}"

@@ -167,7 +167,7 @@ class StandinReceiver:
     def device_uuid(self) -> str:
         """The GPU it receives on, registered so that a trainer on the same GPU hands it versions by
         CUDA IPC; "" on CPU."""
-        if self.args.device == "cpu":
+        if self.args.device == "cpu" or self.args.hide_device:
             return ""
         from parity.transport import cuda_device_uuid
 
@@ -224,6 +224,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--port_file", default="", help="write the gRPC port here once serving")
     parser.add_argument("--state_file", default="", help="JSON {version, checksums} after every swap")
     parser.add_argument("--device", default="cpu", help="receive onto this device (cuda: registers its GPU)")
+    parser.add_argument(
+        "--hide_device",
+        action="store_true",
+        help="register no GPU even with --device cuda (a same-GPU baseline over the gloo group)",
+    )
     parser.add_argument("--enable_fault_injection", action="store_true", help="honour fault_corrupt_tensor")
     parser.add_argument(
         "--corrupt_tensor_at",
