@@ -172,7 +172,8 @@ def test_update_weights_by_cuda_ipc_to_a_worker_on_the_trainers_gpu(
 ) -> None:
     """The service path: a stand-in receiver on this GPU registers its device, the trainer's
     publisher (CUDA tensors) offers one packed buffer by IPC, the worker maps, copies and verifies it;
-    with a CPU worker too, that one gets the same version over the gloo group in the same publish."""
+    with a CPU worker too, that one gets the same version over the gloo group in the same publish.
+    Then a worker on this GPU joins late and gets the trainer's snapshot by IPC (catch-up)."""
     import grpc
 
     from parity.procs import start_service
@@ -191,9 +192,7 @@ def test_update_weights_by_cuda_ipc_to_a_worker_on_the_trainers_gpu(
     workers = {"gpu-w": start_standin(tmp_path, broadcast.address, "gpu-w", "--device", "cuda")}
     if with_group_worker:
         workers["cpu-w"] = start_standin(tmp_path, broadcast.address, "cpu-w")
-    publisher = Publisher(
-        broadcast.address, "toy", auth_token=TOKEN, wait_committed_s=60, keep_snapshot=False
-    )
+    publisher = Publisher(broadcast.address, "toy", auth_token=TOKEN, wait_committed_s=60)
     try:
         for worker in workers.values():
             worker.wait_ready(120)
@@ -213,6 +212,11 @@ def test_update_weights_by_cuda_ipc_to_a_worker_on_the_trainers_gpu(
             assert result.bytes_sent == (
                 sum(t.numel() * t.element_size() for _, t in named) if with_group_worker else 0
             )
+        # a worker on this GPU that joins late is caught up by the publisher's catch-up thread, by IPC
+        workers["gpu-late"] = start_standin(tmp_path, broadcast.address, "gpu-late", "--device", "cuda")
+        workers["gpu-late"].wait_ready(120)  # SERVING only once it holds the latest version
+        late = _served(tmp_path, "gpu-late")
+        assert late["version"] == 2 and late["checksums"] == expected and late["path"] == "cuda_ipc", late
         with grpc.insecure_channel(broadcast.address) as chan:
             status = broadcast_pb2_grpc.WeightBroadcastServiceStub(chan).GetStatus(
                 pb.WeightBroadcastServiceGetStatusRequest(), timeout=5
@@ -220,6 +224,7 @@ def test_update_weights_by_cuda_ipc_to_a_worker_on_the_trainers_gpu(
         info = {w.worker_id: w for w in status.workers}
         assert info["gpu-w"].device_uuid == cuda_device_uuid() and info["gpu-w"].verified
         assert info["gpu-w"].weight_version == 2
+        assert info["gpu-late"].verified and info["gpu-late"].weight_version == 2
         assert list(status.epoch_members) == (["cpu-w"] if with_group_worker else [])
         print(f"ipc path ok ({'with' if with_group_worker else 'without'} a group worker)")
     finally:

@@ -162,11 +162,6 @@ def test_bad_ipc_offers_are_refused_naming_the_field(env: Env) -> None:
             "version",
         ),
         (
-            pb.OfferIpcBufferRequest(version=1, handle=handle_for(nbytes + 1)),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "handle.nbytes",
-        ),
-        (
             pb.OfferIpcBufferRequest(version=1, handle=handle_for(nbytes, "GPU-another")),
             grpc.StatusCode.INVALID_ARGUMENT,
             "handle.device_uuid",
@@ -192,7 +187,12 @@ def test_bad_ipc_offers_are_refused_naming_the_field(env: Env) -> None:
 def test_no_offer_fails_the_gpu_worker_within_the_timeout_and_the_next_version_succeeds(env: Env) -> None:
     env.recorder.seen.clear()
     start = time.monotonic()
-    publish_from_gpu(env, 2)  # and never OfferIpcBuffer: a trainer that died after publishing
+    publish_from_gpu(env, 2)  # and never a usable offer: a trainer that died after publishing
+    nbytes = sum(t.numel() * t.element_size() for _, t in toy_weights(2))
+    with pytest.raises(grpc.RpcError) as caught:  # a wrong size is refused and takes nothing away
+        env.offer(2, handle_for(nbytes + 8))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("handle.nbytes"), caught.value.details()
     final = env.wait(2, timeout_s=TRANSFER_TIMEOUT_S + 20)
     waited = time.monotonic() - start
     assert final.reached, final
@@ -257,3 +257,38 @@ def test_a_rollout_worker_validates_an_ipc_plan_and_fails_cleanly_without_cuda()
     staged = receive_and_verify(plan, "cpu")
     assert "CUDA IPC handoff of version 1 failed" in staged.error and GPU in staged.error
     assert staged.tensors == []
+
+
+def test_a_late_worker_on_the_trainers_gpu_catches_up_by_ipc(env: Env) -> None:
+    late = RecordingWorker()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(late, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        env.stub.RegisterWorker(
+            pb.RegisterWorkerRequest(worker_id="gpu-late", address=f"127.0.0.1:{port}", device_uuid=GPU),
+            metadata=bearer(TOKEN),
+            timeout=5,
+        )
+        latest = env.status().latest_version
+        reply = env.stub.AwaitCatchUp(
+            pb.AwaitCatchUpRequest(have_version=latest, timeout_s=10), metadata=bearer(TOKEN), timeout=20
+        )
+        assert reply.HasField("plan") and reply.ipc_workers == 1, reply
+        assert reply.plan.rendezvous.world_size == 1  # nobody else is behind: no group to send to
+        whole = sum(t.numel() * t.element_size() for _, t in toy_weights(latest))
+        assert env.offer(latest, handle_for(whole)).ipc_workers == 1
+        assert late.seen.wait(10)
+        got = late.requests[-1].plan
+        assert got.version == latest and got.cuda_ipc.nbytes == whole and got.base_version == 0
+        assert not got.HasField("rendezvous")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            info = {w.worker_id: w for w in env.status().workers}["gpu-late"]
+            if info.verified and info.weight_version == latest:
+                break
+            time.sleep(0.1)
+        assert info.verified and info.weight_version == latest, info
+    finally:
+        server.stop(1)

@@ -17,6 +17,12 @@ and a background thread long-polls `AwaitCatchUp`. A worker that joined late, or
 failed, gets the snapshot through a one-shot group of the trainer and the workers behind; the epoch
 group and the training loop are not involved.
 
+Same GPU: workers registered on the trainer's GPU are never ranks of a group (NCCL refuses two ranks
+on one GPU). When PublishVersion (or AwaitCatchUp) answers `ipc_workers > 0`, the trainer packs the
+plan's tensors into one buffer on its GPU and hands its CUDA IPC handle over with OfferIpcBuffer;
+those workers map and copy it. The buffer is kept until they are done (the version settled, or no
+worker is updating any more).
+
 Versions: v = previous + 1, starting above max(checkpoint's published version, the broadcast's
 latest) so that a trainer restarted from an older checkpoint never reuses a version number. With
 no broadcast address configured, versions are still numbered (local mode, for trainer-only runs).
@@ -103,6 +109,7 @@ class Publisher:
         self.catch_ups_sent = 0
         self.publish_retries_total = 0
         self.delta_bytes_saved = 0  # bytes delta updates did not send (broadcast.delta_updates)
+        self._gpu: tuple[object, str] | None = None  # (device, UUID) of the last CUDA publish, for IPC
 
     def latest_version(self) -> int:
         """The broadcast service's latest version (0 in local mode)."""
@@ -202,7 +209,9 @@ class Publisher:
                 raise PublishError(f"plan names tensor {exc} that the trainer does not have") from None
             sent = 0
             # workers on this GPU map one packed copy (kept until the version settles), never a rank
-            ipc_buffer = self._offer_ipc(version, plan, ordered, device_uuid) if reply.ipc_workers else None
+            if device_uuid:
+                self._gpu = (ordered[0].device, device_uuid)
+            ipc_buffer = self._offer_ipc(version, plan, ordered) if reply.ipc_workers else None
             if plan.rendezvous.world_size > 1:  # else: no worker in the epoch, nothing to send
                 try:
                     with self._holder.use(plan.rendezvous) as group:
@@ -240,17 +249,21 @@ class Publisher:
                 log.info("published version %d: %.1f MB in %.2fs", version, sent / 1e6, seconds)
             return PublishResult(version, sent, seconds, committed)
 
-    def _offer_ipc(self, version: int, plan: common_pb2.TransferPlan, ordered: list, device_uuid: str):
-        """Pack the plan's tensors into one CUDA buffer and hand its IPC handle to the broadcast
-        service for the epoch's workers on this GPU; the buffer (to keep until the version settles),
-        or None when that failed (those workers then fail this version, and the group's do not)."""
+    def _offer_ipc(self, version: int, plan: common_pb2.TransferPlan, ordered: Sequence):
+        """Pack the plan's tensors into one CUDA buffer on the trainer's GPU and hand its IPC handle
+        to the broadcast service for the workers on this GPU; the buffer (to keep until they copied
+        it), or None when that failed (those workers then fail this version, the group's do not)."""
         import torch
 
         from parity.cuda_ipc import export_buffer
         from parity.transport import Layout, pack
 
+        if self._gpu is None:
+            log.warning("version %d: workers on the trainer's GPU, but it published no CUDA tensors", version)
+            return None
+        device, device_uuid = self._gpu
         try:
-            buffer = pack(ordered, Layout.of(plan.tensors), device=str(ordered[0].device))
+            buffer = pack(ordered, Layout.of(plan.tensors), device=str(device))
             torch.cuda.synchronize(buffer.device)
             handle = export_buffer(buffer).to_proto(device_uuid, float(plan.rendezvous.timeout_s))
             self._stub.OfferIpcBuffer(
@@ -314,9 +327,9 @@ class Publisher:
                 self._closed.wait(1.0)
                 continue
             if reply.HasField("plan"):
-                self._send_catch_up(reply.plan, snapshot)
+                self._send_catch_up(reply.plan, snapshot, reply.ipc_workers)
 
-    def _send_catch_up(self, plan: common_pb2.TransferPlan, snapshot: Snapshot) -> None:
+    def _send_catch_up(self, plan: common_pb2.TransferPlan, snapshot: Snapshot, ipc_workers: int = 0) -> None:
         from parity.transport import TransferError, TransferGroup
 
         if plan.version != snapshot.version:  # cannot happen: the service asks for what we hold
@@ -326,23 +339,48 @@ class Publisher:
             log.error("catch-up plan for v%d is not the whole version; not sent", plan.version)
             return
         start = time.perf_counter()
+        # workers on this GPU map the snapshot, packed onto it, by CUDA IPC; the others join the group
+        ipc_buffer = self._offer_ipc(plan.version, plan, snapshot.tensors) if ipc_workers else None
+        sent = 0
         try:
-            group = TransferGroup.join(plan.rendezvous)
-            try:
-                sent = group.send(list(snapshot.tensors), int(plan.bucket_bytes) or self.bucket_bytes)
-            finally:
-                group.close()
+            if plan.rendezvous.world_size > 1:
+                group = TransferGroup.join(plan.rendezvous)
+                try:
+                    sent = group.send(list(snapshot.tensors), int(plan.bucket_bytes) or self.bucket_bytes)
+                finally:
+                    group.close()
         except TransferError as exc:
             log.warning("catch-up of v%d failed: %s", plan.version, exc)
             return
+        finally:
+            if ipc_buffer is not None:
+                self._until_copied(float(plan.rendezvous.timeout_s))
+                del ipc_buffer
         self.catch_ups_sent += 1
         log.info(
-            "catch-up: v%d to %d worker(s), %.1f MB in %.2fs",
+            "catch-up: v%d to %d worker(s) by the group (%.1f MB) and %d by CUDA IPC in %.2fs",
             plan.version,
             plan.rendezvous.world_size - 1,
             sent / 1e6,
+            ipc_workers,
             time.perf_counter() - start,
         )
+
+    def _until_copied(self, timeout_s: float) -> None:
+        """Wait until no worker is updating (the catch-up's IPC workers copied the buffer out and
+        acked, or failed), at most as long as their updates may take."""
+        deadline = time.monotonic() + 2 * timeout_s + 30
+        while time.monotonic() < deadline and not self._closed.is_set():
+            try:
+                status = self._stub.GetStatus(
+                    broadcast_pb2.WeightBroadcastServiceGetStatusRequest(), timeout=self.rpc_timeout_s
+                )
+            except grpc.RpcError as exc:
+                log.warning("GetStatus while a catch-up's IPC buffer is mapped: %s", exc.code().name)
+            else:
+                if not any(w.state == broadcast_pb2.WORKER_STATE_UPDATING for w in status.workers):
+                    return
+            self._closed.wait(0.2)
 
     def close(self) -> None:
         self._closed.set()

@@ -108,10 +108,12 @@ class AwaitCatchUpRequest(_message.Message):
     def __init__(self, have_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class AwaitCatchUpResponse(_message.Message):
-    __slots__ = ("plan",)
+    __slots__ = ("plan", "ipc_workers")
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    IPC_WORKERS_FIELD_NUMBER: _ClassVar[int]
     plan: _common_pb2.TransferPlan
-    def __init__(self, plan: _Optional[_Union[_common_pb2.TransferPlan, _Mapping]] = ...) -> None: ...
+    ipc_workers: int
+    def __init__(self, plan: _Optional[_Union[_common_pb2.TransferPlan, _Mapping]] = ..., ipc_workers: _Optional[int] = ...) -> None: ...
 
 class WaitVersionRequest(_message.Message):
     __slots__ = ("version", "state", "timeout_s")

@@ -11,7 +11,8 @@ The protocol (`v` is the trainer's version, E the current membership epoch, N it
               #         -> pause -> swap -> resume -> ack APPLIED(checksums) | FAILED
               first verified ack -> COMMITTED; all acks -> DISTRIBUTED; none verified -> FAILED
     catch-up: a worker behind the trainer's snapshot (late joiner, failed update) gets it through a
-              one-shot group of the trainer and the workers behind (AwaitCatchUp), never through E.
+              one-shot group of the trainer and the workers behind (AwaitCatchUp), never through E;
+              one on the trainer's GPU by CUDA IPC of the snapshot, as below.
     same GPU: workers registered on the trainer's GPU are E's IPC members, never ranks of a group:
               PublishVersion answers ipc_workers > 0, the trainer packs the plan's tensors into one
               CUDA buffer and calls OfferIpcBuffer(v, handle); their UpdateWeights carries the
@@ -71,20 +72,33 @@ class Coordinator:
         self.lock = asyncio.Lock()
         self.failures_total = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._ipc_offers: dict[int, asyncio.Future] = {}  # version -> the trainer's CudaIpcHandle
+        # version -> (future of the trainer's CudaIpcHandle, bytes it must hold, workers waiting)
+        self._ipc_offers: dict[int, tuple[asyncio.Future, int, int]] = {}
 
     # -- CUDA IPC (workers on the trainer's GPU) ------------------------------------------------
-    def expect_ipc(self, version: int) -> None:
-        """`version` has IPC members: their updates wait for the trainer's OfferIpcBuffer."""
-        self._ipc_offers[version] = asyncio.get_running_loop().create_future()
+    def expect_ipc(self, version: int, nbytes: int, workers: int) -> asyncio.Future:
+        """`version` goes to `workers` on the trainer's GPU: their updates wait for OfferIpcBuffer."""
+        offer = asyncio.get_running_loop().create_future()
+        self._ipc_offers[version] = (offer, nbytes, workers)
+        return offer
 
-    def offer_ipc(self, version: int, handle: common_pb2.CudaIpcHandle) -> bool:
-        """Hand the trainer's handle to `version`'s IPC members; False when none waits for one."""
-        offer = self._ipc_offers.get(version)
-        if offer is None or offer.done():
-            return False
-        offer.set_result(handle)
-        return True
+    def offer_ipc(self, version: int, handle: common_pb2.CudaIpcHandle) -> tuple[str, int]:
+        """Hand the trainer's handle to `version`'s IPC members: ("", how many wait for it), or
+        (what is wrong, field first; 0)."""
+        expected = self._ipc_offers.get(version)
+        if expected is None or expected[0].done():
+            problem = (
+                f"version: no worker waits for a CUDA IPC buffer of v{version} (none on the trainer's "
+                "GPU, already offered, or settled)"
+            )
+            return problem, 0
+        if handle.nbytes != expected[1]:
+            return (
+                f"handle.nbytes: v{version}'s plan packs {expected[1]} bytes, the buffer has {handle.nbytes}",
+                0,
+            )
+        expected[0].set_result(handle)
+        return "", expected[2]
 
     def rendezvous(self, group_name: str, secret: str, rank: int, world_size: int) -> common_pb2.Rendezvous:
         return common_pb2.Rendezvous(
@@ -119,14 +133,17 @@ class Coordinator:
                 self.registry.distributed(record)
                 return
             world = len(epoch.members) + 1
-            offer = self._ipc_offers.get(record.version)
+            offer = self._ipc_offers[record.version][0] if epoch.ipc_members else None  # see PublishVersion
             try:
                 results = await asyncio.gather(
                     *(
                         self._update(worker_id, record, epoch.group_name, epoch.secret, rank, world, start)
                         for rank, worker_id in enumerate(epoch.members, 1)
                     ),
-                    *(self._update(wid, record, "", "", 0, 0, start, ipc=offer) for wid in epoch.ipc_members),
+                    *(
+                        self._update(wid, record, epoch.group_name, "", 0, 0, start, ipc=offer)
+                        for wid in epoch.ipc_members
+                    ),
                 )
             finally:
                 self._ipc_offers.pop(record.version, None)
@@ -165,7 +182,7 @@ class Coordinator:
         if ipc is None:
             plan = record.plan(self.rendezvous(group_name, secret, rank, world), whole=whole)
         else:
-            plan = record.plan(None)
+            plan = record.plan(None, whole=whole)
             try:  # the trainer packs and offers right after PublishVersion: bounded like a rendezvous
                 handle = await asyncio.wait_for(asyncio.shield(ipc), self.config.transfer_timeout_s)
                 plan.cuda_ipc.CopyFrom(handle)
@@ -209,7 +226,7 @@ class Coordinator:
                 error = check_reply(reply, plan)
         if not error:
             worker.weight_version, worker.verified = record.version, True
-            if ipc is not None or not group_name.startswith(ONE_SHOT_PREFIX):
+            if not group_name.startswith(ONE_SHOT_PREFIX):
                 worker.epoch = self.membership.epoch.number
             worker.state, worker.last_error = WorkerState.WORKER_STATE_SERVING, ""
             worker.updates_applied += 1
@@ -247,13 +264,10 @@ class Coordinator:
     def behind(self, version: int) -> list[WorkerRecord]:
         """Workers that should get `version` through a catch-up now."""
         now = time.monotonic()
-        trainer_gpu = self.membership.epoch.trainer_device
         return [
             w
             for w in self.membership.eligible()
             if not w.busy
-            # NCCL refuses a rank on the trainer's GPU; such a worker gets the next version by IPC
-            and not (self.config.backend == "nccl" and trainer_gpu and w.device_uuid == trainer_gpu)
             and w.known_version < version
             and (
                 w.state != WorkerState.WORKER_STATE_FAILED
@@ -261,8 +275,9 @@ class Coordinator:
             )
         ]
 
-    async def catch_up(self, record: VersionRecord) -> common_pb2.TransferPlan | None:
-        """If workers are behind `record`, start their catch-up and return the trainer's plan."""
+    async def catch_up(self, record: VersionRecord) -> tuple[common_pb2.TransferPlan, int] | None:
+        """If workers are behind `record`, start their catch-up and return the trainer's plan and
+        how many of them are on its GPU (they take the snapshot by CUDA IPC: OfferIpcBuffer)."""
         if self.lock.locked():
             return None
         await self.lock.acquire()
@@ -272,9 +287,14 @@ class Coordinator:
             return None
         name = f"{ONE_SHOT_PREFIX}v{record.version}-{secrets.token_hex(4)}"
         secret = secrets.token_hex(16)
-        world = len(workers) + 1
-        ids = tuple(w.worker_id for w in workers)
-        log.info("catch-up of %s to v%d", ", ".join(ids), record.version)
+        gpu = self.membership.epoch.trainer_device
+        ipc_ids = tuple(w.worker_id for w in workers if gpu and w.device_uuid == gpu)
+        ids = tuple(w.worker_id for w in workers if w.worker_id not in ipc_ids)
+        world = len(ids) + 1
+        offer = (
+            self.expect_ipc(record.version, record.plan_bytes(whole=True), len(ipc_ids)) if ipc_ids else None
+        )
+        log.info("catch-up of %s to v%d", ", ".join(ids + ipc_ids), record.version)
 
         async def run() -> None:
             try:
@@ -283,17 +303,19 @@ class Coordinator:
                     *(
                         self._update(wid, record, name, secret, r, world, start)
                         for r, wid in enumerate(ids, 1)
-                    )
+                    ),
+                    *(self._update(wid, record, name, "", 0, 0, start, ipc=offer) for wid in ipc_ids),
                 )
-                if any(results):
+                if any(results[: len(ids)]):
                     await self._exclude_absent(name, ids, world)
                 self.on_change()
             finally:
+                self._ipc_offers.pop(record.version, None)
                 self.lock.release()
 
         task = asyncio.ensure_future(run())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return record.plan(self.rendezvous(name, secret, 0, world), whole=True)
+        return record.plan(self.rendezvous(name, secret, 0, world), whole=True), len(ipc_ids)
 
 
 class _NotSent(Exception):

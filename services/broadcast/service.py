@@ -117,8 +117,8 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
             record.traceparent = tracing.current_traceparent()
             if self.config.delta_updates:
                 self._plan_delta(record, epoch)
-            if epoch.ipc_members:
-                self.coordinator.expect_ipc(record.version)
+            if epoch.ipc_members:  # before answering: the trainer offers its buffer right after
+                self.coordinator.expect_ipc(record.version, record.plan_bytes(), len(epoch.ipc_members))
             self._spawn(self.coordinator.distribute(record, epoch))
             log.info(
                 "v%d published to epoch %d: %d tensors, %.1f MB",
@@ -144,28 +144,23 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
             problem = ("handle.device_uuid", "the GPU UUID of the buffer is required")
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{problem[0]}: {problem[1]}")
-        record = self.registry.get(request.version)
-        if record is None:
+        if self.registry.get(request.version) is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"version: v{request.version} was not published")
-        expected = record.plan_bytes()
-        if handle.nbytes != expected:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"handle.nbytes: v{request.version}'s plan packs {expected} bytes, the buffer has {handle.nbytes}",
-            )
         if handle.device_uuid != self.membership.epoch.trainer_device:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"handle.device_uuid: {handle.device_uuid} is not the GPU v{request.version} was published "
                 f"from ({self.membership.epoch.trainer_device or 'CPU'})",
             )
-        if not self.coordinator.offer_ipc(request.version, handle):
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"version: no worker waits for a CUDA IPC buffer of v{request.version} (none on the "
-                "trainer's GPU, already offered, or settled)",
+        problem, waiting = self.coordinator.offer_ipc(request.version, handle)
+        if problem:
+            code = (
+                grpc.StatusCode.INVALID_ARGUMENT
+                if problem.startswith("handle")
+                else grpc.StatusCode.FAILED_PRECONDITION
             )
-        return pb.OfferIpcBufferResponse(ipc_workers=len(self.membership.epoch.ipc_members))
+            await context.abort(code, problem)
+        return pb.OfferIpcBufferResponse(ipc_workers=waiting)
 
     def _plan_delta(self, record: VersionRecord, epoch: Epoch) -> None:
         """Make `record` a delta against the previous version when every epoch member serves it
@@ -205,9 +200,9 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
         while True:
             record = self.registry.get(request.have_version)
             if record is not None and request.have_version == self.registry.latest_committed:
-                plan = await self.coordinator.catch_up(record)
-                if plan is not None:
-                    return pb.AwaitCatchUpResponse(plan=plan)
+                started = await self.coordinator.catch_up(record)
+                if started is not None:
+                    return pb.AwaitCatchUpResponse(plan=started[0], ipc_workers=started[1])
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return pb.AwaitCatchUpResponse()
