@@ -31,7 +31,12 @@ PROMPTS = [list(range(10, 30)), list(range(40, 52))]
 def llm(tiny_model: Path):
     from vllm import LLM
 
-    from rollout.vllm_engine import WORKER_EXTENSION
+    # vLLM mixes a worker extension into its (process-global) worker class, and refuses a second,
+    # different one in the same process: `parity check`'s ablation, run in this pytest process by
+    # tests/test_check.py, mixes in its subclass of the rollout extension. So this module uses that
+    # subclass too (the prepared-swap methods are the rollout extension's own, inherited unchanged),
+    # and the two modules may share a test process in either order.
+    from tools.check.ablation import CHECK_WORKER_EXTENSION as WORKER_EXTENSION
 
     saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker lives in this process
