@@ -43,7 +43,7 @@ def _consumer(conn, port: int, metas_b64: list[str]) -> None:
     import torch
 
     from parity import checksum
-    from parity.cuda_ipc import IpcHandle, import_buffer
+    from parity.cuda_ipc import import_buffer
     from parity.transport import Layout, TransferGroup, views
     from parity.v1 import common_pb2
 
@@ -60,7 +60,7 @@ def _consumer(conn, port: int, metas_b64: list[str]) -> None:
         t0 = time.perf_counter()
         if command["op"] == "ipc":
             handle = common_pb2.CudaIpcHandle.FromString(base64.b64decode(command["handle"]))
-            source = import_buffer(IpcHandle.from_proto(handle))
+            source = import_buffer(handle)
         else:
             source = group.recv_packed(metas, BUCKET, device="cuda", out=landing)
         torch.cuda.synchronize()
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         buffer = pack(tensors, layout, device="cuda")
         torch.cuda.synchronize()
-        handle = base64.b64encode(export_buffer(buffer).to_proto().SerializeToString()).decode()
+        handle = base64.b64encode(export_buffer(buffer).SerializeToString()).decode()
         reply = ask({"op": "ipc", "handle": handle})
         reply["total_s"] = time.perf_counter() - t0
         del buffer

@@ -6,15 +6,14 @@ buffer (`parity.transport.pack(..., device="cuda")`) and exports an IPC handle f
 maps the same device memory (no copy; about 1.3 ms per GiB measured on an H100) and takes views by
 the plan's layout, verifies the checksums, and copies into its own weights during the swap.
 
-The handle is plain data (`IpcHandle.to_proto`: the `parity.v1.CudaIpcHandle` message of ints and
-bytes), built from `torch.multiprocessing.reductions.reduce_tensor`: never pickled. The producer must keep the buffer
-alive (and unmodified) until the consumer has acked; torch's IPC reference counter keeps the memory
-from being reused while the consumer maps it.
+The handle is the `parity.v1.CudaIpcHandle` message (ints and bytes), built from
+`torch.multiprocessing.reductions.reduce_tensor`: never pickled. The producer must keep the buffer
+alive (and unmodified) until the consumer has copied it out; torch's IPC reference counter keeps the
+memory from being reused while the consumer maps it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from parity.v1 import common_pb2
@@ -23,31 +22,11 @@ if TYPE_CHECKING:
     import torch
 
 
-@dataclass(frozen=True)
-class IpcHandle:
-    """What the consumer needs to map one contiguous uint8 CUDA buffer."""
-
-    nbytes: int
-    device_index: int
-    storage_handle: bytes
-    storage_size_bytes: int
-    storage_offset_bytes: int
-    tensor_offset: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
-
-    def to_proto(self, device_uuid: str = "", timeout_s: float = 0.0) -> common_pb2.CudaIpcHandle:
-        return common_pb2.CudaIpcHandle(**self.__dict__, device_uuid=device_uuid, timeout_s=timeout_s)
-
-    @classmethod
-    def from_proto(cls, handle: common_pb2.CudaIpcHandle) -> IpcHandle:
-        return cls(**{name: getattr(handle, name) for name in cls.__dataclass_fields__})
-
-
-def export_buffer(buffer: torch.Tensor) -> IpcHandle:
-    """An IPC handle for a contiguous 1-D uint8 CUDA `buffer` (keep `buffer` alive until acked)."""
+def export_buffer(
+    buffer: torch.Tensor, device_uuid: str = "", timeout_s: float = 0.0
+) -> common_pb2.CudaIpcHandle:
+    """An IPC handle for a contiguous 1-D uint8 CUDA `buffer` (keep `buffer` alive until copied out);
+    `device_uuid` and `timeout_s` are carried for the consumer."""
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
@@ -58,7 +37,7 @@ def export_buffer(buffer: torch.Tensor) -> IpcHandle:
         raise ValueError("buffer: torch did not reduce it to a CUDA IPC handle")
     (_, size, _, tensor_offset, _, _, device, handle, storage_size, storage_offset, _, rc_handle, rc_offset,
      event_handle, event_sync) = args  # fmt: skip
-    return IpcHandle(
+    return common_pb2.CudaIpcHandle(
         nbytes=int(size[0]),
         device_index=int(device),
         storage_handle=bytes(handle),
@@ -69,11 +48,14 @@ def export_buffer(buffer: torch.Tensor) -> IpcHandle:
         ref_counter_offset=int(rc_offset),
         event_handle=bytes(event_handle or b""),
         event_sync_required=bool(event_sync),
+        device_uuid=device_uuid,
+        timeout_s=timeout_s,
     )
 
 
-def import_buffer(handle: IpcHandle) -> torch.Tensor:
-    """Map the producer's buffer in this process (same GPU; no copy)."""
+def import_buffer(handle: common_pb2.CudaIpcHandle, device_index: int | None = None) -> torch.Tensor:
+    """Map the producer's buffer in this process (same GPU; no copy). `device_index`: this process's
+    index of that GPU when it differs from the producer's (CUDA_VISIBLE_DEVICES)."""
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -84,7 +66,7 @@ def import_buffer(handle: IpcHandle) -> torch.Tensor:
         handle.tensor_offset,
         torch.storage.TypedStorage,
         torch.uint8,
-        handle.device_index,
+        handle.device_index if device_index is None else device_index,
         handle.storage_handle,
         handle.storage_size_bytes,
         handle.storage_offset_bytes,

@@ -107,12 +107,21 @@ def receive_and_verify(
         with holder.use(plan.rendezvous) as group:
             group.recv_packed(metas, int(plan.bucket_bytes), out=out, progress=progress)
     except Exception as exc:  # a transfer failure must leave the old weights serving
-        staged.error = f"transfer of version {plan.version} failed: {type(exc).__name__}: {exc}"
-        staged.transfer_s = time.perf_counter() - start
-        return staged
+        return _failed(staged, f"transfer of version {plan.version}", exc, start)
+    return _verified(staged, plan, out, verifier, start)  # the tail: tensors finished by the last bucket
+
+
+def _failed(staged: StagedWeights, what: str, exc: Exception, start: float) -> StagedWeights:
+    staged.error = f"{what} failed: {type(exc).__name__}: {exc}"
+    staged.transfer_s = time.perf_counter() - start
+    return staged
+
+
+def _verified(staged: StagedWeights, plan, out: torch.Tensor, verifier, start: float) -> StagedWeights:
+    """Finish the checksums (those not done while receiving), keep the received buffer and views."""
     received = time.perf_counter()
     staged.transfer_s = received - start
-    bad = verifier.mismatched()  # the tail: tensors finished by the last bucket
+    bad = verifier.mismatched()
     staged.buffer, staged.tensors, staged.checksums = out, verifier.tensors, verifier.checksums
     staged.verify_s = time.perf_counter() - received
     if bad:
@@ -126,7 +135,7 @@ def map_and_verify(plan, fault_corrupt_tensor: str = "", out: torch.Tensor | Non
     its buffer once the version settles) and verify that copy. Never raises on a bad handoff."""
     import torch
 
-    from parity.cuda_ipc import IpcHandle, import_buffer
+    from parity.cuda_ipc import import_buffer
     from parity.transport import Layout, StreamVerifier, TransferError, check_fits, local_cuda_index
 
     metas = list(plan.tensors)
@@ -148,8 +157,7 @@ def map_and_verify(plan, fault_corrupt_tensor: str = "", out: torch.Tensor | Non
         if out is None or out.numel() != layout.total_bytes or out.device != device:
             check_fits(layout.total_bytes, str(device))
             out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
-        fields = IpcHandle.from_proto(handle)
-        source = import_buffer(IpcHandle(**{**fields.__dict__, "device_index": index}))
+        source = import_buffer(handle, device_index=index)
         with torch.cuda.device(index):
             out.copy_(source)
             torch.cuda.synchronize()
@@ -157,18 +165,8 @@ def map_and_verify(plan, fault_corrupt_tensor: str = "", out: torch.Tensor | Non
         if fault_corrupt_tensor:  # flip one byte, as a bad copy would
             out[layout.offsets[staged.names.index(fault_corrupt_tensor)]] ^= 0xFF
     except Exception as exc:  # a failed handoff must leave the old weights serving
-        staged.error = f"CUDA IPC handoff of version {plan.version} failed: {type(exc).__name__}: {exc}"
-        staged.transfer_s = time.perf_counter() - start
-        return staged
-    received = time.perf_counter()
-    staged.transfer_s = received - start
-    verifier = StreamVerifier(out, metas)
-    bad = verifier.mismatched()
-    staged.buffer, staged.tensors, staged.checksums = out, verifier.tensors, verifier.checksums
-    staged.verify_s = time.perf_counter() - received
-    if bad:
-        staged.error = f"checksum mismatch in version {plan.version} for tensor(s): {', '.join(bad)}"
-    return staged
+        return _failed(staged, f"CUDA IPC handoff of version {plan.version}", exc, start)
+    return _verified(staged, plan, out, StreamVerifier(out, metas), start)
 
 
 _ready_groups: set[str] = set()  # epoch groups this process's worker already joined (held there)

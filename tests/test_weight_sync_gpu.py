@@ -51,12 +51,12 @@ def _consumer(handle_bytes: bytes, metas_bytes: list[bytes], results) -> None:
     try:
         import torch
 
-        from parity.cuda_ipc import IpcHandle, import_buffer
+        from parity.cuda_ipc import import_buffer
         from parity.transport import Layout, views
 
         metas = [common_pb2.TensorMeta.FromString(b) for b in metas_bytes]
         start = time.perf_counter()
-        buffer = import_buffer(IpcHandle.from_proto(common_pb2.CudaIpcHandle.FromString(handle_bytes)))
+        buffer = import_buffer(common_pb2.CudaIpcHandle.FromString(handle_bytes))
         torch.cuda.synchronize()
         map_s = time.perf_counter() - start
         tensors = views(buffer, metas, Layout.of(metas))
@@ -77,7 +77,7 @@ def test_cuda_ipc_handoff_maps_the_producers_buffer_and_verifies() -> None:
     results = ctx.Queue()
     proc = ctx.Process(
         target=_consumer,
-        args=(handle.to_proto().SerializeToString(), [m.SerializeToString() for m in metas], results),
+        args=(handle.SerializeToString(), [m.SerializeToString() for m in metas], results),
     )
     proc.start()
     status, bad, map_s, mapped = results.get(timeout=120)

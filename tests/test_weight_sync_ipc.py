@@ -68,7 +68,7 @@ class Env:
 
 
 def handle_for(nbytes: int, device_uuid: str = GPU) -> common_pb2.CudaIpcHandle:
-    """A well-formed handle (what `IpcHandle.to_proto` gives); its bytes map nothing here."""
+    """A well-formed handle (what `parity.cuda_ipc.export_buffer` gives); its bytes map nothing here."""
     return common_pb2.CudaIpcHandle(
         nbytes=nbytes,
         device_index=0,

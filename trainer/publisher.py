@@ -265,7 +265,7 @@ class Publisher:
         try:
             buffer = pack(ordered, Layout.of(plan.tensors), device=str(device))
             torch.cuda.synchronize(buffer.device)
-            handle = export_buffer(buffer).to_proto(device_uuid, float(plan.rendezvous.timeout_s))
+            handle = export_buffer(buffer, device_uuid, float(plan.rendezvous.timeout_s))
             self._stub.OfferIpcBuffer(
                 broadcast_pb2.OfferIpcBufferRequest(version=version, handle=handle),
                 timeout=self.rpc_timeout_s,
