@@ -22,6 +22,17 @@ if TYPE_CHECKING:
     import torch
 
 
+def handle_problem(handle: common_pb2.CudaIpcHandle) -> tuple[str, str] | None:
+    """(field of the handle, what is wrong) when `handle` lacks what mapping it needs, else None."""
+    if handle.nbytes <= 0:
+        return "nbytes", f"must be > 0 (got {handle.nbytes})"
+    if not handle.storage_handle or not handle.ref_counter_handle:
+        return "storage_handle", "the CUDA IPC handle's storage and ref-counter handles are required"
+    if not handle.device_uuid:
+        return "device_uuid", "the GPU UUID of the buffer is required"
+    return None
+
+
 def export_buffer(
     buffer: torch.Tensor, device_uuid: str = "", timeout_s: float = 0.0
 ) -> common_pb2.CudaIpcHandle:

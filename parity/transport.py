@@ -267,7 +267,7 @@ def cuda_device_uuid(device: object = None) -> str:
     what tells a trainer and a rollout worker that they share one (then CUDA IPC, not NCCL)."""
     import torch
 
-    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    index = None if device is None else torch.device(device).index
     return str(torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).uuid)
 
 

@@ -198,15 +198,13 @@ def check_update_request(
 
 def check_ipc_handle(plan) -> None:
     """A CUDA IPC plan: no rendezvous, and a handle with what mapping it needs."""
-    handle = plan.cuda_ipc
+    from parity.cuda_ipc import handle_problem
+
     if plan.HasField("rendezvous"):
         raise invalid("plan.rendezvous", "must be unset when plan.cuda_ipc is set (one path per update)")
-    if handle.nbytes <= 0:
-        raise invalid("plan.cuda_ipc.nbytes", f"must be > 0 (got {handle.nbytes})")
-    if not handle.storage_handle or not handle.ref_counter_handle:
-        raise invalid("plan.cuda_ipc.storage_handle", "the storage and ref-counter handles are required")
-    if not handle.device_uuid:
-        raise invalid("plan.cuda_ipc.device_uuid", "the GPU UUID of the buffer is required")
+    problem = handle_problem(plan.cuda_ipc)
+    if problem is not None:
+        raise invalid(f"plan.cuda_ipc.{problem[0]}", problem[1])
 
 
 def checkpoint_shapes(model_dir) -> dict[str, tuple[int, ...]]:

@@ -6,8 +6,8 @@ the caller swaps the staged tensors in only when `StagedWeights.error` is empty,
 corrupted transfer leaves the old weights serving.
 
 A worker on the trainer's own GPU gets a plan with `cuda_ipc` instead of a rendezvous: it maps the
-trainer's packed buffer (`map_and_verify`), never joins a group. The group is held across versions (`parity.transport.GroupHolder`: one join per membership epoch),
-the plan's size is checked against free memory before anything is allocated, and each tensor is
+trainer's packed buffer (`map_and_verify`), never joins a group. The group is held across versions
+(`parity.transport.GroupHolder`: one join per membership epoch), the plan's size is checked against free memory before anything is allocated, and each tensor is
 checksummed as soon as its last byte arrives, while the next bucket is on the wire.
 """
 

@@ -22,6 +22,7 @@ import grpc
 
 from parity import tracing
 from parity.config.broadcast import BroadcastConfig
+from parity.cuda_ipc import handle_problem
 from parity.errors import RequestError, invalid
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc
@@ -132,18 +133,13 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
 
     async def OfferIpcBuffer(self, request: pb.OfferIpcBufferRequest, context: grpc.aio.ServicerContext):
         handle = request.handle
-        problem = None
         if not request.HasField("handle"):
-            problem = ("handle", "required")
-        elif not handle.storage_handle or not handle.ref_counter_handle:
-            problem = (
-                "handle.storage_handle",
-                "the CUDA IPC handle's storage and ref-counter handles are required",
-            )
-        elif not DEVICE_UUID.match(handle.device_uuid) or not handle.device_uuid:
-            problem = ("handle.device_uuid", "the GPU UUID of the buffer is required")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handle: required")
+        problem = handle_problem(handle)
+        if problem is None and not DEVICE_UUID.match(handle.device_uuid):
+            problem = ("device_uuid", "a GPU UUID of 1-128 characters [A-Za-z0-9-]")
         if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{problem[0]}: {problem[1]}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"handle.{problem[0]}: {problem[1]}")
         if self.registry.get(request.version) is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"version: v{request.version} was not published")
         if handle.device_uuid != self.membership.epoch.trainer_device:
