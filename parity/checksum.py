@@ -10,8 +10,13 @@ Invariants this gives us:
   and swapping two differing words at positions with different weights does too (position matters).
 - Integer addition mod 2**64 is associative, so the value is identical on CPU and CUDA, whatever the
   reduction order or chunking (torch's int64 arithmetic wraps).
-- It is one multiply-add per 8 bytes, computed in chunks against a cached odd-weight vector, so it runs
-  at memory bandwidth: cheap enough for every update (bench/weight_sync.py reports ms per 100 MB).
+- On CUDA it is one multiply-add per 8 bytes against a cached odd-weight vector. On CPU there is no
+  vectorised 64-bit integer dot, so it is computed from additions only: a run of words viewed as rows
+  of `ROW_WORDS` gives S = sum w and T = sum j*w from its row sums and column sums (T = ROW_WORDS *
+  sum_r r*rowsum_r + sum_k k*colsum_k), a block of rows at a time so that the second reading hits the
+  core's cache. bench/weight_sync.py reports ms per 100 MB.
+- It can be accumulated piece by piece (`checksum_update`): a receiver sums each bucket's share of a
+  tensor as soon as it lands instead of reading the whole tensor again after its last byte.
 
 It is an integrity check against transport bugs and truncation, not a cryptographic hash; the token
 guards who may publish.
@@ -25,10 +30,13 @@ from typing import TYPE_CHECKING
 from parity.v1 import common_pb2
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 MASK64 = (1 << 64) - 1
 CHUNK_WORDS = 1 << 20  # 8 MiB of words per step: bounded temporary memory
+ROW_WORDS = 1024  # CPU: a run of words is summed as rows of 8 KiB
+BLOCK_ROWS = 64  # CPU: 512 KiB of rows at a time, so the column pass re-reads them from cache
 _weights_cache: dict[str, torch.Tensor] = {}
 
 
@@ -70,20 +78,71 @@ def _words(byte_view: torch.Tensor) -> torch.Tensor:
 
 def checksum_bytes(byte_view: torch.Tensor) -> int:
     """WSUM64 of a flat uint8 tensor."""
-    import torch
-
+    if not byte_view.is_cuda:
+        return checksum_update(0, byte_view.numpy(), 0)
     words = _words(byte_view)
     weights = _odd_weights(words.device)
     total = 0
     for start in range(0, words.numel(), CHUNK_WORDS):
         chunk = words[start : start + CHUNK_WORDS]
         chunk_weight = 2 * (start // CHUNK_WORDS) + 1
-        if chunk.is_cuda:  # no integer dot on CUDA; elementwise is fast there
-            part = int((chunk * weights[: chunk.numel()]).sum().item())
-        else:  # one pass, no temporary: 30 ms per 100 MB on one core
-            part = int(torch.dot(chunk, weights[: chunk.numel()]).item())
+        part = int((chunk * weights[: chunk.numel()]).sum().item())  # no integer dot on CUDA
         total = (total + chunk_weight * part) & MASK64
     return total & MASK64
+
+
+def checksum_update(total: int, data: np.ndarray, start: int) -> int:
+    """`total` (a tensor's WSUM64 over its bytes before `start`) plus the share of `data`, the
+    tensor's bytes [start, start + len(data)), a flat uint8 array in host memory. `start` must be a
+    multiple of 8; only the tensor's last piece may have a length that is not (it is zero-padded, as
+    the definition pads the last word). Summing a tensor piece by piece gives its `tensor_checksum`."""
+    import numpy as np
+
+    if start % 8:
+        raise ValueError(f"start: {start} is not a multiple of 8 bytes")
+    if data.size % 8:
+        padded = np.zeros(data.size + 8 - data.size % 8, dtype=np.uint8)
+        padded[: data.size] = data
+        data = padded
+    words = data.view(np.uint64)
+    index, pos = start // 8, 0
+    while pos < words.size:
+        chunk, j0 = divmod(index + pos, CHUNK_WORDS)
+        take = min(words.size - pos, CHUNK_WORDS - j0)
+        s, t = _sums(words[pos : pos + take])
+        # sum over the run of (2*c + 1) * (2*(j0 + j) + 1) * w_j
+        total += (2 * chunk + 1) * (2 * (t + j0 * s) + s)
+        pos += take
+    return total & MASK64
+
+
+def _sums(words: np.ndarray) -> tuple[int, int]:
+    """(S, T) = (sum w_j, sum j * w_j) mod 2**64 over uint64 `words`, j counted from 0, by additions
+    only: rows of ROW_WORDS, BLOCK_ROWS rows at a time (row sums, then column sums from cache)."""
+    import numpy as np
+
+    count = words.size
+    full = count - count % ROW_WORDS
+    rows = full // ROW_WORDS
+    s = t = 0
+    if rows:
+        matrix = words[:full].reshape(rows, ROW_WORDS)
+        row_sums = np.empty(rows, dtype=np.uint64)
+        col_sums = np.zeros(ROW_WORDS, dtype=np.uint64)
+        block_cols = np.empty(ROW_WORDS, dtype=np.uint64)
+        for r0 in range(0, rows, BLOCK_ROWS):
+            block = matrix[r0 : r0 + BLOCK_ROWS]
+            np.add.reduce(block, axis=1, out=row_sums[r0 : r0 + block.shape[0]])
+            np.add.reduce(block, axis=0, out=block_cols)
+            np.add(col_sums, block_cols, out=col_sums)
+        s = int(row_sums.sum())
+        t = int(np.dot(np.arange(rows, dtype=np.uint64), row_sums)) * ROW_WORDS
+        t += int(np.dot(np.arange(ROW_WORDS, dtype=np.uint64), col_sums))
+    if full < count:  # the last partial row
+        tail = words[full:]
+        s += int(tail.sum())
+        t += int(np.dot(np.arange(full, count, dtype=np.uint64), tail))
+    return s & MASK64, t & MASK64
 
 
 def tensor_checksum(tensor: torch.Tensor) -> int:

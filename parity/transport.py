@@ -172,23 +172,45 @@ def allocate_packed(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list
 
 
 class StreamVerifier:
-    """Checksums tensors as soon as their last byte has arrived (pass `advance` as `progress`), so
-    the tail after the last bucket is one bucket's worth of checksums, not the whole version's."""
+    """Checksums a packed stream as it arrives (pass `advance` as `progress`).
+
+    In host memory each bucket's share of every tensor is summed as soon as the bucket lands
+    (`checksum.checksum_update`), while the next buckets are on the wire, so no byte is read twice
+    and the tail after the last bucket is one bucket's worth of work. On a GPU a tensor is
+    checksummed whole once its last byte has arrived."""
 
     def __init__(self, buffer: torch.Tensor, metas: Sequence[common_pb2.TensorMeta]) -> None:
         self.metas = list(metas)
         self.layout = Layout.of(self.metas)
         self.tensors = views(buffer, self.metas, self.layout)
-        self.checksums: list[int] = []
+        self.checksums: list[int] = []  # finished tensors, in plan order
+        self._host = None if buffer.is_cuda else buffer.numpy()
+        self._partial = 0  # the next tensor's checksum over its first `_done` bytes (host memory)
+        self._done = 0
 
     def advance(self, end: int) -> None:
-        from parity.checksum import tensor_checksum
+        """Bytes [0, end) of the stream have arrived."""
+        from parity.checksum import checksum_update, tensor_checksum
 
+        layout = self.layout
         while len(self.checksums) < len(self.metas):
             i = len(self.checksums)
-            if self.layout.offsets[i] + self.layout.nbytes[i] > end:
-                break
-            self.checksums.append(tensor_checksum(self.tensors[i]))
+            offset, nbytes = layout.offsets[i], layout.nbytes[i]
+            arrived = min(end, offset + nbytes) - offset
+            if self._host is None:
+                if arrived < nbytes:
+                    return
+                self.checksums.append(tensor_checksum(self.tensors[i]))
+                continue
+            upto = nbytes if arrived >= nbytes else max(0, arrived - arrived % 8)
+            if upto > self._done:
+                lo = offset + self._done
+                self._partial = checksum_update(self._partial, self._host[lo : offset + upto], self._done)
+                self._done = upto
+            if upto < nbytes:
+                return
+            self.checksums.append(self._partial)
+            self._partial, self._done = 0, 0
 
     def mismatched(self) -> list[str]:
         """Names whose checksum differs from the metadata (call after the last `advance`)."""
@@ -481,10 +503,14 @@ class TransferGroup:
         device: str = "cpu",
         progress: Callable[[int], None] | None = None,
         out: torch.Tensor | None = None,
+        ahead: int = 0,
     ) -> torch.Tensor:
         """Ranks >= 1: receive the packed stream into a new uint8 buffer (or `out`); `progress(end)`
-        is called once bytes [0, end) have arrived (e.g. to checksum the tensors finished so far, so
-        that verification does not all wait for the last bucket)."""
+        is called once bytes [0, end) have arrived (e.g. to checksum what has landed, so that
+        verification does not all wait for the last bucket). Every bucket's receive is posted at
+        once (`ahead=0`: they are disjoint views of one buffer, so this costs no memory), and the
+        wire never waits on `progress`; `ahead=n` keeps at most n posted (a receiver that models a
+        slow link)."""
         import torch
 
         if self.rank == 0:
@@ -493,18 +519,19 @@ class TransferGroup:
         buffer = out if out is not None else torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
         if buffer.numel() != layout.total_bytes:
             raise TransferError(f"out: {buffer.numel()} bytes, the plan needs {layout.total_bytes}")
-        pending: tuple[object, int, int] | None = None
-        for start, end in layout.buckets(bucket_bytes):
-            work = self._issue(buffer[start:end])  # posted before the previous bucket's progress runs
-            if pending is not None:
-                self._wait(pending[0], pending[1])
-                if progress is not None:
-                    progress(pending[2])
-            pending = (work, end - start, end)
-        if pending is not None:
-            self._wait(pending[0], pending[1])
+        buckets = layout.buckets(bucket_bytes)
+        depth = len(buckets) if ahead <= 0 else ahead
+        posted: list[tuple[object, int, int]] = []
+        for start, end in buckets[:depth]:
+            posted.append((self._issue(buffer[start:end]), end - start, end))
+        for i in range(len(buckets)):
+            work, nbytes, end = posted[i]
+            self._wait(work, nbytes)
+            if i + depth < len(buckets):
+                start, stop = buckets[i + depth]
+                posted.append((self._issue(buffer[start:stop]), stop - start, stop))
             if progress is not None:
-                progress(pending[2])
+                progress(end)
         return buffer
 
     def recv(

@@ -8,7 +8,7 @@ corrupted transfer leaves the old weights serving.
 A worker on the trainer's own GPU gets a plan with `cuda_ipc` instead of a rendezvous: it maps the
 trainer's packed buffer (`map_and_verify`), never joins a group. The group is held across versions
 (`parity.transport.GroupHolder`: one join per membership epoch), the plan's size is checked against free memory before anything is allocated, and each tensor is
-checksummed as soon as its last byte arrives, while the next bucket is on the wire.
+checksummed as its bytes arrive (each bucket's share, in host memory), while the next buckets are on the wire.
 """
 
 from __future__ import annotations
@@ -69,12 +69,14 @@ def receive_and_verify(
     holder: GroupHolder | None = None,
     out: torch.Tensor | None = None,
     on_bucket: Callable[[int], None] | None = None,
+    ahead: int = 0,
 ) -> StagedWeights:
     """Receive every tensor of `plan` through its group and verify checksums. Never raises on a bad
     transfer. `holder` keeps the epoch's group between versions (default: this process's holder;
     every rank of an epoch holds its group, so a receiver may not close it on its own); `out` is a
     spare packed buffer of the right size to receive into (else one is allocated); `on_bucket(end)`
-    runs after each bucket (tests use it to slow a receiver down)."""
+    runs after each bucket and `ahead` caps the receives posted at once (0: every bucket; tests slow a
+    receiver down with both, as a slow link would)."""
     import torch
 
     from parity.transport import Layout, StreamVerifier, TransferError, check_fits
@@ -105,7 +107,7 @@ def receive_and_verify(
                 on_bucket(end)
 
         with holder.use(plan.rendezvous) as group:
-            group.recv_packed(metas, int(plan.bucket_bytes), out=out, progress=progress)
+            group.recv_packed(metas, int(plan.bucket_bytes), out=out, progress=progress, ahead=ahead)
     except Exception as exc:  # a transfer failure must leave the old weights serving
         return _failed(staged, f"transfer of version {plan.version}", exc, start)
     return _verified(staged, plan, out, verifier, start)  # the tail: tensors finished by the last bucket

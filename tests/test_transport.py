@@ -14,6 +14,7 @@ from parity.ports import free_port
 from parity.transport import (
     GroupHolder,
     Layout,
+    StreamVerifier,
     TransferError,
     TransferGroup,
     allocate_packed,
@@ -77,8 +78,14 @@ def _run_rank(
             sent = group.send(tensors, BUCKET_BYTES)
             results.put((rank, "sent", sent))
         else:
-            got = group.recv(metas, BUCKET_BYTES)
-            results.put((rank, "mismatched", checksum.mismatched(metas, got)))
+            import torch
+
+            buffer = torch.empty(Layout.of(metas).total_bytes, dtype=torch.uint8)
+            verifier = StreamVerifier(buffer, metas)
+            # rank 1 posts every bucket at once, rank 2 one at a time; both checksum while receiving
+            group.recv_packed(metas, BUCKET_BYTES, out=buffer, progress=verifier.advance, ahead=rank - 1)
+            got = verifier.tensors
+            results.put((rank, "mismatched", checksum.mismatched(metas, got) + verifier.mismatched()))
             results.put((rank, "checksums", [checksum.tensor_checksum(t) for t in got]))
         group.close()
     except Exception:
@@ -208,6 +215,49 @@ def test_checksum_detects_single_word_change_and_swaps() -> None:
     # unaligned views (storage offset not a multiple of 8 bytes) are handled
     halves = torch.randn(101).to(torch.bfloat16)
     assert checksum.tensor_checksum(halves[1:]) == checksum.tensor_checksum(halves[1:].clone())
+
+
+def test_checksum_accumulates_piece_by_piece() -> None:
+    import torch
+
+    data = torch.randint(0, 256, (3 * checksum.CHUNK_WORDS * 8 + 8 * 1500 + 5,), dtype=torch.uint8)
+    whole = checksum.tensor_checksum(data)
+    host = data.numpy()
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):  # random 8-byte aligned cuts, some across chunk and row boundaries
+        cuts = sorted({8 * int(c) for c in torch.randint(1, host.size // 8, (6,), generator=gen)})
+        total, prev = 0, 0
+        for cut in [*cuts, host.size]:
+            total = checksum.checksum_update(total, host[prev:cut], prev)
+            prev = cut
+        assert total == whole, cuts
+    with pytest.raises(ValueError, match="start: 4"):
+        checksum.checksum_update(0, host[4:100], 4)
+
+
+def test_stream_verifier_sums_each_bucket_as_it_lands() -> None:
+    import torch
+
+    metas = checksum.describe(_named(7))
+    layout = Layout.of(metas)
+    source = pack([t for _, t in _named(7)], layout)
+    for bucket in (7, 64, 4096, layout.total_bytes):  # odd sizes cut tensors mid-word
+        out = torch.zeros_like(source)
+        verifier = StreamVerifier(out, metas)
+        for start, end in layout.buckets(bucket):
+            out[start:end] = source[start:end]
+            verifier.advance(end)
+            finished = sum(1 for o, n in zip(layout.offsets, layout.nbytes, strict=True) if o + n <= end)
+            assert len(verifier.checksums) == finished, (bucket, end)
+        assert verifier.mismatched() == [], bucket
+        assert verifier.checksums == [m.checksum for m in metas]
+    # a byte flipped in the last tensor is caught, and that tensor named
+    out = source.clone()
+    last = len(metas) - 1
+    out[layout.offsets[last] + 100] ^= 0xFF
+    verifier = StreamVerifier(out, metas)
+    verifier.advance(layout.offsets[last] + 64)
+    assert verifier.mismatched() == [metas[last].name]
 
 
 def test_mismatched_names_the_bad_tensors() -> None:

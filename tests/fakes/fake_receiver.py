@@ -77,6 +77,7 @@ class StandinReceiver:
             corrupt,
             out=self.spare_buffer,
             on_bucket=(lambda _end: time.sleep(delay)) if delay else None,
+            ahead=2 if delay else 0,  # a slow link: the wire waits for the receiver
         )
 
     async def UpdateWeights(self, request, context: grpc.aio.ServicerContext):
