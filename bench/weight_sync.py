@@ -6,10 +6,13 @@
 For each model, in the same run and on the same machine:
 - raw:  one bucketed gloo broadcast (pre-faulted buffers) of the same bytes from this process to
         `--receivers` receiver processes, timed until the last one holds every byte: the floor for
-        moving these bytes with torch.distributed;
+        moving these bytes with torch.distributed's own broadcast (the goal's baseline);
+- raw chain: the same bytes over the data plane's gloo algorithm (parity.transport "chain": rank 0
+        to rank 1, which forwards each bucket to rank 2 as it lands), with no service, checksum or
+        swap: e2e / raw chain is what the protocol costs over its own wire;
 - e2e:  this process is the trainer: PublishVersion(v) to a real broadcast service (the control
-        plane), one broadcast straight to the workers over the epoch's data group (held across
-        versions), and the clock stops when every worker has received, verified every checksum,
+        plane), the bytes straight to the workers over the epoch's data group (held across
+        versions; a chain on gloo), and the clock stops when every worker has received, verified every checksum,
         paused, swapped and resumed (WaitVersion DISTRIBUTED). Workers are stand-in rollout workers
         (tests/fakes/fake_receiver.py: the real worker's receiver, no engine);
 - stall: the longest paused time a worker reported for that update (workers receive and verify
@@ -106,7 +109,9 @@ RAW_SECRET = "raw-baseline-secret-0123456789"
 
 
 # -- raw baseline ------------------------------------------------------------------------------
-def _raw_receiver(rank: int, world: int, port: int, total: int, bucket: int, rounds: int, q, done) -> None:
+def _raw_receiver(
+    rank: int, world: int, port: int, total: int, bucket: int, rounds: int, algorithm: str, q, done
+) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -121,7 +126,7 @@ def _raw_receiver(rank: int, world: int, port: int, total: int, bucket: int, rou
         timeout_s=600,
         secret=RAW_SECRET,
     )
-    group = TransferGroup.join(rdv)
+    group = TransferGroup.join(rdv, algorithm=algorithm)
     out = torch.empty(total, dtype=torch.uint8)
     out.fill_(0)  # pre-fault pages: the raw baseline measures the wire, not page faults
     for _ in range(rounds):
@@ -132,10 +137,12 @@ def _raw_receiver(rank: int, world: int, port: int, total: int, bucket: int, rou
 
 
 class RawBaseline:
-    """A bucketed gloo broadcast of `total` bytes from this process to `receivers` processes; each
-    round is timed until the last receiver reports that it holds every byte."""
+    """A bucketed transfer of `total` bytes from this process to `receivers` processes over a gloo
+    group, with no service, no checksum and no swap; each round is timed until the last receiver
+    reports that it holds every byte. `algorithm`: "broadcast" (gloo's own broadcast, the issue's
+    baseline) or "chain" (the data plane's gloo algorithm, parity.transport)."""
 
-    def __init__(self, total: int, receivers: int, bucket: int, rounds: int) -> None:
+    def __init__(self, total: int, receivers: int, bucket: int, rounds: int, algorithm: str) -> None:
         import torch
 
         ctx = mp.get_context("spawn")
@@ -143,7 +150,10 @@ class RawBaseline:
         port = free_port()
         world = receivers + 1
         self.procs = [
-            ctx.Process(target=_raw_receiver, args=(r, world, port, total, bucket, rounds, self.q, self.done))
+            ctx.Process(
+                target=_raw_receiver,
+                args=(r, world, port, total, bucket, rounds, algorithm, self.q, self.done),
+            )
             for r in range(1, world)
         ]
         for proc in self.procs:
@@ -158,7 +168,7 @@ class RawBaseline:
             timeout_s=600,
             secret=RAW_SECRET,
         )
-        self.group = TransferGroup.join(rdv, host_store=True)
+        self.group = TransferGroup.join(rdv, host_store=True, algorithm=algorithm)
         self.buffer = torch.ones(total, dtype=torch.uint8)
         self.bucket = bucket
 
@@ -432,10 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="parity-bench-sync-"))
     results = {}
     for model_name, loader in models:
-        if model_name.startswith("random") and available_bytes() < 10 * args.large_mb * 1024 * 1024:
-            # trainer 1x, raw sender + 2 raw receivers 3x, service 2x, 2 receivers 2x each
+        if model_name.startswith("random") and available_bytes() < 13 * args.large_mb * 1024 * 1024:
+            # trainer 1x, two raw senders + 2 raw receivers each 6x, 2 receivers 2x each
             log(
-                f"{model_name}: skipped, needs ~{10 * args.large_mb} MB free, {available_bytes() >> 20} MB available"
+                f"{model_name}: skipped, needs ~{13 * args.large_mb} MB free, {available_bytes() >> 20} MB available"
             )
             continue
         named = loader()
@@ -452,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         log(
             f"{model_name}: starting raw receivers, broadcast service and {args.receivers} stand-in receivers"
         )
-        raw = RawBaseline(total, args.receivers, args.bucket_bytes, warmup + args.repeats)
+        raw = RawBaseline(total, args.receivers, args.bucket_bytes, warmup + args.repeats, "broadcast")
+        chain = RawBaseline(total, args.receivers, args.bucket_bytes, warmup + args.repeats, "chain")
         broadcast = start_broadcast(log_dir, f"broadcast-{model_name}", args.bucket_bytes)
         standins = [
             start_standin(log_dir, broadcast.address, f"{model_name}-w{i}") for i in range(args.receivers)
@@ -466,12 +477,15 @@ def main(argv: list[str] | None = None) -> int:
                 # raw and e2e rounds alternate, so both see the same background load
                 for i in range(warmup + args.repeats):
                     raw_round = raw.round()
+                    chain_round = chain.round()
                     row = update_round(stub, model_name, named, i + 1, args.bucket_bytes)
-                    row["raw_s"] = raw_round
+                    row["raw_s"], row["raw_chain_s"] = raw_round, chain_round
                     log(
-                        f"  round {i + 1}: raw {raw_round:.3f}s ({total / raw_round / 1e9:.2f} GB/s) | "
+                        f"  round {i + 1}: raw {raw_round:.3f}s ({total / raw_round / 1e9:.2f} GB/s), "
+                        f"raw chain {chain_round:.3f}s | "
                         f"e2e {row['e2e_s']:.3f}s ({total / row['e2e_s'] / 1e9:.2f} GB/s), ratio "
-                        f"{row['e2e_s'] / raw_round:.2f}, trainer busy {row['trainer_s']:.3f}s, "
+                        f"{row['e2e_s'] / raw_round:.2f} (over the chain {row['e2e_s'] / chain_round:.2f}), "
+                        f"trainer busy {row['trainer_s']:.3f}s, "
                         f"stall {row['stall_s'] * 1000:.1f}ms, epoch {row['epoch']}"
                         + (" (warm-up, not counted)" if i < warmup else "")
                     )
@@ -479,12 +493,15 @@ def main(argv: list[str] | None = None) -> int:
                         rounds.append(row)
         finally:
             raw.close()
+            chain.close()
             TRAINER_GROUPS.close()
             for standin in standins:
                 standin.stop(10)
             broadcast.stop(10)
         raw_s = statistics.median(r["raw_s"] for r in rounds)
         ratio = statistics.median(r["e2e_s"] / r["raw_s"] for r in rounds)
+        raw_chain = statistics.median(r["raw_chain_s"] for r in rounds)
+        chain_ratio = statistics.median(r["e2e_s"] / r["raw_chain_s"] for r in rounds)
         stall_ratio = statistics.median(r["stall_s"] / r["raw_s"] for r in rounds)
         e2e = statistics.median(r["e2e_s"] for r in rounds)
         trainer = statistics.median(r["trainer_s"] for r in rounds)
@@ -501,6 +518,10 @@ def main(argv: list[str] | None = None) -> int:
             "e2e_bytes_per_s": round(total / e2e),
             "e2e_over_raw": round(ratio, 3),  # median of per-round ratios (paired)
             "e2e_over_raw_rounds": [round(r["e2e_s"] / r["raw_s"], 3) for r in rounds],
+            # the same bytes over the data plane's own gloo algorithm, no service: e2e's overhead
+            "raw_chain_s": round(raw_chain, 4),
+            "raw_chain_over_raw": round(statistics.median(r["raw_chain_s"] / r["raw_s"] for r in rounds), 3),
+            "e2e_over_raw_chain": round(chain_ratio, 3),
             "stall_over_raw": round(stall_ratio, 4),
             "epochs": sorted({r["epoch"] for r in rounds}),
             "trainer_over_raw": round(trainer / raw_s, 3),
@@ -508,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         log(
             f"{model_name}: e2e/raw = {ratio:.2f} (median of paired rounds; goal <= 1.2), "
+            f"e2e/raw chain = {chain_ratio:.2f}, "
             f"stall/raw = {stall_ratio:.3f} (goal <= 1.5), trainer busy/raw = {trainer / raw_s:.2f}, "
             f"stall {stall * 1000:.1f}ms"
         )

@@ -69,6 +69,18 @@ _hosted_stores: dict[tuple[str, int], object] = {}
 _hosted_lock = threading.Lock()
 
 
+# How buckets move through a group. "broadcast": one collective per bucket (NCCL's broadcast is a
+# pipelined ring). "chain": rank 0 sends each bucket to rank 1, which forwards it to rank 2 as soon as
+# it has landed, and so on: gloo's broadcast has the root send every receiver its own copy, so the
+# root's cores carry N copies; a chain carries one per link and pipelines them (gloo groups).
+ALGORITHMS = ("broadcast", "chain")
+_CHAIN_DEPTH_CUDA = 2  # chain over gloo with CUDA buffers: bounded host bounce buffers in flight
+
+
+def default_algorithm(backend: str) -> str:
+    return "chain" if backend == "gloo" else "broadcast"
+
+
 class TransferError(RuntimeError):
     """A transfer failed: timeout, peer gone, or bad metadata."""
 
@@ -330,24 +342,51 @@ def refuse_shared_devices(
         seen[uuid] = r
 
 
+class _HostWork:
+    """A posted point-to-point op and the host buffer it reads or writes (kept alive until done)."""
+
+    def __init__(self, work: object, buffer: torch.Tensor) -> None:
+        self.work, self.buffer = work, buffer
+
+    def wait(self, timeout: datetime.timedelta) -> object:
+        return self.work.wait(timeout)
+
+
 class TransferGroup:
     """A standalone torch.distributed group for one transfer (see module docstring)."""
 
-    def __init__(self, process_group: object, rank: int, world_size: int, backend: str, timeout_s: float):
+    def __init__(
+        self,
+        process_group: object,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        algorithm: str = "",
+    ):
         self._pg = process_group
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self.timeout_s = timeout_s
+        self.algorithm = algorithm or default_algorithm(backend)
+        if self.algorithm not in ALGORITHMS:
+            raise TransferError(f"algorithm: {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        self._tag = 0  # chain: every rank numbers the buckets it posts identically
 
     @classmethod
     def join(
-        cls, rendezvous: common_pb2.Rendezvous, host_store: bool = False, device_uuid: str = ""
+        cls,
+        rendezvous: common_pb2.Rendezvous,
+        host_store: bool = False,
+        device_uuid: str = "",
+        algorithm: str = "",
     ) -> TransferGroup:
         """Join the group named by `rendezvous`; blocks until every rank has joined or timeout_s.
 
         `device_uuid`: this rank's device identity for the shared-GPU check (NCCL groups always run
-        it with the current CUDA device; a gloo group runs it only when one is given)."""
+        it with the current CUDA device; a gloo group runs it only when one is given). `algorithm`:
+        how buckets move (`ALGORITHMS`; default by backend), the same on every rank."""
         import torch.distributed as dist
 
         rdv = rendezvous
@@ -378,7 +417,7 @@ class TransferGroup:
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
                 pg = dist.ProcessGroupNCCL(store, rdv.rank, rdv.world_size, options)
-            group = cls(pg, rdv.rank, rdv.world_size, rdv.backend, float(rdv.timeout_s))
+            group = cls(pg, rdv.rank, rdv.world_size, rdv.backend, float(rdv.timeout_s), algorithm)
             group._prove_secret(rdv)  # also makes a lazily connecting NCCL fail fast, like gloo
         except TransferError:
             if pg is not None:
@@ -411,6 +450,7 @@ class TransferGroup:
 
     # -- primitives -----------------------------------------------------------------------------
     def _issue(self, buffer: torch.Tensor) -> object:
+        """Broadcast `buffer` from rank 0 (every rank calls it with its own buffer)."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
@@ -422,18 +462,38 @@ class TransferGroup:
         except Exception as exc:
             raise TransferError(f"broadcast of {buffer.numel()} bytes failed: {exc}") from exc
 
+    def _p2p(self, op: str, buffer: torch.Tensor, peer: int, tag: int) -> object:
+        """Post a gloo send or recv of a host buffer to or from `peer` (chain)."""
+        try:
+            return getattr(self._pg, op)([buffer], peer, tag)
+        except Exception as exc:
+            raise TransferError(f"{op} of {buffer.numel()} bytes with rank {peer} failed: {exc}") from exc
+
+    def _next_tag(self) -> int:
+        tag, self._tag = self._tag, (self._tag + 1) % (2**31)
+        return tag
+
     def _wait(self, work: object, nbytes: int) -> None:
         try:
             work.wait(datetime.timedelta(seconds=self.timeout_s))
         except Exception as exc:
-            raise TransferError(f"broadcast of {nbytes} bytes failed: {exc}") from exc
+            raise TransferError(f"{self.algorithm} of {nbytes} bytes failed: {exc}") from exc
 
     def _broadcast(self, buffer: torch.Tensor) -> None:
         self._wait(self._issue(buffer), buffer.numel())
 
+    def _post_send(self, bucket: torch.Tensor) -> tuple[object, int]:
+        """Rank 0: put one bucket on the wire; returns (work, bytes). A CUDA bucket on a gloo chain
+        goes through a host copy (gloo's point-to-point ops read host memory only), kept alive by
+        the work's tuple until it completes."""
+        if self.algorithm == "broadcast":
+            return self._issue(bucket), bucket.numel()
+        host = bucket.cpu() if bucket.is_cuda else bucket
+        return _HostWork(self._p2p("send", host, 1, self._next_tag()), host), bucket.numel()
+
     # -- sender ---------------------------------------------------------------------------------
     def send(self, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> int:
-        """Rank 0: broadcast `tensors` (packed, bucketed) to every other rank; returns bytes sent.
+        """Rank 0: send `tensors` (packed, bucketed) to every other rank; returns bytes sent.
 
         Double-buffered: bucket i+1 is packed while bucket i is on the wire. A bucket that lies
         inside one tensor is sent as a view of it, with no packing copy (on a CPU host every copy
@@ -468,7 +528,7 @@ class TransferGroup:
                 torch.cuda.current_stream(device).synchronize()
             if pending is not None:
                 self._wait(*pending)
-            pending = (self._issue(bucket), end - start)
+            pending = self._post_send(bucket)
         if pending is not None:
             self._wait(*pending)
         return layout.total_bytes
@@ -479,20 +539,22 @@ class TransferGroup:
         bucket_bytes: int,
         ready: Callable[[int], None] | None = None,
     ) -> int:
-        """Rank 0: broadcast an already packed uint8 buffer. `ready(end)` blocks until bytes [0, end)
-        are valid (lets the broadcast service forward a version while it is still arriving).
-        One bucket in flight at a time: on a CPU-bound host two in flight measured slower."""
+        """Rank 0: send an already packed uint8 buffer. `ready(end)` blocks until bytes [0, end)
+        are valid. A broadcast keeps one bucket in flight (on a CPU-bound host two measured slower);
+        a chain keeps two, so that rank 1 always has the next bucket coming while it forwards."""
+        if self.rank != 0:
+            raise TransferError(f"send: only rank 0 sends (this is rank {self.rank})")
         layout = Layout((0,), (buffer.numel(),), buffer.numel())
-        pending: tuple[object, int] | None = None
+        depth = 2 if self.algorithm == "chain" else 1
+        pending: list[tuple[object, int]] = []
         for start, end in layout.buckets(bucket_bytes):
             if ready is not None:
                 ready(end)
-            if pending is not None:
-                self._wait(*pending)
-            work = self._issue(buffer[start:end])
-            pending = (work, end - start)
-        if pending is not None:
-            self._wait(*pending)
+            if len(pending) >= depth:
+                self._wait(*pending.pop(0))
+            pending.append(self._post_send(buffer[start:end]))
+        for work in pending:
+            self._wait(*work)
         return buffer.numel()
 
     # -- receiver -------------------------------------------------------------------------------
@@ -520,6 +582,8 @@ class TransferGroup:
         if buffer.numel() != layout.total_bytes:
             raise TransferError(f"out: {buffer.numel()} bytes, the plan needs {layout.total_bytes}")
         buckets = layout.buckets(bucket_bytes)
+        if self.algorithm == "chain":
+            return self._recv_chain(buffer, buckets, progress, ahead)
         depth = len(buckets) if ahead <= 0 else ahead
         posted: list[tuple[object, int, int]] = []
         for start, end in buckets[:depth]:
@@ -532,6 +596,53 @@ class TransferGroup:
                 posted.append((self._issue(buffer[start:stop]), stop - start, stop))
             if progress is not None:
                 progress(end)
+        return buffer
+
+    def _recv_chain(
+        self,
+        buffer: torch.Tensor,
+        buckets: list[tuple[int, int]],
+        progress: Callable[[int], None] | None,
+        ahead: int,
+    ) -> torch.Tensor:
+        """Receive each bucket from the previous rank and forward it to the next one as soon as it
+        has landed (before `progress` runs on it). A forward that fails fails this receive too: the
+        group is broken, and every rank's transfer of this version fails with it."""
+        import torch
+
+        cuda = buffer.is_cuda
+        depth = len(buckets) if ahead <= 0 else ahead
+        if cuda:  # gloo reads and writes host memory only: bounce through host buffers
+            depth = min(depth, _CHAIN_DEPTH_CUDA)
+        forward = self.rank + 1 < self.world_size
+        posted: list[tuple[object, torch.Tensor, int, int]] = []
+        sends: list[tuple[object, int]] = []
+
+        def post(i: int) -> None:
+            start, end = buckets[i]
+            target = torch.empty(end - start, dtype=torch.uint8) if cuda else buffer[start:end]
+            tag = self._next_tag()  # the sender numbered its buckets the same way
+            posted.append((self._p2p("recv", target, self.rank - 1, tag), target, end, tag))
+
+        for i in range(min(depth, len(buckets))):
+            post(i)
+        for i, (start, _) in enumerate(buckets):
+            work, landed, end, tag = posted[i]
+            self._wait(work, landed.numel())
+            if forward:
+                sends.append(
+                    (_HostWork(self._p2p("send", landed, self.rank + 1, tag), landed), landed.numel())
+                )
+            if cuda:
+                buffer[start:end].copy_(landed)
+                if forward and len(sends) > depth:  # bound the host bounce buffers in flight
+                    self._wait(*sends.pop(0))
+            if i + depth < len(buckets):
+                post(i + depth)
+            if progress is not None:
+                progress(end)
+        for work in sends:
+            self._wait(*work)
         return buffer
 
     def recv(

@@ -188,6 +188,54 @@ def test_silent_sender_makes_recv_raise_after_timeout() -> None:
     assert 2.0 <= outcome[1] < 15.0, f"recv gave up after {outcome[1]:.1f}s with timeout_s=3"
 
 
+def _chain_rank(rank: int, port: int, results) -> None:
+    import os
+    import signal
+
+    import torch
+
+    start = time.monotonic()
+    try:
+        group = TransferGroup.join(_rendezvous(port, rank, 3, 10.0, "chain-death"), host_store=(rank == 0))
+        assert group.algorithm == "chain"
+        metas = [common_pb2.TensorMeta(name="flat", shape=[40 * BUCKET_BYTES], dtype="uint8")]
+        if rank == 0:
+            group.send_packed(torch.ones(40 * BUCKET_BYTES, dtype=torch.uint8), BUCKET_BYTES)
+        else:
+
+            def progress(end: int) -> None:
+                if rank == 1 and end >= 2 * BUCKET_BYTES:  # the middle of the chain dies mid-transfer
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.05)
+
+            group.recv_packed(metas, BUCKET_BYTES, progress=progress, ahead=1)
+        results.put((rank, "returned", time.monotonic() - start, ""))
+    except TransferError as exc:
+        results.put((rank, "raised", time.monotonic() - start, str(exc)))
+    except Exception:
+        results.put((rank, "error", time.monotonic() - start, traceback.format_exc()))
+
+
+@pytest.mark.slow
+def test_a_chain_whose_middle_rank_dies_fails_downstream_within_the_timeout() -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_chain_rank, args=(rank, port, results)) for rank in range(3)]
+    for proc in procs:
+        proc.start()
+    outcomes = {}
+    for _ in range(2):  # rank 1 is killed and reports nothing
+        rank, what, elapsed, detail = results.get(timeout=60)
+        outcomes[rank] = (what, elapsed, detail)
+    for proc in procs:
+        proc.join(15)
+    assert procs[1].exitcode == -9
+    # the last rank never gets the rest: it fails on the dead link, well before its 10 s timeout
+    assert outcomes[2][0] == "raised" and outcomes[2][1] < 8.0, outcomes
+    assert outcomes[0][0] in ("returned", "raised") and outcomes[0][1] < 20.0, outcomes  # no hang
+
+
 def test_checksum_detects_single_word_change_and_swaps() -> None:
     import torch
 
