@@ -74,7 +74,7 @@ _hosted_lock = threading.Lock()
 # it has landed, and so on: gloo's broadcast has the root send every receiver its own copy, so the
 # root's cores carry N copies; a chain carries one per link and pipelines them (gloo groups).
 ALGORITHMS = ("broadcast", "chain")
-_CHAIN_DEPTH_CUDA = 2  # chain over gloo with CUDA buffers: bounded host bounce buffers in flight
+_CHAIN_DEPTH_CUDA = 2  # chain over gloo with CUDA buffers: receives posted at once (pinned bounces)
 
 
 def default_algorithm(backend: str) -> str:
@@ -342,16 +342,6 @@ def refuse_shared_devices(
         seen[uuid] = r
 
 
-class _HostWork:
-    """A posted point-to-point op and the host buffer it reads or writes (kept alive until done)."""
-
-    def __init__(self, work: object, buffer: torch.Tensor) -> None:
-        self.work, self.buffer = work, buffer
-
-    def wait(self, timeout: datetime.timedelta) -> object:
-        return self.work.wait(timeout)
-
-
 class TransferGroup:
     """A standalone torch.distributed group for one transfer (see module docstring)."""
 
@@ -373,6 +363,7 @@ class TransferGroup:
         if self.algorithm not in ALGORITHMS:
             raise TransferError(f"algorithm: {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
         self._tag = 0  # chain: every rank numbers the buckets it posts identically
+        self._ring: list[torch.Tensor] = []  # chain with CUDA buffers: pinned host bounce buffers
 
     @classmethod
     def join(
@@ -482,14 +473,28 @@ class TransferGroup:
     def _broadcast(self, buffer: torch.Tensor) -> None:
         self._wait(self._issue(buffer), buffer.numel())
 
-    def _post_send(self, bucket: torch.Tensor) -> tuple[object, int]:
-        """Rank 0: put one bucket on the wire; returns (work, bytes). A CUDA bucket on a gloo chain
-        goes through a host copy (gloo's point-to-point ops read host memory only), kept alive by
-        the work's tuple until it completes."""
+    def _bounce(self, slots: int, nbytes: int) -> list[torch.Tensor]:
+        """Pinned host buffers for CUDA buckets on a gloo chain (gloo's point-to-point ops read and
+        write host memory only), allocated once per group and kept while big enough."""
+        import torch
+
+        if len(self._ring) < slots or self._ring[0].numel() < nbytes:
+            self._ring = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        return self._ring
+
+    def _post_send(self, bucket: torch.Tensor, index: int, bucket_bytes: int) -> tuple[object, int]:
+        """Rank 0: put bucket `index` on the wire; returns (work, bytes). The caller keeps at most two
+        in flight, so a CUDA bucket's bounce slot (index mod 3) is free again."""
+        import torch
+
         if self.algorithm == "broadcast":
             return self._issue(bucket), bucket.numel()
-        host = bucket.cpu() if bucket.is_cuda else bucket
-        return _HostWork(self._p2p("send", host, 1, self._next_tag()), host), bucket.numel()
+        host = bucket
+        if bucket.is_cuda:
+            host = self._bounce(3, bucket_bytes)[index % 3][: bucket.numel()]
+            host.copy_(bucket, non_blocking=True)
+            torch.cuda.current_stream(bucket.device).synchronize()
+        return self._p2p("send", host, 1, self._next_tag()), bucket.numel()
 
     # -- sender ---------------------------------------------------------------------------------
     def send(self, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> int:
@@ -528,7 +533,7 @@ class TransferGroup:
                 torch.cuda.current_stream(device).synchronize()
             if pending is not None:
                 self._wait(*pending)
-            pending = self._post_send(bucket)
+            pending = self._post_send(bucket, i, size)
         if pending is not None:
             self._wait(*pending)
         return layout.total_bytes
@@ -547,12 +552,12 @@ class TransferGroup:
         layout = Layout((0,), (buffer.numel(),), buffer.numel())
         depth = 2 if self.algorithm == "chain" else 1
         pending: list[tuple[object, int]] = []
-        for start, end in layout.buckets(bucket_bytes):
+        for i, (start, end) in enumerate(layout.buckets(bucket_bytes)):
             if ready is not None:
                 ready(end)
             if len(pending) >= depth:
                 self._wait(*pending.pop(0))
-            pending.append(self._post_send(buffer[start:end]))
+            pending.append(self._post_send(buffer[start:end], i, min(bucket_bytes, buffer.numel())))
         for work in pending:
             self._wait(*work)
         return buffer.numel()
@@ -612,15 +617,21 @@ class TransferGroup:
 
         cuda = buffer.is_cuda
         depth = len(buckets) if ahead <= 0 else ahead
-        if cuda:  # gloo reads and writes host memory only: bounce through host buffers
+        if cuda:  # gloo reads and writes host memory only: bounce through pinned host buffers
             depth = min(depth, _CHAIN_DEPTH_CUDA)
+            ring = self._bounce(2 * depth, max(end - start for start, end in buckets))
         forward = self.rank + 1 < self.world_size
         posted: list[tuple[object, torch.Tensor, int, int]] = []
-        sends: list[tuple[object, int]] = []
+        sends: dict[int, tuple[object, int]] = {}
 
         def post(i: int) -> None:
             start, end = buckets[i]
-            target = torch.empty(end - start, dtype=torch.uint8) if cuda else buffer[start:end]
+            if cuda:  # slot i mod 2*depth: its last bucket (i - 2*depth) was copied out; its forward
+                if (sent := sends.pop(i - 2 * depth, None)) is not None:  # must be done too
+                    self._wait(*sent)
+                target = ring[i % (2 * depth)][: end - start]
+            else:
+                target = buffer[start:end]
             tag = self._next_tag()  # the sender numbered its buckets the same way
             posted.append((self._p2p("recv", target, self.rank - 1, tag), target, end, tag))
 
@@ -630,18 +641,15 @@ class TransferGroup:
             work, landed, end, tag = posted[i]
             self._wait(work, landed.numel())
             if forward:
-                sends.append(
-                    (_HostWork(self._p2p("send", landed, self.rank + 1, tag), landed), landed.numel())
-                )
+                sends[i] = (self._p2p("send", landed, self.rank + 1, tag), landed.numel())
             if cuda:
-                buffer[start:end].copy_(landed)
-                if forward and len(sends) > depth:  # bound the host bounce buffers in flight
-                    self._wait(*sends.pop(0))
+                buffer[start:end].copy_(landed, non_blocking=True)
+                torch.cuda.current_stream(buffer.device).synchronize()
             if i + depth < len(buckets):
                 post(i + depth)
             if progress is not None:
                 progress(end)
-        for work in sends:
+        for work in sends.values():
             self._wait(*work)
         return buffer
 
