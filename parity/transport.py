@@ -2,8 +2,9 @@
 
 A transfer is a byte stream. Tensors are laid out back to back (each start aligned to `ALIGN_BYTES`)
 in one packed stream of `total_bytes`, and the stream moves as consecutive buckets of at most
-`bucket_bytes`, one `broadcast` per bucket from rank 0 to every other rank: never one collective per
-tensor. Both sides derive the identical layout from the metadata alone.
+`bucket_bytes` from rank 0 to every other rank, never one op per tensor: on NCCL one `broadcast` per
+bucket, on gloo a chain (rank 0 sends each bucket to rank 1, which forwards it to rank 2 as it lands,
+...; see `ALGORITHMS`). Both sides derive the identical layout from the metadata alone.
 
 Invariants:
 - The sender is rank 0 (the trainer); receivers are ranks >= 1 (rollout workers). The broadcast
