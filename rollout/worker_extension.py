@@ -116,6 +116,16 @@ class ParityWorkerExtension:
         self._parity_staged, self._parity_prepared = None, None
         return {"error": "", "swap_s": time.perf_counter() - start, "num_tensors": len(named)}
 
+    def parity_discard_staged(self) -> dict:
+        """Drop the verified staging and its prepared shadow: the engine will not swap them in (a
+        delta whose base is not the version served). A staging still running is left to finish."""
+        thread = getattr(self, "_parity_stage_thread", None)
+        if thread is not None and thread.is_alive():
+            return {"error": "a weight transfer is still being received"}
+        dropped = getattr(self, "_parity_staged", None) is not None
+        self._parity_staged, self._parity_prepared = None, None
+        return {"error": "", "dropped": dropped}
+
     def parity_device_uuid(self) -> str:
         """The UUID of the GPU this worker runs on ("" on CPU): registered with the broadcast
         service, it tells whether the trainer shares the GPU (then CUDA IPC, never NCCL)."""

@@ -154,3 +154,23 @@ def test_a_prepared_delta_changes_only_its_blocks_like_the_in_place_reload(llm, 
     assert after != base
     reload_in_place(llm, block0)
     assert generate(llm) == after
+
+
+def test_a_staging_that_will_not_be_swapped_in_is_dropped_with_its_shadow(llm, tiny_model: Path) -> None:
+    """A delta against another version than the one served is received but never applied: the
+    engine drops it (`parity_discard_staged`) instead of holding it, and its shadow, until the next
+    version."""
+    before = generate(llm)
+    worker = worker_of(llm)
+    worker = getattr(worker, "worker", worker)  # vLLM's wrapper forwards named RPCs to its worker
+    named = sorted(perturbed_state_dict(tiny_model, seed=7).items())
+    worker._parity_staged = (7, named)
+    worker._parity_prepared = prepare(worker, named)
+    shadows = [weakref.ref(shadow) for _, shadow in worker._parity_prepared.pairs]
+    [reply] = llm.collective_rpc("parity_discard_staged")
+    assert reply == {"error": "", "dropped": True}
+    gc.collect()
+    assert all(ref() is None for ref in shadows), "the shadow outlived the discard"
+    [applied] = llm.collective_rpc("parity_apply_staged", kwargs={"version": 7})
+    assert applied["error"] == "no verified staged weights for version 7"
+    assert generate(llm) == before  # nothing was applied
