@@ -100,11 +100,8 @@ def checksum_update(total: int, data: np.ndarray, start: int) -> int:
 
     if start % 8:
         raise ValueError(f"start: {start} is not a multiple of 8 bytes")
-    if data.size % 8:
-        padded = np.zeros(data.size + 8 - data.size % 8, dtype=np.uint8)
-        padded[: data.size] = data
-        data = padded
-    words = data.view(np.uint64)
+    full = data.size - data.size % 8
+    words = data[:full].view(np.uint64)
     index, pos = start // 8, 0
     while pos < words.size:
         chunk, j0 = divmod(index + pos, CHUNK_WORDS)
@@ -113,6 +110,11 @@ def checksum_update(total: int, data: np.ndarray, start: int) -> int:
         # sum over the run of (2*c + 1) * (2*(j0 + j) + 1) * w_j
         total += (2 * chunk + 1) * (2 * (t + j0 * s) + s)
         pos += take
+    if full < data.size:  # the last, partial word, zero-padded (no copy of the rest)
+        last = np.zeros(8, dtype=np.uint8)
+        last[: data.size - full] = data[full:]
+        chunk, j = divmod(index + words.size, CHUNK_WORDS)
+        total += (2 * chunk + 1) * (2 * j + 1) * int(last.view(np.uint64)[0])
     return total & MASK64
 
 
