@@ -260,6 +260,12 @@ def test_checksum_detects_single_word_change_and_swaps() -> None:
             % 2**64
         )
         assert checksum.tensor_checksum(values) == expected, count
+    # a length that is not a multiple of 8 bytes: the last word is zero-padded (definition, written out)
+    raw = torch.randint(0, 256, (8 * 21 + 5,), dtype=torch.uint8)
+    padded = raw.tolist() + [0] * 3
+    words = [int.from_bytes(bytes(padded[k : k + 8]), "little") for k in range(0, len(padded), 8)]
+    expected = sum((2 * i + 1) * w for i, w in enumerate(words)) % 2**64
+    assert checksum.tensor_checksum(raw) == expected
     # unaligned views (storage offset not a multiple of 8 bytes) are handled
     halves = torch.randn(101).to(torch.bfloat16)
     assert checksum.tensor_checksum(halves[1:]) == checksum.tensor_checksum(halves[1:].clone())
