@@ -72,13 +72,14 @@ def test_mixed_context_tokens_are_their_own_class(redis_url: str, tmp_path: Path
     mixed.max_weight_version = 1
     queue.publish(mixed)
     make_trainer(redis_url, tmp_path, steps=2, max_lag=1, lr=1e-3).run()
-    _, second = metrics(tmp_path)
+    first, second = metrics(tmp_path)
     n_tokens = sum(len(s.token_ids) for s in mixed.samples)
     n_mixed = sum(len(s.token_ids) - len(s.token_ids) // 2 for s in mixed.samples)
     assert second["mixed_context_tokens"] == n_mixed
     assert second["lag0_token_frac"] == pytest.approx(n_mixed / n_tokens)
     # The lag-0 tokens are all mixed-context: none is a clean lag-0 token, so no lag-0 mismatch ...
-    assert second["mismatch_k3"] is None
+    assert second["mismatch_k3"] is None and second["mismatch_tokens"] == 0
+    assert first["mismatch_tokens"] == first["num_tokens"]  # the plain group: every token clean lag-0
     # ... they are measured as their own class (sampled by v0 weights, scored by v1: not ~0) ...
     assert second["mismatch_k3_mixed_context"] > 1e-6
     # ... and the own-version number only covers the clean (version-0) half, rescored at version 0.

@@ -776,6 +776,8 @@ class Trainer:
                 "lag_max": int(lags_T.max()) if lags_T.numel() else nan,
                 "lag_hist": offpolicy.lag_histogram(totals.lags),
                 "lag0_token_frac": float(lag0_T.float().mean()) if lags_T.numel() else nan,
+                # The tokens mismatch_* is measured over (clean lag-0); 0 means mismatch_* is NaN.
+                "mismatch_tokens": int(clean_lag0_T.sum()),
                 "dropped_stale": batch.dropped_stale,
                 "dropped_stale_total": self.state.dropped_stale_total + batch.dropped_stale,
                 "dropped_future_version": batch.dropped_future_version,

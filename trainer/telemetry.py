@@ -74,6 +74,7 @@ EXTRA_GAUGES = (
     "mismatch_nonfinite_tokens",
     "policy_drift_nonfinite_tokens",
     "mismatch_k3_mixed_context",
+    "mismatch_tokens",
     "mismatch_nonfinite_tokens_own_version",
     "own_version_tokens",
     "own_version_score_s",
