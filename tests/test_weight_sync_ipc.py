@@ -124,51 +124,67 @@ def publish_from_gpu(env: Env, version: int) -> tuple[pb.PublishVersionResponse,
     return reply, named
 
 
+def nbytes_of(version: int) -> int:
+    return sum(t.numel() * t.element_size() for _, t in toy_weights(version))
+
+
+def settle_next(env: Env) -> int:
+    """Publish the next version and hand its buffer over, so each test starts from a version every
+    worker holds whatever ran before it (the module's services are shared)."""
+    version = env.status().latest_version + 1
+    publish_from_gpu(env, version)
+    env.offer(version, handle_for(nbytes_of(version)))
+    assert env.wait(version).reached
+    return version
+
+
 def test_a_worker_on_the_trainers_gpu_gets_the_handle_not_a_rank(env: Env) -> None:
-    reply, _ = publish_from_gpu(env, 1)
+    version = env.status().latest_version + 1
+    env.recorder.seen.clear()
+    reply, _ = publish_from_gpu(env, version)
     assert reply.ipc_workers == 1
     # the group is the trainer and the CPU worker only: no two ranks of one group on one GPU
     assert reply.plan.rendezvous.world_size == 2
-    nbytes = sum(t.numel() * t.element_size() for _, t in toy_weights(1))
-    sent = handle_for(nbytes)
-    assert env.offer(1, sent).ipc_workers == 1
+    sent = handle_for(nbytes_of(version))
+    assert env.offer(version, sent).ipc_workers == 1
     assert env.recorder.seen.wait(10)
     got = env.recorder.requests[-1].plan
-    assert got.version == 1 and got.cuda_ipc == sent and not got.HasField("rendezvous")
+    assert got.version == version and got.cuda_ipc == sent and not got.HasField("rendezvous")
     assert [m.checksum for m in got.tensors] == [m.checksum for m in reply.plan.tensors]
-    final = env.wait(1)
+    final = env.wait(version)
     assert final.reached and final.version.state == pb.VERSION_STATE_DISTRIBUTED
     workers = {w.worker_id: w for w in env.status().workers}
-    assert workers["gpu-w"].verified and workers["gpu-w"].weight_version == 1
+    assert workers["gpu-w"].verified and workers["gpu-w"].weight_version == version
     assert workers["gpu-w"].device_uuid == GPU and workers["cpu-w"].device_uuid == ""
-    assert workers["cpu-w"].verified and workers["cpu-w"].weight_version == 1
+    assert workers["cpu-w"].verified and workers["cpu-w"].weight_version == version
     assert list(env.status().epoch_members) == ["cpu-w"]
 
 
 def test_bad_ipc_offers_are_refused_naming_the_field(env: Env) -> None:
-    nbytes = sum(t.numel() * t.element_size() for _, t in toy_weights(1))
+    settled = settle_next(env)
+    nbytes = nbytes_of(settled)
     cases = [
-        (pb.OfferIpcBufferRequest(version=1), grpc.StatusCode.INVALID_ARGUMENT, "handle: required"),
+        (pb.OfferIpcBufferRequest(version=settled), grpc.StatusCode.INVALID_ARGUMENT, "handle: required"),
         (
             pb.OfferIpcBufferRequest(
-                version=1, handle=common_pb2.CudaIpcHandle(nbytes=nbytes, device_uuid=GPU)
+                version=settled, handle=common_pb2.CudaIpcHandle(nbytes=nbytes, device_uuid=GPU)
             ),
             grpc.StatusCode.INVALID_ARGUMENT,
             "handle.storage_handle",
         ),
         (
-            pb.OfferIpcBufferRequest(version=99, handle=handle_for(nbytes)),
+            pb.OfferIpcBufferRequest(version=settled + 99, handle=handle_for(nbytes)),
             grpc.StatusCode.NOT_FOUND,
             "version",
         ),
         (
-            pb.OfferIpcBufferRequest(version=1, handle=handle_for(nbytes, "GPU-another")),
+            pb.OfferIpcBufferRequest(version=settled, handle=handle_for(nbytes, "GPU-another")),
             grpc.StatusCode.INVALID_ARGUMENT,
             "handle.device_uuid",
         ),
-        # v1 settled: nobody waits for its buffer any more (and an offer is taken once)
+        # settled: nobody waits for its buffer any more (and an offer is taken once)
         (
-            pb.OfferIpcBufferRequest(version=1, handle=handle_for(nbytes)),
+            pb.OfferIpcBufferRequest(version=settled, handle=handle_for(nbytes)),
             grpc.StatusCode.FAILED_PRECONDITION,
             "version",
         ),
@@ -179,21 +195,21 @@ def test_bad_ipc_offers_are_refused_naming_the_field(env: Env) -> None:
         assert caught.value.code() == code, (request, caught.value.details())
         assert caught.value.details().startswith(field), caught.value.details()
     with pytest.raises(grpc.RpcError) as caught:  # it hands a buffer to workers: token required
-        env.offer(1, handle_for(nbytes), token="")
+        env.offer(settled, handle_for(nbytes), token="")
     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert env.status().latest_version == 1  # nothing changed, the service is up
+    assert env.status().latest_version == settled  # nothing changed, the service is up
 
 
 def test_no_offer_fails_the_gpu_worker_within_the_timeout_and_the_next_version_succeeds(env: Env) -> None:
+    held = settle_next(env)
     env.recorder.seen.clear()
     start = time.monotonic()
-    publish_from_gpu(env, 2)  # and never a usable offer: a trainer that died after publishing
-    nbytes = sum(t.numel() * t.element_size() for _, t in toy_weights(2))
+    publish_from_gpu(env, held + 1)  # and never a usable offer: a trainer that died after publishing
     with pytest.raises(grpc.RpcError) as caught:  # a wrong size is refused and takes nothing away
-        env.offer(2, handle_for(nbytes + 8))
+        env.offer(held + 1, handle_for(nbytes_of(held + 1) + 8))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith("handle.nbytes"), caught.value.details()
-    final = env.wait(2, timeout_s=TRANSFER_TIMEOUT_S + 20)
+    final = env.wait(held + 1, timeout_s=TRANSFER_TIMEOUT_S + 20)
     waited = time.monotonic() - start
     assert final.reached, final
     assert TRANSFER_TIMEOUT_S - 0.5 <= waited <= TRANSFER_TIMEOUT_S + 15
@@ -201,14 +217,13 @@ def test_no_offer_fails_the_gpu_worker_within_the_timeout_and_the_next_version_s
     workers = {w.worker_id: w for w in env.status().workers}
     assert workers["gpu-w"].state == pb.WORKER_STATE_FAILED
     assert "timed out" in workers["gpu-w"].last_error and "OfferIpcBuffer" in workers["gpu-w"].last_error
-    assert workers["gpu-w"].weight_version == 1  # kept its verified version
-    assert workers["cpu-w"].weight_version == 2  # the group's worker was not held back
-    reply, _ = publish_from_gpu(env, 3)
-    nbytes = sum(t.numel() * t.element_size() for _, t in toy_weights(3))
-    env.offer(3, handle_for(nbytes))
-    assert env.wait(3).reached
+    assert workers["gpu-w"].weight_version == held  # kept its verified version
+    assert workers["cpu-w"].weight_version == held + 1  # the group's worker was not held back
+    reply, _ = publish_from_gpu(env, held + 2)
+    env.offer(held + 2, handle_for(nbytes_of(held + 2)))
+    assert env.wait(held + 2).reached
     workers = {w.worker_id: w for w in env.status().workers}
-    assert workers["gpu-w"].weight_version == 3 and workers["gpu-w"].verified
+    assert workers["gpu-w"].weight_version == held + 2 and workers["gpu-w"].verified
     assert reply.ipc_workers == 1
 
 
@@ -260,6 +275,7 @@ def test_a_rollout_worker_validates_an_ipc_plan_and_fails_cleanly_without_cuda()
 
 
 def test_a_late_worker_on_the_trainers_gpu_catches_up_by_ipc(env: Env) -> None:
+    latest = settle_next(env)  # a version published before the late worker registers
     late = RecordingWorker()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(late, server)
@@ -271,13 +287,12 @@ def test_a_late_worker_on_the_trainers_gpu_catches_up_by_ipc(env: Env) -> None:
             metadata=bearer(TOKEN),
             timeout=5,
         )
-        latest = env.status().latest_version
         reply = env.stub.AwaitCatchUp(
             pb.AwaitCatchUpRequest(have_version=latest, timeout_s=10), metadata=bearer(TOKEN), timeout=20
         )
         assert reply.HasField("plan") and reply.ipc_workers == 1, reply
         assert reply.plan.rendezvous.world_size == 1  # nobody else is behind: no group to send to
-        whole = sum(t.numel() * t.element_size() for _, t in toy_weights(latest))
+        whole = nbytes_of(latest)
         assert env.offer(latest, handle_for(whole)).ipc_workers == 1
         assert late.seen.wait(10)
         got = late.requests[-1].plan
