@@ -24,6 +24,7 @@ guards who may publish.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,10 @@ MASK64 = (1 << 64) - 1
 CHUNK_WORDS = 1 << 20  # 8 MiB of words per step: bounded temporary memory
 ROW_WORDS = 1024  # CPU: a run of words is summed as rows of 8 KiB
 BLOCK_ROWS = 64  # CPU: 512 KiB of rows at a time, so the column pass re-reads them from cache
+PIECE_BYTES = 16 << 20  # CPU: a tensor is summed in pieces of 16 MiB (a multiple of 8), in parallel
+CHECKSUM_THREADS = 4  # CPU: at most this many threads
 _weights_cache: dict[str, torch.Tensor] = {}
+_checksum_pool = None  # the ThreadPoolExecutor `checksums` uses, made on first need
 
 
 def _odd_weights(device: torch.device) -> torch.Tensor:
@@ -157,16 +161,59 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _piece_checksum(piece: tuple[np.ndarray, int]) -> int:
+    data, start = piece
+    return checksum_update(0, data, start)
+
+
+def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """`tensor_checksum` of each tensor. Host tensors are cut into pieces of at most PIECE_BYTES and
+    summed on up to CHECKSUM_THREADS threads, no more than the cores this process may use: one core
+    reads memory well below what the machine can. numpy's reductions release the GIL, and WSUM64 is
+    a sum, so a tensor's pieces add up to its value. CUDA tensors are summed on their device."""
+    pieces: list[tuple[np.ndarray, int]] = []
+    owner: list[int] = []
+    values = [0] * len(tensors)
+    for i, tensor in enumerate(tensors):
+        byte_view = _as_bytes(tensor)
+        if byte_view.is_cuda:
+            values[i] = checksum_bytes(byte_view)
+            continue
+        data = byte_view.numpy()
+        for start in range(0, max(data.size, 1), PIECE_BYTES):
+            pieces.append((data[start : start + PIECE_BYTES], start))
+            owner.append(i)
+    threads = min(CHECKSUM_THREADS, len(pieces), len(os.sched_getaffinity(0)))
+    if threads <= 1:
+        sums = [_piece_checksum(piece) for piece in pieces]
+    else:
+        sums = list(_pool(threads).map(_piece_checksum, pieces))
+    for i, value in zip(owner, sums, strict=True):
+        values[i] = (values[i] + value) & MASK64
+    return values
+
+
+def _pool(threads: int):
+    from concurrent.futures import ThreadPoolExecutor
+
+    global _checksum_pool
+    if _checksum_pool is None or _checksum_pool._max_workers != threads:
+        _checksum_pool = ThreadPoolExecutor(threads, thread_name_prefix="parity-checksum")
+    return _checksum_pool
+
+
 def describe(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[common_pb2.TensorMeta]:
     """Metadata (name, shape, dtype, WSUM64) for each tensor, in the given order."""
+    named = list(named_tensors)
+    values = checksums([tensor for _, tensor in named])
     return [
         common_pb2.TensorMeta(
             name=name,
             shape=list(tensor.shape),
             dtype=dtype_name(tensor.dtype),
-            checksum=tensor_checksum(tensor),
+            checksum=value,
         )
-        for name, tensor in named_tensors
+        for (name, tensor), value in zip(named, values, strict=True)
     ]
 
 

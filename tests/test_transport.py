@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import threading
 import time
 import traceback
@@ -287,6 +288,27 @@ def test_checksum_accumulates_piece_by_piece() -> None:
         assert total == whole, cuts
     with pytest.raises(ValueError, match="start: 4"):
         checksum.checksum_update(0, host[4:100], 4)
+
+
+def test_describe_sums_big_tensors_in_pieces_on_threads_to_the_same_value(monkeypatch) -> None:
+    import torch
+
+    # pieces of 40 KiB: the big tensors are cut (one at a 4-byte element offset that is not a
+    # multiple of a piece's word count), the small ones and an empty one are a piece each
+    monkeypatch.setattr(checksum, "PIECE_BYTES", 40 << 10)
+    gen = torch.Generator().manual_seed(5)
+    tensors = [
+        torch.randn(100_003, generator=gen),
+        torch.randn(7, generator=gen).to(torch.bfloat16),
+        torch.zeros(0),
+        torch.randint(0, 2**31, (3000, 17), generator=gen, dtype=torch.int64).t(),  # not contiguous
+        torch.randn(40_000, generator=gen)[1:],  # a view at an odd element offset
+    ]
+    expected = [checksum.tensor_checksum(t) for t in tensors]
+    assert checksum.checksums(tensors) == expected
+    metas = checksum.describe([(f"t{i}", t) for i, t in enumerate(tensors)])
+    assert [m.checksum for m in metas] == expected and [m.name for m in metas] == [f"t{i}" for i in range(5)]
+    assert checksum._checksum_pool is not None or len(os.sched_getaffinity(0)) == 1  # threads were used
 
 
 def test_stream_verifier_sums_each_bucket_as_it_lands() -> None:
