@@ -135,7 +135,7 @@ def _sums(words: np.ndarray) -> tuple[int, int]:
     return int(s), int(t)
 
 
-_kernel: object = None  # the compiled one-pass kernel; False where numba is missing or cannot compile it
+_kernel: object = None  # the compiled one-pass kernel; False once numba was found missing
 
 
 def _one_pass_kernel():
