@@ -26,7 +26,6 @@ guards who may publish.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -139,31 +138,27 @@ _kernel: object = None  # the compiled one-pass kernel; False once numba was fou
 
 
 def _one_pass_kernel():
-    """numba's compiled (S, T) loop, made on first use (cached on disk by numba), or None where
-    numba is missing or cannot compile it (then numpy sums, with the same value)."""
+    """numba's compiled (S, T) loop, made on first use (cached on disk by numba), or None."""
     global _kernel
     if _kernel is None:
         try:
             import numba
             import numpy as np
-
-            @numba.njit(nogil=True, cache=True)
-            def one_pass(words):  # uint64 arithmetic wraps mod 2**64, as the definition wants
-                s = np.uint64(0)
-                t = np.uint64(0)
-                for j in range(words.size):
-                    w = words[j]
-                    s += w
-                    t += np.uint64(j) * w
-                return s, t
-
-            one_pass(np.arange(3, dtype=np.uint64))  # compiles (or loads) it here, once
-            _kernel = one_pass
         except ImportError:
             _kernel = False
-        except Exception as exc:  # a numba that cannot compile here: numpy gives the same value
-            logging.getLogger(__name__).warning("WSUM64 one-pass kernel unavailable (%s); numpy sums", exc)
-            _kernel = False
+            return None
+
+        @numba.njit(nogil=True, cache=True)
+        def one_pass(words):  # uint64 arithmetic wraps mod 2**64, as the definition wants
+            s = np.uint64(0)
+            t = np.uint64(0)
+            for j in range(words.size):
+                w = words[j]
+                s += w
+                t += np.uint64(j) * w
+            return s, t
+
+        _kernel = one_pass
     return _kernel or None
 
 
