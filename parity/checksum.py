@@ -10,13 +10,11 @@ Invariants this gives us:
   and swapping two differing words at positions with different weights does too (position matters).
 - Integer addition mod 2**64 is associative, so the value is identical on CPU and CUDA, whatever the
   reduction order or chunking (torch's int64 arithmetic wraps).
-- On CUDA it is one multiply-add per 8 bytes against a cached odd-weight vector. On CPU a run of
-  words gives S = sum w and T = sum j*w, from which the run's share follows. Where numba is
-  importable (vLLM's CPU build depends on it) S and T come from one compiled pass over the words.
-  Without it, from additions only in numpy: the run viewed as rows of `ROW_WORDS` gives T from its
-  row sums and column sums (T = ROW_WORDS * sum_r r*rowsum_r + sum_k k*colsum_k), a block of rows
-  at a time so that the second reading hits the core's cache. bench/weight_sync.py reports ms per
-  100 MB.
+- On CUDA it is one multiply-add per 8 bytes against a cached odd-weight vector. On CPU there is no
+  vectorised 64-bit integer dot, so it is computed from additions only: a run of words viewed as rows
+  of `ROW_WORDS` gives S = sum w and T = sum j*w from its row sums and column sums (T = ROW_WORDS *
+  sum_r r*rowsum_r + sum_k k*colsum_k), a block of rows at a time so that the second reading hits the
+  core's cache. bench/weight_sync.py reports ms per 100 MB.
 - It can be accumulated piece by piece (`checksum_update`): a receiver sums each bucket's share of a
   tensor as soon as it lands instead of reading the whole tensor again after its last byte.
 
@@ -125,55 +123,8 @@ def checksum_update(total: int, data: np.ndarray, start: int) -> int:
 
 
 def _sums(words: np.ndarray) -> tuple[int, int]:
-    """(S, T) = (sum w_j, sum j * w_j) mod 2**64 over uint64 `words`, j counted from 0: one pass of
-    compiled code where numba is importable (vLLM's CPU build brings it), else `_sums_numpy`."""
-    kernel = _one_pass_kernel()
-    if kernel is None or words.size < ROW_WORDS:
-        return _sums_numpy(words)
-    s, t = kernel(words)
-    return int(s), int(t)
-
-
-_kernel: object = None  # the compiled one-pass kernel; False once numba was found missing
-
-
-def _one_pass_kernel():
-    """numba's compiled (S, T) loop, made on first use (cached on disk by numba), or None."""
-    global _kernel
-    if _kernel is None:
-        try:
-            import numba
-            import numpy as np
-        except ImportError:
-            _kernel = False
-            return None
-
-        @numba.njit(nogil=True, cache=True)
-        def one_pass(words):  # uint64 arithmetic wraps mod 2**64, as the definition wants
-            s = np.uint64(0)
-            t = np.uint64(0)
-            for j in range(words.size):
-                w = words[j]
-                s += w
-                t += np.uint64(j) * w
-            return s, t
-
-        _kernel = one_pass
-    return _kernel or None
-
-
-def warm_up() -> str:
-    """Compile (or load from numba's disk cache) the one-pass kernel now, so that the first update's
-    checksums do not pay for it; returns which CPU path sums: "numba" or "numpy"."""
-    import numpy as np
-
-    _sums(np.zeros(ROW_WORDS, dtype=np.uint64))
-    return "numba" if _one_pass_kernel() is not None else "numpy"
-
-
-def _sums_numpy(words: np.ndarray) -> tuple[int, int]:
-    """`_sums` in numpy, by additions only: rows of ROW_WORDS, BLOCK_ROWS rows at a time (row sums,
-    then column sums from cache)."""
+    """(S, T) = (sum w_j, sum j * w_j) mod 2**64 over uint64 `words`, j counted from 0, by additions
+    only: rows of ROW_WORDS, BLOCK_ROWS rows at a time (row sums, then column sums from cache)."""
     import numpy as np
 
     count = words.size

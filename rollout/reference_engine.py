@@ -56,10 +56,7 @@ class ReferenceEngine(RolloutEngine):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from parity import checksum
-
         torch.set_num_threads(self.config.reference_threads)
-        checksum.warm_up()  # the first update's verification should not load the kernel
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         dtype = torch.float32 if self.config.dtype == "float32" else torch.bfloat16
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval()

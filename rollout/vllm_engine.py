@@ -125,7 +125,6 @@ class VllmEngine(RolloutEngine):
         self.llm = llm
         self.vocab_size = int(self.llm.model_config.get_vocab_size())
         self.top_p_impl = await self._rpc_one("parity_install_top_p", mode=self.config.cpu_top_p)
-        await self._rpc_one("parity_warm_checksum")
         head = self.llm.model_config.hf_config
         log.info(
             "vLLM engine ready: vocab=%d, hf head_dtype override=%s, top-k/top-p masking=%s, "
@@ -392,7 +391,6 @@ class VllmEngine(RolloutEngine):
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = int(self.llm.model_config.get_vocab_size())
         self.top_p_impl = self._rpc_one_in_process("parity_install_top_p", mode=self.config.cpu_top_p)
-        self._rpc_one_in_process("parity_warm_checksum")
 
     def generate_in_process(
         self, specs: list[GenerationSpec], params: list | None = None

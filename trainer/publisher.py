@@ -102,10 +102,6 @@ class Publisher:
             else None
         )
         self._stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(self._channel) if self._channel else None
-        if self._stub is not None:  # the first publish's checksums should not load the CPU kernel
-            from parity import checksum
-
-            checksum.warm_up()
         self._holder = GroupHolder()
         self._snapshot = Snapshot(0, ())
         self._closed = threading.Event()
