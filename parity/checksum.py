@@ -183,21 +183,21 @@ def checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
         for start in range(0, max(data.size, 1), PIECE_BYTES):
             pieces.append((data[start : start + PIECE_BYTES], start))
             owner.append(i)
-    threads = min(CHECKSUM_THREADS, len(pieces), len(os.sched_getaffinity(0)))
-    if threads <= 1:
-        sums = [_piece_checksum(piece) for piece in pieces]
-    else:
-        sums = list(_pool(threads).map(_piece_checksum, pieces))
+    pool = _pool() if len(pieces) > 1 else None
+    sums = list(pool.map(_piece_checksum, pieces)) if pool else [_piece_checksum(p) for p in pieces]
     for i, value in zip(owner, sums, strict=True):
         values[i] = (values[i] + value) & MASK64
     return values
 
 
-def _pool(threads: int):
+def _pool():
+    """This process's checksum threads (CHECKSUM_THREADS, no more than its cores), made once; None
+    on one core."""
     from concurrent.futures import ThreadPoolExecutor
 
     global _checksum_pool
-    if _checksum_pool is None or _checksum_pool._max_workers != threads:
+    threads = min(CHECKSUM_THREADS, len(os.sched_getaffinity(0)))
+    if _checksum_pool is None and threads > 1:
         _checksum_pool = ThreadPoolExecutor(threads, thread_name_prefix="parity-checksum")
     return _checksum_pool
 
