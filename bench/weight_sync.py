@@ -42,7 +42,7 @@ from pathlib import Path
 
 import grpc
 
-from parity import checksum
+from parity import checksum, wsum_kernel
 from parity.ports import free_port
 from parity.procs import ServiceProcess, start_service
 from parity.transport import DEFAULT_BUCKET_BYTES, GroupHolder, Layout, TransferGroup, allocate_packed
@@ -387,21 +387,33 @@ def available_bytes() -> int:
     return 0
 
 
-def checksum_ms_per_100mb(named: list) -> tuple[float, float]:
-    """(the trainer's `describe`, tensor by tensor on one thread): ms per 100 MB, best of three
-    alternating rounds each (the box is shared)."""
+def checksum_ms_per_100mb(named: list) -> dict[str, float]:
+    """ms per 100 MB, best of three alternating rounds each (the box is shared): the trainer's
+    `describe` ("describe"), tensor by tensor on one thread ("one_thread"), and the run sums alone on
+    one thread by the compiled kernel ("kernel", absent where it is not built) and by numpy's two
+    passes ("numpy")."""
+    import numpy as np
+    import torch
+
     total = sum(t.numel() * t.element_size() for _, t in named)
+    words = [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy() for _, t in named]
+    words = [w[: w.size - w.size % 8].view(np.uint64) for w in words]
+    kernel = wsum_kernel.run_sums()
+    runs = {
+        "describe": lambda: checksum.describe(named),
+        "one_thread": lambda: [checksum.tensor_checksum(tensor) for _, tensor in named],
+        "numpy": lambda: [checksum.run_sums_numpy(w) for w in words],
+    }
+    if kernel is not None:
+        runs["kernel"] = lambda: [kernel(w) for w in words]
     checksum.describe(named[:1])
-    times: dict[str, list[float]] = {"describe": [], "one_thread": []}
+    times: dict[str, list[float]] = {key: [] for key in runs}
     for _ in range(3):
-        start = time.perf_counter()
-        checksum.describe(named)
-        times["describe"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        for _, tensor in named:
-            checksum.tensor_checksum(tensor)
-        times["one_thread"].append(time.perf_counter() - start)
-    return tuple(min(times[key]) * 1000 / (total / 1e8) for key in ("describe", "one_thread"))
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[key].append(time.perf_counter() - start)
+    return {key: min(values) * 1000 / (total / 1e8) for key, values in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -465,10 +477,13 @@ def main(argv: list[str] | None = None) -> int:
             [common_pb2.TensorMeta(shape=list(t.shape), dtype=checksum.dtype_name(t.dtype)) for _, t in named]
         ).total_bytes
         log(f"{model_name}: {len(named)} tensors, {total / 1e6:.1f} MB")
-        ms, ms_one_thread = checksum_ms_per_100mb(named)
+        checksum_ms = checksum_ms_per_100mb(named)
+        ms, ms_one_thread = checksum_ms["describe"], checksum_ms["one_thread"]
         log(
             f"{model_name}: WSUM64 checksum {ms:.1f} ms per 100 MB "
-            f"({ms_one_thread:.1f} tensor by tensor on one thread)"
+            f"({ms_one_thread:.1f} tensor by tensor on one thread; run sums on one thread: "
+            f"{wsum_kernel.kernel_name()} path, kernel {checksum_ms.get('kernel', float('nan')):.1f}, "
+            f"numpy {checksum_ms['numpy']:.1f})"
         )
         warmup = 2  # connections, and the service's and receivers' two buffers each
         log(
@@ -540,6 +555,17 @@ def main(argv: list[str] | None = None) -> int:
             "checksum_ms_per_100mb": round(ms, 2),
             "checksum_one_thread_ms_per_100mb": round(ms_one_thread, 2),
             "checksum_one_thread_over_describe": round(ms_one_thread / ms, 2),
+            # which run-sums path this process's checksums took, and both paths head to head
+            "checksum_path": wsum_kernel.kernel_name(),
+            "run_sums_numpy_ms_per_100mb": round(checksum_ms["numpy"], 2),
+            **(
+                {
+                    "run_sums_kernel_ms_per_100mb": round(checksum_ms["kernel"], 2),
+                    "run_sums_numpy_over_kernel": round(checksum_ms["numpy"] / checksum_ms["kernel"], 2),
+                }
+                if "kernel" in checksum_ms
+                else {}
+            ),
         }
         log(
             f"{model_name}: e2e/raw = {ratio:.2f} (median of paired rounds; goal <= 1.2), "

@@ -11,10 +11,11 @@ Invariants this gives us:
 - Integer addition mod 2**64 is associative, so the value is identical on CPU and CUDA, whatever the
   reduction order or chunking (torch's int64 arithmetic wraps).
 - On CUDA it is one multiply-add per 8 bytes against a cached odd-weight vector. On CPU there is no
-  vectorised 64-bit integer dot, so it is computed from additions only: a run of words viewed as rows
-  of `ROW_WORDS` gives S = sum w and T = sum j*w from its row sums and column sums (T = ROW_WORDS *
-  sum_r r*rowsum_r + sum_k k*colsum_k), a block of rows at a time so that the second reading hits the
-  core's cache. bench/weight_sync.py reports ms per 100 MB.
+  vectorised 64-bit integer dot, so it is computed from additions only, as S = sum w and T = sum j*w
+  over each run of words: in one pass by a small compiled kernel (parity/wsum_kernel.c) where it is
+  built, else in numpy from the run's row sums and column sums as rows of `ROW_WORDS` (T = ROW_WORDS
+  * sum_r r*rowsum_r + sum_k k*colsum_k), a block of rows at a time so that the second reading hits
+  the core's cache. bench/weight_sync.py reports ms per 100 MB.
 - It can be accumulated piece by piece (`checksum_update`): a receiver sums each bucket's share of a
   tensor as soon as it lands instead of reading the whole tensor again after its last byte.
 
@@ -29,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from parity.v1 import common_pb2
+from parity.wsum_kernel import run_sums
 
 if TYPE_CHECKING:
     import numpy as np
@@ -123,8 +125,15 @@ def checksum_update(total: int, data: np.ndarray, start: int) -> int:
 
 
 def _sums(words: np.ndarray) -> tuple[int, int]:
-    """(S, T) = (sum w_j, sum j * w_j) mod 2**64 over uint64 `words`, j counted from 0, by additions
-    only: rows of ROW_WORDS, BLOCK_ROWS rows at a time (row sums, then column sums from cache)."""
+    """(S, T) = (sum w_j, sum j * w_j) mod 2**64 over uint64 `words`, j counted from 0: in one pass
+    by the compiled kernel (parity/wsum_kernel.py) where it is built, by numpy's two otherwise."""
+    kernel = run_sums()
+    return kernel(words) if kernel is not None else run_sums_numpy(words)
+
+
+def run_sums_numpy(words: np.ndarray) -> tuple[int, int]:
+    """`_sums` by additions only in numpy: rows of ROW_WORDS, BLOCK_ROWS rows at a time (row sums,
+    then column sums from cache)."""
     import numpy as np
 
     count = words.size

@@ -42,3 +42,5 @@ else
   echo "$want" > "$stamp"
   echo "setup: installed in $(( $(date +%s) - start )) s"
 fi
+# The one-pass checksum kernel (parity/wsum_kernel.py); rebuilt only when its source changed.
+"$vpy" -m parity.wsum_kernel

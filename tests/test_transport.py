@@ -237,7 +237,17 @@ def test_a_chain_whose_middle_rank_dies_fails_downstream_within_the_timeout() ->
     assert outcomes[0][0] in ("returned", "raised") and outcomes[0][1] < 20.0, outcomes  # no hang
 
 
-def test_checksum_detects_single_word_change_and_swaps() -> None:
+@pytest.fixture(params=["c", "numpy"])
+def checksum_path(request, monkeypatch) -> str:
+    """Each checksum test runs on the compiled one-pass kernel and on numpy's two passes."""
+    if request.param == "numpy":
+        monkeypatch.setattr(checksum, "run_sums", lambda: None)
+    else:
+        assert checksum.run_sums() is not None, "the checksum kernel is not built: run scripts/setup.sh"
+    return request.param
+
+
+def test_checksum_detects_single_word_change_and_swaps(checksum_path: str) -> None:
     import torch
 
     base = torch.arange(1000, dtype=torch.float32)
@@ -272,7 +282,7 @@ def test_checksum_detects_single_word_change_and_swaps() -> None:
     assert checksum.tensor_checksum(halves[1:]) == checksum.tensor_checksum(halves[1:].clone())
 
 
-def test_checksum_accumulates_piece_by_piece() -> None:
+def test_checksum_accumulates_piece_by_piece(checksum_path: str) -> None:
     import torch
 
     data = torch.randint(0, 256, (3 * checksum.CHUNK_WORDS * 8 + 8 * 1500 + 5,), dtype=torch.uint8)
@@ -290,7 +300,9 @@ def test_checksum_accumulates_piece_by_piece() -> None:
         checksum.checksum_update(0, host[4:100], 4)
 
 
-def test_describe_sums_big_tensors_in_pieces_on_threads_to_the_same_value(monkeypatch) -> None:
+def test_describe_sums_big_tensors_in_pieces_on_threads_to_the_same_value(
+    checksum_path: str, monkeypatch
+) -> None:
     import torch
 
     # pieces of 40 KiB: the big tensors are cut (one at a 4-byte element offset that is not a
