@@ -92,3 +92,12 @@ def test_build_compiles_the_source_once_and_a_missing_library_falls_back(tmp_pat
     with caplog.at_level(logging.WARNING, logger="parity.wsum_kernel"):
         assert wsum_kernel.load(tmp_path / "absent.so") is None
     assert "numpy" in caplog.text
+
+
+def test_a_missing_compiler_leaves_setup_going_with_a_warning(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(wsum_kernel, "LIBRARY", tmp_path / "k.so")
+    assert wsum_kernel.main(["/nonexistent/cc"]) == 0
+    assert "not built" in capsys.readouterr().err and not (tmp_path / "k.so").exists()
+    assert wsum_kernel.main(["false"]) == 0  # a compiler that fails
+    assert "numpy" in capsys.readouterr().err
+    assert wsum_kernel.main([]) == 0 and (tmp_path / "k.so").exists()
