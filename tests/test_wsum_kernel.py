@@ -40,12 +40,12 @@ def test_kernel_equals_numpy_and_the_definition_at_every_tail_length() -> None:
     assert kernel(big) == checksum.run_sums_numpy(big)
     # a run that starts at an address that is not 8-byte aligned (the kernel assumes no alignment)
     raw = rng.integers(0, 256, 8 * 500 + 1, dtype=np.uint8)
-    unaligned = np.frombuffer(raw[1:].tobytes(), dtype=np.uint8)  # fresh, aligned copy of the bytes
-    shifted = raw[1:]
-    assert kernel(unaligned.view(np.uint64)) == _definition(unaligned.view(np.uint64))
-    assert kernel(np.ndarray(500, dtype=np.uint64, buffer=shifted.data)) == _definition(
-        unaligned.view(np.uint64)
-    )
+    aligned_copy = np.frombuffer(raw[1:].tobytes(), dtype=np.uint64)
+    expected = _definition(aligned_copy)
+    assert kernel(aligned_copy) == expected
+    shifted = np.ndarray(500, dtype=np.uint64, buffer=raw[1:].data)  # the same bytes, one byte off
+    assert shifted.ctypes.data % 8 != 0
+    assert kernel(shifted) == expected
 
 
 def test_kernel_refuses_a_strided_or_wrongly_typed_array() -> None:
