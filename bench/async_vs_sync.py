@@ -105,7 +105,7 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
     sampler.start()
     started = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "parity.cli", "run", *flags],
+        [sys.executable, "-m", "commands.main", "run", *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

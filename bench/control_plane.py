@@ -75,7 +75,7 @@ class Simulator:
     ) -> None:
         self.broadcast, self.token, self.ids, self.interval_s = broadcast, token, ids, interval_s
         self.kinds = kinds  # WatchVersions filter; empty: every event kind
-        self.redis = redis  # (url, stream): watch through parity.version_watch, else WatchVersions
+        self.redis = redis  # (url, stream): watch through parity.weights.version_watch, else WatchVersions
         self.watch_stats: Counter = Counter()  # VersionWatch's duplicates / resynced / reconnects
         self.address = ""
         self.tasks: dict[str, asyncio.Task] = {}
@@ -88,7 +88,7 @@ class Simulator:
         self.streams_open = 0
 
     def join(self, worker_id: str) -> None:
-        from parity.membership_client import MembershipClient
+        from parity.weights.membership_client import MembershipClient
 
         client = MembershipClient(
             self.broadcast,
@@ -132,9 +132,9 @@ class Simulator:
                     self.seen["DISTRIBUTED"][reply.event.version].append(time.monotonic())
 
     async def watch_redis(self, ready: asyncio.Event) -> None:
-        """One watcher through parity.version_watch: Redis pub/sub, caught up through gRPC."""
+        """One watcher through parity.weights.version_watch: Redis pub/sub, caught up through gRPC."""
         from parity.v1 import broadcast_pb2 as pb
-        from parity.version_watch import VersionWatch
+        from parity.weights.version_watch import VersionWatch
 
         published = pb.VERSION_EVENT_KIND_PUBLISHED
         distributed = pb.VERSION_EVENT_KIND_DISTRIBUTED
@@ -437,37 +437,26 @@ def start_receiver(log_dir: Path, broadcast: str, token: str, worker_id: str):
 
 
 def trainer_sender():
-    """How the trainer sends a plan's tensors: through the epoch's group, held across versions
-    (weight sync v2's GroupHolder), or a group per version where the transport has no holder."""
-    from parity import transport
+    """How the trainer sends a plan's tensors: through the epoch's group, held across versions."""
+    from parity.weights.group import GroupHolder
 
-    if hasattr(transport, "GroupHolder"):
-        holder = transport.GroupHolder()
+    holder = GroupHolder()
 
-        def send(tensors, plan) -> None:
-            with holder.use(plan.rendezvous) as group:
-                group.send(tensors, plan.bucket_bytes)
-
-        return send, holder
-
-    def send_once(tensors, plan) -> None:
-        group = transport.TransferGroup.join(plan.rendezvous)
-        try:
+    def send(tensors, plan) -> None:
+        with holder.use(plan.rendezvous) as group:
             group.send(tensors, plan.bucket_bytes)
-        finally:
-            group.close()
 
-    return send_once, None
+    return send, holder
 
 
 def notify_phase(n: int, args: argparse.Namespace, log_dir: Path, via: str, redis: tuple[str, int]) -> dict:
-    """`via` grpc: N WatchVersions streams; redis: N parity.version_watch watchers (pub/sub).
+    """`via` grpc: N WatchVersions streams; redis: N parity.weights.version_watch watchers (pub/sub).
     `redis` = (URL, pid) of the redis-server the service publishes every event to."""
     redis_url, redis_pid = redis
     import torch
 
-    from parity import checksum
     from parity.v1 import common_pb2
+    from parity.weights import checksum
 
     svc = Broadcast(n, args, log_dir, f"broadcast-notify-{via}-{n}", redis_url)
     pb = svc.pb
@@ -646,7 +635,7 @@ def main() -> int:
         "--watch",
         default="grpc,redis",
         help="notify paths, each a notify phase against a fresh service: grpc (N WatchVersions streams), "
-        "redis (N parity.version_watch watchers: Redis pub/sub, caught up through gRPC)",
+        "redis (N parity.weights.version_watch watchers: Redis pub/sub, caught up through gRPC)",
     )
     parser.add_argument("--skip_membership", action="store_true", help="run the notify phase only")
     parser.add_argument(

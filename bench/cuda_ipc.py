@@ -1,4 +1,4 @@
-"""Same-GPU weight handoff: CUDA IPC (parity.cuda_ipc) vs CUDA tensors over a gloo data group.
+"""Same-GPU weight handoff: CUDA IPC (parity.weights.cuda_ipc) vs CUDA tensors over a gloo data group.
 
     python bench/cuda_ipc.py [--mb 1024 --tensors 64 --repeats 3]      # needs one CUDA GPU
 
@@ -42,10 +42,11 @@ def _rendezvous(rank: int, port: int):
 def _consumer(conn, port: int, metas_b64: list[str]) -> None:
     import torch
 
-    from parity import checksum
-    from parity.cuda_ipc import import_buffer
-    from parity.transport import Layout, TransferGroup, views
     from parity.v1 import common_pb2
+    from parity.weights import checksum
+    from parity.weights.cuda_ipc import import_buffer
+    from parity.weights.layout import Layout, views
+    from parity.weights.wire import TransferGroup
 
     metas = [common_pb2.TensorMeta.FromString(base64.b64decode(m)) for m in metas_b64]
     layout = Layout.of(metas)
@@ -88,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench/cuda_ipc.py needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    from parity import checksum
-    from parity.cuda_ipc import export_buffer
     from parity.ports import free_port
-    from parity.transport import Layout, TransferGroup, pack
+    from parity.weights import checksum
+    from parity.weights.cuda_ipc import export_buffer
+    from parity.weights.layout import Layout, pack
+    from parity.weights.wire import TransferGroup
 
     numel = args.mb * (1 << 20) // 4 // args.tensors
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -44,7 +44,7 @@ def main() -> int:
     started = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "parity.cli", "run", *flags],
+            [sys.executable, "-m", "commands.main", "run", *flags],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -2,7 +2,7 @@
 
     python bench/ipc_update.py [--mb 1024 --tensors 64 --repeats 3]      # needs one CUDA GPU
 
-This process is the trainer (`trainer.publisher.Publisher`, weights in `--tensors` CUDA tensors of
+This process is the trainer (`parity.weights.sender.Publisher`, weights in `--tensors` CUDA tensors of
 `--mb` MiB in all). Two broadcast services run side by side, each with one stand-in rollout worker
 (tests/fakes/fake_receiver.py, the real receiver without an engine) receiving onto this GPU:
 - ipc:  the worker registers its GPU, so the service keeps it out of the data group and the trainer
@@ -41,8 +41,8 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from parity.transport import DEFAULT_BUCKET_BYTES
-    from trainer.publisher import Publisher
+    from parity.weights.layout import DEFAULT_BUCKET_BYTES
+    from parity.weights.sender import Publisher
 
     if not torch.cuda.is_available():
         print("bench/ipc_update.py needs a CUDA GPU", file=sys.stderr)

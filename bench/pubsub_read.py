@@ -1,4 +1,4 @@
-"""Subscriber-side CPU per pub/sub message: how parity/version_watch.py reads its subscription.
+"""Subscriber-side CPU per pub/sub message: how parity/weights/version_watch.py reads its subscription.
 
     .venv/bin/python bench/pubsub_read.py [--subscribers 500] [--messages 20]
 

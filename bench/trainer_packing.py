@@ -10,7 +10,7 @@ Three `trainer.loop.Trainer`s on one model directory, identical but for the micr
   micro-batch holds at most `micro_batch_tokens` padded tokens);
 - `padded`: `packing=false`, `micro_batch_tokens=0`: `micro_batch_size` sequences in arrival order.
 Each round builds one batch of GRPO groups whose completion lengths are drawn uniformly from
-`--completion_len LO,HI` (RL completions vary widely in length) and times `Trainer.local_update`
+`--completion_len LO,HI` (RL completions vary widely in length) and times `Trainer.update`
 (forward with the fp32 head and replayed transform, loss, backward, clip, AdamW) of each variant on
 it, the order rotating per round. Tokens/s counts completion tokens (what the step trains on); the
 ratios are packed / padded (> 1: packing is faster). Also reports the padding each padded variant
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.loop import Trainer
     from trainer.packing import packed_tokens
     from trainer.policy import padded_tokens
+    from trainer.prepare import prepare
+    from trainer.step import split_micro_batches
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -128,14 +130,16 @@ def main(argv: list[str] | None = None) -> int:
             order = VARIANTS[round_index % 3 :] + VARIANTS[: round_index % 3]
             for name in order:
                 trainer = trainers[name]
-                sequences, _, _ = trainer._prepare(batch)
+                sequences = prepare(batch, trainer.config).sequences
                 tokens = sum(len(s.rollout_logprobs) for s in sequences)
-                chunks = trainer._split([s for s in sequences if s.trainable])
+                chunks = split_micro_batches(
+                    [s for s in sequences if s.trainable], trainer.config, trainer.device, distributed=False
+                )
                 count = packed_tokens if name == "packed" else padded_tokens
                 through_model[name] = sum(count([s.inputs for s in c]) for c in chunks)
                 synchronize(trainer.device)
                 start = time.perf_counter()
-                trainer.local_update(sequences)
+                trainer.update(sequences)
                 synchronize(trainer.device)
                 seconds = time.perf_counter() - start
                 if round_index:

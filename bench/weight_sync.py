@@ -7,7 +7,7 @@ For each model, in the same run and on the same machine:
 - raw:  one bucketed gloo broadcast (pre-faulted buffers) of the same bytes from this process to
         `--receivers` receiver processes, timed until the last one holds every byte: the floor for
         moving these bytes with torch.distributed's own broadcast (the goal's baseline);
-- raw chain: the same bytes over the data plane's gloo algorithm (parity.transport "chain": rank 0
+- raw chain: the same bytes over the data plane's gloo algorithm (parity.weights.wire "chain": rank 0
         to rank 1, which forwards each bucket to rank 2 as it lands), with no service, checksum or
         swap: e2e / raw chain is what the protocol costs over its own wire;
 - e2e:  this process is the trainer: PublishVersion(v) to a real broadcast service (the control
@@ -42,12 +42,14 @@ from pathlib import Path
 
 import grpc
 
-from parity import checksum, wsum_kernel
 from parity.ports import free_port
 from parity.procs import ServiceProcess, start_service
-from parity.transport import DEFAULT_BUCKET_BYTES, GroupHolder, Layout, TransferGroup, allocate_packed
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2
+from parity.weights import checksum, wsum_kernel
+from parity.weights.group import GroupHolder
+from parity.weights.layout import DEFAULT_BUCKET_BYTES, Layout, allocate_packed
+from parity.weights.wire import TransferGroup
 
 
 def log(message: str) -> None:
@@ -140,7 +142,7 @@ class RawBaseline:
     """A bucketed transfer of `total` bytes from this process to `receivers` processes over a gloo
     group, with no service, no checksum and no swap; each round is timed until the last receiver
     reports that it holds every byte. `algorithm`: "broadcast" (gloo's own broadcast, the issue's
-    baseline) or "chain" (the data plane's gloo algorithm, parity.transport)."""
+    baseline) or "chain" (the data plane's gloo algorithm, parity.weights.wire)."""
 
     def __init__(self, total: int, receivers: int, bucket: int, rounds: int, algorithm: str) -> None:
         import torch

@@ -56,11 +56,6 @@ def invalid(field: str, message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, field, message)
 
 
-def precondition(field: str, message: str) -> RequestError:
-    """FAILED_PRECONDITION naming `field`: the request is well formed but the state refuses it."""
-    return RequestError(grpc.StatusCode.FAILED_PRECONDITION, field, message)
-
-
 def overloaded(field: str, message: str, retry_after_s: float) -> RequestError:
     """RESOURCE_EXHAUSTED naming the exhausted limit, with a `retry-after-ms` hint (metadata and text)."""
     return RequestError(

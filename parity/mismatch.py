@@ -1,7 +1,7 @@
 """Train-inference mismatch from per-token logprobs: the one implementation.
 
 The trainer's per-step `mismatch_*` metrics (trainer/loop.py) and `parity check`
-(tools/check/report.py) both call `mismatch_stats`, so a preflight number and a training curve
+(commands/check/report.py) both call `mismatch_stats`, so a preflight number and a training curve
 mean the same thing. With r = logp_trainer - logp_rollout on tokens sampled by the rollout engine
 (distribution q) and rescored by the trainer (distribution p):
 

@@ -46,8 +46,8 @@ _URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]+@")
 def die_with_parent() -> None:
     """Linux: the kernel SIGKILLs this process when its parent exits; exit now if it already has.
 
-    Called at import time in every multiprocessing child whose main module is `parity.cli` (it
-    imports that module as `__mp_main__`; see parity.cli). PR_SET_PDEATHSIG follows the parent
+    Called at import time in every multiprocessing child whose main module is `commands.main` (it
+    imports that module as `__mp_main__`; see commands.main). PR_SET_PDEATHSIG follows the parent
     *thread* that spawned the child: vLLM's engine core is spawned from a thread of the service's
     default executor (`asyncio.to_thread`), whose threads live until the event loop closes, and the
     engine core spawns its workers from its main thread."""
@@ -97,7 +97,7 @@ _AFTER_FORK_KEY = _AfterForkKey()
 def children_die_with_this_process() -> None:
     """Children that multiprocessing starts with its `fork` method die with this process too.
 
-    A forked child does not import `parity.cli` as its main module (only `spawn` does, see
+    A forked child does not import `commands.main` as its main module (only `spawn` does, see
     `die_with_parent`); vLLM forks its engine core where nothing forces `spawn` (on GPU, by
     default). multiprocessing runs its after-fork hooks in every child it forks."""
     import multiprocessing.util
@@ -220,7 +220,7 @@ def start_service(
     port_file = log_dir / f"{name}.port"
     port_file.unlink(missing_ok=True)
     log_path = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "parity.cli", "serve", kind, *args]
+    cmd = [sys.executable, "-m", "commands.main", "serve", kind, *args]
     child_env = {**os.environ, **(env or {}), **env_for(kind, port_file=str(port_file))}
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     with open(log_path, "ab") as log_file:

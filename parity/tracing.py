@@ -43,7 +43,6 @@ ATTR_GROUP_ID = "parity.group_id"
 ATTR_TOKENS = "parity.tokens"
 ATTR_LAG = "parity.lag"
 ATTR_STEP = "parity.step"
-ATTR_WORKER_ID = "parity.worker_id"
 ATTR_BYTES = "parity.bytes"
 # Messaging semantic conventions (Redis Streams is the messaging system).
 MESSAGING_SYSTEM = "messaging.system"

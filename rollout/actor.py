@@ -1,7 +1,7 @@
 """The actor loop: pull prompts from a task, generate GRPO groups, score them, publish to Redis.
 
 Runs inside the rollout service process (`parity serve rollout --actor true`, or `parity actor`,
-which is the same thing; `rollout.server` is the only entrypoint) and calls the engine directly, so rollouts and RPC clients share one
+which is the same thing; `services.rollout.server` is the only entrypoint) and calls the engine directly, so rollouts and RPC clients share one
 engine batch.
 
 Invariants:

@@ -14,7 +14,7 @@ Invariants every engine keeps:
     never at the version that was current when it arrived (`admitted`).
   - A dead engine (`dead()`: vLLM's engine-core process exited) fails every request in flight;
     `restart()` builds a fresh one at version 0, and the service catches it up to the current
-    version before it serves again (rollout.server).
+    version before it serves again (services.rollout.service).
   - `token_context_versions[i]` is the oldest weight version whose KV token i attended to. A token
     is clean at version v only if its own version and its context version are both v; in keep mode
     tokens sampled after an in-flight update attend to older KV (mixed context), in recompute mode
@@ -228,7 +228,7 @@ class RolloutEngine(ABC):
             )
             if not result.error and plan.base_version and plan.base_version != self.weight_version:
                 # received (every rank takes part in the transfer) but never applied: a delta holds
-                # only what changed since its base (services/broadcast/delta.py)
+                # only what changed since its base (broadcast/delta.py)
                 result.error = (
                     f"plan.base_version: a delta against v{plan.base_version}, but this engine serves "
                     f"v{self.weight_version}; nothing applied"

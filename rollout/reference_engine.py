@@ -25,9 +25,9 @@ from typing import Literal
 
 from parity.config.rollout import RolloutConfig
 from parity.sampling import SamplingTransform, processed_logprobs
+from parity.weights.receiver import StagedWeights, receive_and_verify
 from rollout.engine import CompletionResult, GenerationSpec, RolloutEngine
 from rollout.vllm_engine import encode_prompt
-from rollout.weight_receiver import StagedWeights, receive_and_verify
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
 from parity.errors import RequestError, invalid
-from parity.transport import rendezvous_problem
+from parity.weights.rendezvous import rendezvous_problem
 from rollout.engine import GenerationSpec
 
 # vLLM's SamplingParams accepts temperatures in [0, 2]; both engines answer the same range.
@@ -198,7 +198,7 @@ def check_update_request(
 
 def check_ipc_handle(plan) -> None:
     """A CUDA IPC plan: no rendezvous, and a handle with what mapping it needs."""
-    from parity.cuda_ipc import handle_problem
+    from parity.weights.cuda_ipc import handle_problem
 
     if plan.HasField("rendezvous"):
         raise invalid("plan.rendezvous", "must be unset when plan.cuda_ipc is set (one path per update)")

@@ -40,6 +40,7 @@ from typing import Literal
 
 from parity.config.rollout import RolloutConfig
 from parity.versions import expand_spans, parse_version_label
+from parity.weights.receiver import forget_ready_groups, rendezvous_ready
 from rollout import cpu_engine_wait
 from rollout.engine import (
     FINISH_REASONS,
@@ -49,7 +50,6 @@ from rollout.engine import (
     RolloutEngine,
     plan_to_bytes,
 )
-from rollout.weight_receiver import forget_ready_groups, rendezvous_ready
 
 log = logging.getLogger(__name__)
 

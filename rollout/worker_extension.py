@@ -7,7 +7,7 @@ kwargs and replies are plain data (the TransferPlan travels as protobuf bytes, n
 Two steps, so that a bad transfer never touches the serving weights:
   1. `parity_stage_weights(plan_bytes, fault_corrupt_tensor)` starts a thread of this worker that
      receives into staging tensors through the membership epoch's data group (joined once per
-     epoch and held in this process, `rollout.weight_receiver.process_holder`) and verifies
+     epoch and held in this process, `parity.weights.receiver.process_holder`) and verifies
      checksums as buckets land; `parity_stage_result` polls it. The RPCs return at once, so the
      engine core keeps stepping (generating) during the transfer. The service process completed
      the rendezvous first (`rendezvous_ready`), so a dead one never reaches the engine. Staged
@@ -44,8 +44,8 @@ class ParityWorkerExtension:
         version's kernel form off to the side (`rollout.prepared_swap`). Poll `parity_stage_result`."""
         import threading
 
+        from parity.weights.receiver import receive_and_verify
         from rollout.engine import plan_from_bytes
-        from rollout.weight_receiver import receive_and_verify
 
         running = getattr(self, "_parity_stage_thread", None)
         if running is not None and running.is_alive():
@@ -132,7 +132,7 @@ class ParityWorkerExtension:
         device = getattr(getattr(self, "device", None), "type", "cpu")
         if device != "cuda":
             return ""
-        from parity.transport import cuda_device_uuid
+        from parity.weights.devices import cuda_device_uuid
 
         return cuda_device_uuid(self.device)
 

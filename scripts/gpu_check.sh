@@ -9,7 +9,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$out/host.log"
 # The one-pass checksum kernel is not carried (a build output): build it here, or warn and use numpy.
-python3 -m parity.wsum_kernel 2>&1 | tee "$out/wsum_kernel.log"
+python3 -m parity.weights.wsum_kernel 2>&1 | tee "$out/wsum_kernel.log"
 timeout 270 python3 -m pytest -m gpu -v -s -o timeout=150 tests/test_weight_sync_gpu.py tests/test_trainer_gpu.py 2>&1 | tee "$out/gpu_tests.log"
 echo "gpu tests exit ${PIPESTATUS[0]}"
 timeout 90 python3 bench/cuda_ipc.py --mb 1024 --repeats 3 2>&1 | tee "$out/cuda_ipc.log"

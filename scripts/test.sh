@@ -7,7 +7,7 @@ cd "$root"
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# Layer contracts (pyproject [tool.importlinter]): core <- services <- tools, tests never imported.
+# Layer contracts (pyproject [tool.importlinter]): core <- domain <- services <- commands, tests never imported.
 .venv/bin/lint-imports
 # Three workers (PARITY_TEST_WORKERS, 0 = one process), each running whole test files, so a module's
 # services are started once: most of the suite waits on vLLM start-up, subprocesses and timeouts, so

@@ -19,13 +19,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from parity import checksum
 from parity.ports import free_port
 from parity.procs import ServiceProcess, start_service
 from parity.server import bearer
-from parity.transport import GroupHolder
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2
+from parity.weights import checksum
+from parity.weights.group import GroupHolder
 
 TOKEN = "test-token"
 MODEL = "toy"
@@ -57,7 +57,7 @@ def publish_request(version: int, named=None, model: str = MODEL) -> pb.PublishV
     )
 
 
-TRAINER_GROUPS = GroupHolder()  # the trainer's epoch group, held across versions as trainer/publisher does
+TRAINER_GROUPS = GroupHolder()  # the trainer's epoch group, held across versions as the sender does
 
 
 def publish(

@@ -5,15 +5,15 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from parity import checksum
+from broadcast.events import EventLog
+from broadcast.membership import Membership
+from broadcast.registry import VersionRegistry, reached
 from parity.config import ConfigError, load
 from parity.errors import RequestError
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import common_pb2
+from parity.weights import checksum
 from services.broadcast import server
-from services.broadcast.events import EventLog
-from services.broadcast.membership import Membership
-from services.broadcast.registry import VersionRegistry, reached
 
 
 def test_non_loopback_bind_without_token_is_refused_at_startup(capsys: pytest.CaptureFixture[str]) -> None:
@@ -28,7 +28,7 @@ def test_config_errors_name_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
         load(["--heartbeat_interval_s", "5", "--heartbeat_timeout_s", "2"], home="broadcast", environ={})
     environ = {"PARITY_BROADCAST_TRANSFER_TIMEOUT_S": "7.5"}
     config = load(["--backend", "nccl"], home="broadcast", environ=environ).config.broadcast
-    assert (config.transfer_timeout_s, config.device, config.host) == (7.5, "cuda", "127.0.0.1")
+    assert (config.transfer_timeout_s, config.backend, config.host) == (7.5, "nccl", "127.0.0.1")
 
 
 def _request(version: int, shape=(4, 4), dtype: str = "float32") -> pb.PublishVersionRequest:

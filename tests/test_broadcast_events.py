@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from broadcast.events import EventLog
 from parity.v1 import broadcast_pb2 as pb
-from services.broadcast.events import EventLog
 
 PUBLISHED, UPDATED, DISTRIBUTED = (
     pb.VERSION_EVENT_KIND_PUBLISHED,
@@ -83,7 +83,7 @@ def test_seq_is_dense_in_order_and_replay_skips_what_a_watcher_has() -> None:
     seqs = [event.seq for event in log.since(0)]
     assert seqs == list(range(seqs[0], seqs[0] + 12)) and seqs[0] > 1_600_000_000 * 10**6
     assert log.next_seq == seqs[-1] + 1
-    # the catch-up read of parity/version_watch.py: versions > after_version, seq > after_seq, kinds
+    # the catch-up read of parity/weights/version_watch.py: versions > after_version, seq > after_seq, kinds
     replayed = log.replay(1, frozenset({PUBLISHED, DISTRIBUTED}), after_seq=seqs[4])
     assert [(e.kind, e.version) for e in replayed] == [(DISTRIBUTED, 2), (PUBLISHED, 3), (DISTRIBUTED, 3)]
     assert log.replay(0, frozenset(), after_seq=seqs[-1]) == []

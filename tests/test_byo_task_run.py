@@ -176,7 +176,7 @@ def test_a_malformed_jsonl_line_is_rejected_before_start_up(tmp_path: Path) -> N
         '{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "What is 2 + 2?", "answer": 4,}\n'
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "parity.cli", "run", "--task", f"jsonl:{bad}", "--model", "tiny", "--out", str(tmp_path / "run")],
+        [sys.executable, "-m", "commands.main", "run", "--task", f"jsonl:{bad}", "--model", "tiny", "--out", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from commands.check.check import CheckReport, main, make_row, run_check
+from commands.check.report import ScoredCompletion, completion_stats, worst_tokens
 from parity import mismatch
 from parity.config.check import DEFAULT_THRESHOLD
 from tests.conftest import config_for
-from tools.check.check import CheckReport, main, make_row, run_check
-from tools.check.report import ScoredCompletion, completion_stats, worst_tokens
 
 CHECK_SIZES = {"num_prompts": 6, "samples_per_prompt": 2, "max_tokens": 20}
 
@@ -91,7 +91,7 @@ def test_worst_tokens_are_the_largest_ratios_decoded_with_context() -> None:
 
 
 def _report(rows, threshold=DEFAULT_THRESHOLD) -> CheckReport:
-    from tools.check.ablation import SamplingSetup
+    from commands.check.ablation import SamplingSetup
 
     return CheckReport(rows, threshold, "tiny", "test", SamplingSetup(0.7, 0.9, 0, 20, 2, 0), 6, 0.0)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.check.compare import METRICS, compare, main
+from commands.check.compare import METRICS, compare, main
 
 
 def make_run(

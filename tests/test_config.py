@@ -35,7 +35,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 def _print_config(command: list[str], *flags: str, env: dict[str, str] | None = None) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "parity.cli", *command, "--print-config", *flags],
+        [sys.executable, "-m", "commands.main", *command, "--print-config", *flags],
         capture_output=True,
         text=True,
         env=env or _clean_env(),

@@ -3,7 +3,7 @@ on exactly the trainer's whole version.
 
 Real processes: `parity serve broadcast --delta_updates true`, stand-in receivers
 (tests/fakes/fake_receiver.py, the rollout workers' own receiver), and this process as the trainer
-through the real `trainer.publisher.Publisher` (subset sends, whole snapshots, catch-ups). The vLLM
+through the real `parity.weights.sender.Publisher` (subset sends, whole snapshots, catch-ups). The vLLM
 side of a delta (its in-place reload of a few blocks) is in tests/test_broadcast_rollout.py.
 """
 
@@ -15,13 +15,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from parity import checksum
+from broadcast.delta import changed_tensors, delta_base, module_group
 from parity.procs import start_service
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2
-from services.broadcast.delta import changed_tensors, delta_base, module_group
+from parity.weights import checksum
+from parity.weights.sender import Publisher
 from tests.test_broadcast import start_standin, state
-from trainer.publisher import Publisher
 
 TOKEN = "test-token"
 

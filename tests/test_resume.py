@@ -30,11 +30,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from commands.run import records
+from commands.run.supervisor import MARKER_ENV, marked_pids
 from parity.config import load, write_config
 from parity.rollout_queue import RolloutQueue
 from parity.v1 import common_pb2, rollouts_pb2
-from tools.run import records
-from tools.run.supervisor import MARKER_ENV, marked_pids
 
 STEPS = 9
 
@@ -54,7 +54,7 @@ def _stored_run(tmp_path: Path, *flags: str) -> Path:
 def test_resume_refuses_a_changed_config_naming_every_key(tmp_path: Path) -> None:
     run_dir = _stored_run(tmp_path)
     proc = subprocess.run(
-        [sys.executable, "-m", "parity.cli", "run", "--resume", str(run_dir), "--trainer.lr", "1e-3",
+        [sys.executable, "-m", "commands.main", "run", "--resume", str(run_dir), "--trainer.lr", "1e-3",
          "--group_size", "2"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "PARITY_TASK_MAX_TOKENS": "9"},
     )  # fmt: skip
@@ -66,7 +66,7 @@ def test_resume_refuses_a_changed_config_naming_every_key(tmp_path: Path) -> Non
 
 
 def test_resume_plan_keeps_the_stream_and_takes_overrides(tmp_path: Path) -> None:
-    from tools.run.resume import ResumeError, plan
+    from commands.run.resume import ResumeError, plan
 
     # config.toml holds the private Redis's URL masked (redis://:***@...); it must not be used
     run_dir = _stored_run(tmp_path, "--tracker", "none", "--redis_url", "redis://:pw@127.0.0.1:1/0")
@@ -173,7 +173,7 @@ def test_runs_ls_shows_running_finished_and_died(tmp_path: Path) -> None:
     }  # fmt: skip
     assert listed["b-done"]["reward_mean"] == 0.4 and listed["b-done"]["steps"] == 4
     out = subprocess.run(
-        [sys.executable, "-m", "parity.cli", "runs", "ls", str(tmp_path)], capture_output=True, text=True
+        [sys.executable, "-m", "commands.main", "runs", "ls", str(tmp_path)], capture_output=True, text=True
     )
     assert out.returncode == 0 and "died at step 3" in out.stdout and "b-done" in out.stdout
 
@@ -191,7 +191,7 @@ def _launch(args: list[str], marker: str, log_path: Path) -> subprocess.Popen:
            "WANDB_SILENT": "true"}  # fmt: skip
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(
-            [sys.executable, "-m", "parity.cli", "run", *args],
+            [sys.executable, "-m", "commands.main", "run", *args],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,

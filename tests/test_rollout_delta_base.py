@@ -9,9 +9,9 @@ import asyncio
 import threading
 from pathlib import Path
 
-from parity import checksum
 from parity.ports import free_port
 from parity.v1 import common_pb2
+from parity.weights import checksum
 
 SECRET = "delta-base-secret-0123456789abcdef"
 
@@ -20,9 +20,9 @@ def test_a_delta_against_another_base_is_verified_never_applied_and_dropped(tiny
     import torch
 
     from parity.config.rollout import RolloutConfig
-    from parity.transport import TransferGroup
+    from parity.weights.receiver import process_holder
+    from parity.weights.wire import TransferGroup
     from rollout.reference_engine import ReferenceEngine
-    from rollout.weight_receiver import process_holder
 
     engine = ReferenceEngine(RolloutConfig(max_model_len=512, kv_cache_gib=1.0), tiny_model)
     port = free_port()

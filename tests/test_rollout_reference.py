@@ -45,7 +45,7 @@ def _sampling(**fields) -> common_pb2.SamplingParams:
 
 def test_unknown_model_fails_at_startup_naming_the_field() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "parity.cli", "serve", "rollout", "--model", "no-such-model"],
+        [sys.executable, "-m", "commands.main", "serve", "rollout", "--model", "no-such-model"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -56,7 +56,7 @@ def test_unknown_model_fails_at_startup_naming_the_field() -> None:
 
 def test_bad_config_fails_at_startup_naming_the_field() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "parity.cli", "serve", "rollout", "--update_mode", "sometimes"],
+        [sys.executable, "-m", "commands.main", "serve", "rollout", "--update_mode", "sometimes"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -199,7 +199,7 @@ def test_late_joiner_is_not_serving_until_it_has_the_latest_version(
     from parity import health
     from parity.v1 import broadcast_pb2 as pb
     from parity.v1 import broadcast_pb2_grpc
-    from trainer.publisher import Publisher
+    from parity.weights.sender import Publisher
 
     broadcast = start_services("broadcast", "--auth_token", TOKEN, "--heartbeat_timeout_s", "30")
     stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(grpc.insecure_channel(broadcast.address))

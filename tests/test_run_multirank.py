@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.run.supervisor import MARKER_ENV, marked_pids
+from commands.run.supervisor import MARKER_ENV, marked_pids
 
 STEPS = 3
 OWN_VERSION_KEYS = ("mismatch_k1_own_version", "mismatch_k3_own_version", "mismatch_max_abs_own_version")
@@ -49,7 +49,7 @@ def test_parity_run_with_a_two_rank_trainer(tmp_path: Path, tiny_model: Path) ->
     env = {**os.environ, MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "parity.cli", "run", *flags],
+        [sys.executable, "-m", "commands.main", "run", *flags],
         capture_output=True,
         text=True,
         env=env,
@@ -93,7 +93,7 @@ def test_parity_run_with_a_two_rank_trainer(tmp_path: Path, tiny_model: Path) ->
     assert shards == ["__0_0.distcp", "__1_0.distcp"], shards
     hf_dir = tmp_path / "hf"
     export = subprocess.run(
-        [sys.executable, "-m", "parity.cli", "export", str(out), "--out", str(hf_dir)],
+        [sys.executable, "-m", "commands.main", "export", str(out), "--out", str(hf_dir)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -135,7 +135,7 @@ def test_a_second_stop_signal_cannot_cut_the_launchers_cleanup_short() -> None:
     signals off (that would cut its stop short): only the first one interrupts."""
     import signal
 
-    from tools.run import launcher
+    from commands.run import launcher
 
     def interrupts(*signals: int) -> bool:
         try:

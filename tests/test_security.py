@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from commands.run.supervisor import MARKER_ENV, marked_pids
 from parity.procs import redact_url, start_redis, stop_groups
-from tools.run.supervisor import MARKER_ENV, marked_pids
 
 
 def test_private_redis_requires_a_password_and_keeps_an_aof(tmp_path: Path) -> None:
@@ -71,7 +71,7 @@ def test_parity_run_puts_no_secret_on_any_command_line(tmp_path: Path) -> None:
     env = {k: v for k, v in env.items() if not k.startswith("PARITY_") or k == MARKER_ENV}
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "parity.cli", "run", *flags],
+            [sys.executable, "-m", "commands.main", "run", *flags],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,
@@ -113,7 +113,7 @@ def test_parity_run_puts_no_secret_on_any_command_line(tmp_path: Path) -> None:
 def test_trainer_off_loopback_without_a_token_exits_2() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARITY_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "parity.cli", "serve", "trainer", "--host", "0.0.0.0", "--redis_url",
+        [sys.executable, "-m", "commands.main", "serve", "trainer", "--host", "0.0.0.0", "--redis_url",
          "redis://127.0.0.1:1/0"],
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip

@@ -191,7 +191,7 @@ def test_run_config_rejects_an_unknown_reasoning_gym_name_before_start_up() -> N
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "parity.cli", "run", "--task", "reasoning_gym:nope", "--model", "tiny"],
+        [sys.executable, "-m", "commands.main", "run", "--task", "reasoning_gym:nope", "--model", "tiny"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
@@ -302,7 +302,7 @@ def test_task_flags_resolve_into_the_task_section() -> None:
 
 
 def test_example_reasoning_gym_config_passes_start_up_validation() -> None:
-    from tools.run.launcher import validate_inputs
+    from commands.run.launcher import validate_inputs
 
     flags = ["--config", str(ROOT / "examples" / "reasoning_gym.toml"), "--model", "tiny"]
     task = validate_inputs(load(flags, home="run", environ={}).config)

@@ -1,4 +1,4 @@
-"""Run trackers (tools/run/trackers.py) with the real packages: TensorBoard event files, W&B offline
+"""Run trackers (commands/run/trackers.py) with the real packages: TensorBoard event files, W&B offline
 run files and an MLflow local file store are read back and compared with metrics.jsonl.
 
 The fast test feeds `RunTrackers` from a metrics.jsonl/samples.jsonl pair laid out as the trainer
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.run.trackers import SAMPLE_COLUMNS, RunTrackers, scalars_of
+from commands.run.trackers import SAMPLE_COLUMNS, RunTrackers, scalars_of
 
 pytest.importorskip("wandb")  # the `trackers` extra (part of `dev`, installed by scripts/setup.sh)
 
@@ -200,12 +200,12 @@ def test_trackers_read_back_equal_metrics_jsonl_across_a_resume(
         first.steps([_row(step, lost=step == 3)])
     first.close(finished=False)
     # The resume cuts the lineage back to step 2; launch 2 replays it, then steps 3..4 are new.
-    from tools.run.resume import truncate_lineage
+    from commands.run.resume import truncate_lineage
 
     truncate_lineage(run_dir, 2)
     second = RunTrackers.open(names, run_dir, 2, {"run": {"steps": 4}})
     second.evaluation(before)
-    from tools.run.supervisor import MetricsFollower
+    from commands.run.supervisor import MetricsFollower
 
     second.steps(MetricsFollower(metrics).poll())
     for step in (3, 4):

@@ -23,13 +23,14 @@ import pytest
 import torch
 
 from parity.rollout_queue import RolloutQueue
+from parity.weights.sender import Publisher, PublishError
 from tests.fakes.gradient_faults import NanGradients
 from tests.fakes.reply_dropping_proxy import ReplyDroppingProxy
 from tests.fakes.synthetic_rollouts import make_group
 from tests.fakes.trainer_helpers import STREAM, make_trainer, metrics
-from trainer.loop import SKIPPED_ROLLOUTS_FILE, NonFiniteStepsError
+from trainer.nonfinite import SKIPPED_ROLLOUTS_FILE, NonFiniteStepsError
 from trainer.policy import load_model
-from trainer.publisher import Publisher, PublishError
+from trainer.weight_history import full_weights
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,9 @@ def test_a_failed_transfer_is_retried_with_backoff(start_services, tmp_path: Pat
             assert time.monotonic() < deadline and ghost.poll() is None, "stand-in worker did not start"
             time.sleep(0.1)
         started = time.monotonic()
-        result = publisher.publish_retrying(reference_model, 1, attempts=3, backoff_s=0.2)
+        result = publisher.publish_retrying(
+            lambda: full_weights(reference_model, publisher.bucket_bytes), 1, attempts=3, backoff_s=0.2
+        )
         assert (result.version, result.committed) == (1, True)
         assert publisher.publish_retries_total == 1  # attempt 1 failed (the ghost), attempt 2 committed
     finally:
@@ -157,7 +160,9 @@ def test_publish_gives_up_after_its_attempts_naming_each(reference_model) -> Non
     publisher = Publisher(f"127.0.0.1:{free_port()}", "tiny", rpc_timeout_s=0.5)  # nobody listens
     try:
         with pytest.raises(PublishError, match=r"gave up after 2 attempt\(s\): attempt 1: .*; attempt 2: "):
-            publisher.publish_retrying(reference_model, 1, attempts=2, backoff_s=0.05)
+            publisher.publish_retrying(
+                lambda: full_weights(reference_model, publisher.bucket_bytes), 1, attempts=2, backoff_s=0.05
+            )
         assert publisher.publish_retries_total == 1
     finally:
         publisher.close()

@@ -80,15 +80,17 @@ def test_step_metrics_report_peak_memory_and_no_mfu_on_cpu(tmp_path: Path, tiny_
     from tests.fakes.synthetic_rollouts import make_group
     from trainer.consumer import Batch
     from trainer.loop import Trainer
+    from trainer.prepare import prepare
+    from trainer.step_metrics import speed_metrics
 
     trainer = Trainer(
         config_for("trainer", model="tiny", device="cpu", run_dir=str(tmp_path), micro_batch_tokens=64)
     )
     trainer.setup_model()
     group = make_group(trainer.model, "g", (1.0, 0.0, 0.0, 1.0), generator=torch.Generator().manual_seed(0))
-    sequences, _, _ = trainer._prepare(Batch(groups=[group]))
-    totals, _, stepped = trainer.local_update(sequences)
-    assert stepped and totals.train_forward_tokens > 0
-    speed = trainer._speed_metrics(totals, 0.5)
+    sequences = prepare(Batch(groups=[group]), trainer.config).sequences
+    stats, result = trainer.update(sequences)
+    assert result.stepped and stats.train_forward_tokens > 0
+    speed = speed_metrics(stats, trainer._speed, 0.5)
     assert speed["peak_memory_gib"] > 0
     assert "mfu" not in speed

@@ -28,6 +28,7 @@ def test_export_gives_transformers_the_trainers_logits(tmp_path: Path, tiny_mode
     from trainer.consumer import Batch
     from trainer.loop import Trainer
     from trainer.policy import load_model, pad_batch
+    from trainer.prepare import prepare
 
     run_dir = tmp_path / "run"
     trainer = Trainer(config_for("trainer", model="tiny", device="cpu", run_dir=str(run_dir), lr=1e-2))
@@ -35,15 +36,15 @@ def test_export_gives_transformers_the_trainers_logits(tmp_path: Path, tiny_mode
     groups = [
         make_group(trainer.model, "g0", (1.0, 0.0, 0.0, 1.0), generator=torch.Generator().manual_seed(0))
     ]
-    sequences, _, _ = trainer._prepare(Batch(groups=groups))
-    _, _, stepped = trainer.local_update(sequences)
-    assert stepped
+    sequences = prepare(Batch(groups=groups), trainer.config).sequences
+    _, result = trainer.update(sequences)
+    assert result.stepped
     CheckpointStore(run_dir, model_source=str(tiny_model)).save(
         trainer.model, trainer.optimizer, TrainerState(step=1), trainer.scheduler
     )
     out = tmp_path / "export"
     proc = subprocess.run(
-        [sys.executable, "-m", "parity.cli", "export", str(run_dir), "--out", str(out)],
+        [sys.executable, "-m", "commands.main", "export", str(run_dir), "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -72,7 +73,7 @@ def test_export_gives_transformers_the_trainers_logits(tmp_path: Path, tiny_mode
 
 def test_export_refuses_a_run_without_checkpoints(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "parity.cli", "export", str(tmp_path), "--out", str(tmp_path / "o")],
+        [sys.executable, "-m", "commands.main", "export", str(tmp_path), "--out", str(tmp_path / "o")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -95,13 +96,14 @@ def test_vllm_serves_the_export_with_the_trainers_logprobs(tmp_path: Path, tiny_
     from trainer.consumer import Batch
     from trainer.loop import Trainer
     from trainer.policy import SequenceInput, token_logprobs
+    from trainer.prepare import prepare
 
     run_dir = tmp_path / "run"
     trainer = Trainer(config_for("trainer", model="tiny", device="cpu", run_dir=str(run_dir), lr=1e-2))
     trainer.setup_model()
     group = make_group(trainer.model, "g0", (1.0, 0.0, 0.0, 1.0), generator=torch.Generator().manual_seed(0))
-    sequences, _, _ = trainer._prepare(Batch(groups=[group]))
-    trainer.local_update(sequences)
+    sequences = prepare(Batch(groups=[group]), trainer.config).sequences
+    trainer.update(sequences)
     CheckpointStore(run_dir, model_source=str(tiny_model)).save(
         trainer.model, trainer.optimizer, TrainerState(step=1), trainer.scheduler
     )

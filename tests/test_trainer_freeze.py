@@ -14,6 +14,7 @@ def test_frozen_parameters_do_not_move_and_the_rest_train(tmp_path) -> None:
     from tests.fakes.synthetic_rollouts import make_group
     from trainer.consumer import Batch
     from trainer.loop import Trainer
+    from trainer.prepare import prepare
 
     frozen_patterns = "model.embed_tokens.*,model.layers.0.*"
     config = config_for(
@@ -31,9 +32,9 @@ def test_frozen_parameters_do_not_move_and_the_rest_train(tmp_path) -> None:
     groups = [
         make_group(trainer.model, "g0", (1.0, 0.0, 0.0, 1.0), generator=torch.Generator().manual_seed(0))
     ]
-    sequences, _, _ = trainer._prepare(Batch(groups=groups))
-    _, _, stepped = trainer.local_update(sequences)
-    assert stepped
+    sequences = prepare(Batch(groups=groups), trainer.config).sequences
+    _, result = trainer.update(sequences)
+    assert result.stepped
     after = dict(trainer.model.named_parameters())
     moved = {n for n in before if not torch.equal(before[n], after[n].detach())}
     assert moved and not (moved & frozen), moved & frozen

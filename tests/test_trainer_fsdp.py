@@ -3,7 +3,7 @@ checkpoint written by N ranks resumes on M ranks with the same next step.
 
 Each case runs `world_size` processes of this file's __main__ (RANK/WORLD_SIZE/MASTER_* set as
 torchrun sets them); every rank builds the same batch from a fixed seed, takes its share
-(`fsdp.shard_of`), and runs `Trainer.local_update` with the batch's global token count. Rank 0
+(`fsdp.shard_of`), and runs `Trainer.update` with the batch's global token count. Rank 0
 writes the summed loss and the all-gathered weights. One rank is the plain (unsharded) trainer.
 
 Tolerance 1e-6: the ranks' gradient sums differ from the 1-rank sums in reduction order only
@@ -127,6 +127,7 @@ def _batch_sequences(trainer, step: int):
     from tests.fakes.synthetic_rollouts import make_group
     from trainer.consumer import Batch
     from trainer.policy import load_model
+    from trainer.prepare import prepare
 
     reference = load_model(trainer.model_dir)
     generator = torch.Generator().manual_seed(100 + step)
@@ -135,8 +136,7 @@ def _batch_sequences(trainer, step: int):
         make_group(reference, f"s{step}g{g}", rewards[g], generator=generator, completion_len=6 + 3 * g)
         for g in range(2)
     ]
-    sequences, _, _ = trainer._prepare(Batch(groups=groups))
-    return sequences
+    return prepare(Batch(groups=groups), trainer.config).sequences
 
 
 def _worker(mode: str, out_dir: Path, run_dir: Path, steps: int) -> None:
@@ -169,9 +169,9 @@ def _worker(mode: str, out_dir: Path, run_dir: Path, steps: int) -> None:
         counts = (sum(len(s.rollout_logprobs) for s in trainable), len(trainable))
         mine = fsdp.shard_of(sequences, rank, world_size)
         local_sequences.append(len(mine))
-        totals, grad_norm, stepped = trainer.local_update(mine, counts)
-        assert stepped
-        grad_norms.append(grad_norm)
+        totals, result = trainer.update(mine, counts)
+        assert result.stepped
+        grad_norms.append(result.grad_norm)
         losses.append(fsdp.all_reduce_sum(totals.loss, trainer.device))
     if mode == "save_kill":
         from trainer.checkpoint import TrainerState

@@ -35,18 +35,20 @@ def _sequences(trainer, seed: int = 0):
     from tests.fakes.synthetic_rollouts import make_group
     from trainer.consumer import Batch
     from trainer.policy import load_model
+    from trainer.prepare import prepare
 
     reference = load_model(trainer.model_dir)
     generator = torch.Generator().manual_seed(seed)
     groups = [make_group(reference, f"g{seed}", (1.0, 0.0, 0.0, 1.0), generator=generator)]
-    return trainer._prepare(Batch(groups=groups))[0]
+    return prepare(Batch(groups=groups), trainer.config).sequences
 
 
 def test_a_training_step_on_cuda(tmp_path: Path, tiny_model: Path) -> None:
     trainer = _trainer(tmp_path)
     assert all(p.device.type == "cuda" for p in trainer.model.parameters())
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
-    _, grad_norm, stepped = trainer.local_update(_sequences(trainer))
+    _, result = trainer.update(_sequences(trainer))
+    grad_norm, stepped = result.grad_norm, result.stepped
     assert stepped and grad_norm > 0
     moments = [st[k] for st in trainer.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
     assert moments and all(m.device.type == "cuda" and m.dtype == torch.float32 for m in moments)
@@ -72,7 +74,8 @@ def test_fsdp2_one_rank_gives_the_unsharded_step(tmp_path: Path, tiny_model: Pat
     from trainer import fsdp
 
     plain = _trainer(tmp_path / "plain")
-    plain_totals, plain_norm, _ = plain.local_update(_sequences(plain))
+    plain_totals, plain_result = plain.update(_sequences(plain))
+    plain_norm = plain_result.grad_norm
     os.environ.update(
         {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     )
@@ -82,7 +85,8 @@ def test_fsdp2_one_rank_gives_the_unsharded_step(tmp_path: Path, tiny_model: Pat
     sharded.optimizer = torch.optim.AdamW(sharded.model.parameters(), lr=1e-3, eps=1e-8)
     sharded.scheduler = torch.optim.lr_scheduler.LambdaLR(sharded.optimizer, lambda _: 1.0)
     try:
-        totals, norm, _ = sharded.local_update(_sequences(sharded))
+        totals, result = sharded.update(_sequences(sharded))
+        norm = result.grad_norm
         assert abs(totals.loss - plain_totals.loss) <= 1e-5
         assert abs(norm - plain_norm) <= 1e-4 * plain_norm
     finally:
@@ -93,7 +97,7 @@ def test_dcp_round_trip_on_cuda(tmp_path: Path, tiny_model: Path) -> None:
     from trainer.checkpoint import CheckpointStore, TrainerState
 
     trainer = _trainer(tmp_path)
-    trainer.local_update(_sequences(trainer))
+    trainer.update(_sequences(trainer))
     store = CheckpointStore(tmp_path, model_source=str(tiny_model))
     store.save(trainer.model, trainer.optimizer, TrainerState(step=1, weight_version=3), trainer.scheduler)
     other = _trainer(tmp_path / "other")
@@ -103,8 +107,8 @@ def test_dcp_round_trip_on_cuda(tmp_path: Path, tiny_model: Path) -> None:
         trainer.model.named_parameters(), other.model.named_parameters(), strict=True
     ):
         assert torch.equal(a, b), name
-    next_a = trainer.local_update(_sequences(trainer, seed=1))[0].loss
-    next_b = other.local_update(_sequences(other, seed=1))[0].loss
+    next_a = trainer.update(_sequences(trainer, seed=1))[0].loss
+    next_b = other.update(_sequences(other, seed=1))[0].loss
     assert abs(next_a - next_b) <= 1e-6
 
 

@@ -15,7 +15,10 @@ from parity.rollout_queue import RolloutQueue
 from parity.sampling import SamplingTransform
 from tests.fakes.synthetic_rollouts import make_group
 from tests.fakes.trainer_helpers import STREAM, make_trainer, metrics
+from trainer.consumer import Batch
+from trainer.own_version import rescore_at_versions
 from trainer.policy import SequenceInput, load_model, token_logprobs
+from trainer.prepare import prepare
 from trainer.telemetry import REQUIRED_METRICS
 
 
@@ -247,11 +250,13 @@ def test_recomputed_old_logprobs_use_the_tokens_own_version(
     queue.publish(group(reference_model, "r0"))
     trainer = make_trainer(redis_url, tmp_path, steps=1, lr=1e-2, old_logprobs="recompute", max_lag=3)
     trainer.run()
-    assert trainer.state.weight_version == 1 and sorted(trainer._snapshots) == [0, 1]
+    assert trainer.state.weight_version == 1 and trainer.history.versions() == [0, 1]
     old_group = group(reference_model, "r1", version=0, seed=5)  # sampled by version 0
-    seqs, _, _ = trainer._prepare(type("B", (), {"groups": [old_group]})())
+    seqs = prepare(Batch(groups=[old_group]), trainer.config).sequences
     behaviour = torch.tensor([lp for s in seqs for lp in s.rollout_logprobs])
-    recomputed, known = trainer._recompute_old(seqs, behaviour)
+    recomputed, known = rescore_at_versions(
+        trainer.old_model, trainer.history, seqs, behaviour, trainer.device
+    )
     assert bool(known.all())  # version 0 is kept: every token was rescored at its own version
     assert torch.allclose(recomputed, behaviour, atol=1e-4)  # version-0 weights, not the current ones
     current, _ = token_logprobs(trainer.model, [s.inputs for s in seqs])

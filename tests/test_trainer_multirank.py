@@ -85,7 +85,7 @@ def start_receiver(log_dir: Path, broadcast_address: str) -> ServiceProcess:
 def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weights(
     redis_url: str, tmp_path: Path, start_services, groups: list, tiny_model: Path
 ) -> None:
-    from parity import checksum
+    from parity.weights import checksum
     from trainer.loop import Trainer
 
     broadcast = start_services(
@@ -263,8 +263,8 @@ def test_killing_rank_1_ends_the_service_with_an_error_naming_it(
 # ---- fast unit tests -------------------------------------------------------------------------------
 def _sequences(count: int):
     from parity.sampling import SamplingTransform
-    from trainer.loop import ScoredSequence
     from trainer.policy import SequenceInput
+    from trainer.prepare import ScoredSequence
 
     gen = torch.Generator().manual_seed(1)
     out = []
@@ -310,29 +310,45 @@ def test_shards_are_balanced_by_tokens_and_keep_every_sequence_once() -> None:
 
 def test_the_ranks_measurements_merge_into_the_whole_batch() -> None:
     from trainer import scatter
-    from trainer.loop import StepTotals
+    from trainer.stats import StepStats
 
-    def totals(values: list[float], loss: float, clean: bool) -> StepTotals:
-        t = StepTotals(trainable_tokens=10, trainable_seqs=3, loss=loss)
-        t.trainer_logprobs.append(torch.tensor(values))
-        t.rollout_logprobs.append(torch.tensor(values) - 0.5)
-        t.clip.append(torch.tensor([True] * len(values)))
-        t.lags.extend([1] * len(values))
-        t.clean.extend([clean] * len(values))
-        t.nonfinite_counts.append(torch.tensor(1))
-        t.train_forward_tokens = 7
-        return t
+    def stats(values: list[float], loss: float, clean: bool) -> StepStats:
+        part = StepStats.empty()
+        part.trainer_logprobs = torch.tensor(values)
+        part.rollout_logprobs = torch.tensor(values) - 0.5
+        part.clip = torch.tensor([True] * len(values))
+        part.lags = torch.tensor([1] * len(values), dtype=torch.long)
+        part.clean = torch.tensor([clean] * len(values), dtype=torch.bool)
+        part.loss, part.nonfinite_tokens, part.train_forward_tokens = loss, 1, 7
+        return part
 
-    parts = [totals([-1.0, -2.0], 0.25, True), totals([], math.nan, False), totals([-3.0], 0.5, False)]
-    encoded = [scatter.encode_totals(t) for t in parts]
-    merged = scatter.decode_totals([p for p, _ in encoded], [n for _, n in encoded], parts[0])
-    assert StepTotals.cat(merged.trainer_logprobs).tolist() == [-1.0, -2.0, -3.0]
-    assert StepTotals.cat(merged.rollout_logprobs).tolist() == [-1.5, -2.5, -3.5]
-    assert StepTotals.cat(merged.clip).tolist() == [1.0, 1.0, 1.0]
-    assert merged.lags == [1, 1, 1] and merged.clean == [True, True, False]
+    parts = [stats([-1.0, -2.0], 0.25, True), stats([], math.nan, False), stats([-3.0], 0.5, False)]
+    encoded = [scatter.encode_stats(p) for p in parts]
+    merged = scatter.decode_stats([p for p, _ in encoded], [n for _, n in encoded])
+    assert merged.trainer_logprobs.tolist() == [-1.0, -2.0, -3.0]
+    assert merged.rollout_logprobs.tolist() == [-1.5, -2.5, -3.5]
+    assert merged.clip.tolist() == [1.0, 1.0, 1.0]
+    assert merged.lags.tolist() == [1, 1, 1] and merged.clean.tolist() == [True, True, False]
+    assert merged.lags.dtype == torch.long and merged.clean.dtype == torch.bool
     assert merged.loss == 0.75  # the rank that trained nothing adds no loss (its own is NaN)
-    assert sum(int(c) for c in merged.nonfinite_counts) == 3 and merged.train_forward_tokens == 21
-    assert (merged.trainable_tokens, merged.kl_ref) == (10, [])
+    assert merged.nonfinite_tokens == 3 and merged.train_forward_tokens == 21
+    assert merged.kl_ref.numel() == 0 and merged.at_version_trainer_logprobs is None
+
+
+def test_every_step_statistic_crosses_the_wire() -> None:
+    """The wire format derives from StepStats' fields: a field added there travels without a
+    second list to update (each per-token field gets distinct values and must come back)."""
+    from trainer import scatter
+    from trainer.stats import StepStats, tensor_fields
+
+    part = StepStats.empty()
+    for index, name in enumerate(tensor_fields()):
+        dtype = {"lags": torch.long, "clean": torch.bool}.get(name, torch.float32)
+        setattr(part, name, torch.tensor([index + 1, index + 2]).to(dtype))
+    payload, lengths = scatter.encode_stats(part)
+    merged = scatter.decode_stats([payload], [lengths])
+    for name in tensor_fields():
+        assert torch.equal(getattr(merged, name), getattr(part, name)), name
 
 
 def test_nproc_is_validated_naming_the_field() -> None:
@@ -356,7 +372,7 @@ def test_the_relaunch_command_carries_no_config_and_no_secret(tmp_path: Path) ->
         ["--nproc", "2", "--lr", "0.0123", "--run_dir", str(tmp_path)], home="trainer", environ=environ
     ).config
     command = launch.torchrun_command(config.trainer.nproc)
-    assert "--nproc-per-node=2" in command and command[-3:] == ["parity.cli", "serve", "trainer"]
+    assert "--nproc-per-node=2" in command and command[-3:] == ["commands.main", "serve", "trainer"]
     assert not any("0.0123" in arg or "tok-123" in arg or "pw-456" in arg for arg in command)
     path = tmp_path / "config.toml"
     from parity.config.loader import write_config

@@ -159,6 +159,8 @@ def test_a_packed_trainer_step_matches_a_padded_one(tmp_path: Path, tiny_model: 
     from tests.fakes.synthetic_rollouts import make_group
     from trainer.consumer import Batch
     from trainer.loop import Trainer
+    from trainer.prepare import prepare
+    from trainer.step import split_micro_batches
 
     results = {}
     for packing in (False, True):
@@ -175,11 +177,12 @@ def test_a_packed_trainer_step_matches_a_padded_one(tmp_path: Path, tiny_model: 
                        completion_len=5 + 7 * g)
             for g in range(3)
         ]  # fmt: skip
-        sequences, _, _ = trainer._prepare(Batch(groups=groups))
-        totals, grad_norm, stepped = trainer.local_update(sequences)
-        assert stepped
+        sequences = prepare(Batch(groups=groups), trainer.config).sequences
+        stats, result = trainer.update(sequences)
+        assert result.stepped
         weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        results[packing] = (totals.loss, grad_norm, weights, len(trainer._split(sequences)))
+        chunks = split_micro_batches(sequences, trainer.config, trainer.device, distributed=False)
+        results[packing] = (stats.loss, result.grad_norm, weights, len(chunks))
     (loss_pad, norm_pad, w_pad, chunks_pad), (loss_pack, norm_pack, w_pack, chunks_pack) = (
         results[False],
         results[True],

@@ -63,7 +63,7 @@ def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
 
 
 def test_bad_flags_exit_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
-    from trainer.server import main
+    from services.trainer.server import main
 
     assert main(["--redis_url", "redis://127.0.0.1:1/0", "--steps", "0"]) == 2
     assert "steps" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""parity.transport and parity.checksum over real gloo groups in real processes."""
+"""The data plane (parity.weights: layout, wire, group, verify, checksum) over real gloo groups in
+real processes."""
 
 from __future__ import annotations
 
@@ -10,21 +11,14 @@ import traceback
 
 import pytest
 
-from parity import checksum
 from parity.ports import free_port
-from parity.transport import (
-    GroupHolder,
-    Layout,
-    StreamVerifier,
-    TransferError,
-    TransferGroup,
-    allocate_packed,
-    check_rendezvous,
-    pack,
-    packed_in_place,
-    serve_store,
-)
 from parity.v1 import common_pb2
+from parity.weights import checksum
+from parity.weights.group import GroupHolder
+from parity.weights.layout import Layout, TransferError, allocate_packed, pack, packed_in_place
+from parity.weights.rendezvous import check_rendezvous, serve_store
+from parity.weights.verify import StreamVerifier
+from parity.weights.wire import TransferGroup
 
 BUCKET_BYTES = 4096  # small, so every transfer spans many buckets and splits tensors across them
 

@@ -1,4 +1,4 @@
-"""parity/version_watch.py against a real broadcast service and a real redis-server.
+"""parity/weights/version_watch.py against a real broadcast service and a real redis-server.
 
 The events come from RegisterWorker / UnregisterWorker (WORKER_JOINED carries the worker's claimed
 version, which numbers them here; WORKER_DROPPED is the kind the filter must keep out), so no data
@@ -22,7 +22,7 @@ from parity.server import bearer
 from parity.server import channel as grpc_channel
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc
-from parity.version_watch import VersionWatch, WatchUnavailable, channel
+from parity.weights.version_watch import VersionWatch, WatchUnavailable, channel
 from services.broadcast import server
 
 JOINED, DROPPED = pb.VERSION_EVENT_KIND_WORKER_JOINED, pb.VERSION_EVENT_KIND_WORKER_DROPPED

@@ -1,5 +1,5 @@
 """Weight sync v2 under faults, on CPU: real broadcast service, real stand-in workers (processes),
-real gloo, the real `trainer.publisher.Publisher`.
+real gloo, the real `parity.weights.sender.Publisher`.
 
 Each case starts its own broadcast service with short deadlines (transfer_timeout_s=4). In every case
 the surviving workers end on a verified version (their served checksums equal the trainer's and the
@@ -24,8 +24,8 @@ import pytest
 from parity.procs import ServiceProcess, start_service
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc
+from parity.weights.sender import Publisher, PublishError
 from tests.fakes.fake_trainer import BUCKET_BYTES, MODEL, toy_weights, trainer_checksums
-from trainer.publisher import Publisher, PublishError
 
 pytestmark = pytest.mark.slow
 

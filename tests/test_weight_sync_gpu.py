@@ -1,7 +1,7 @@
 """GPU paths of weight sync (marked `gpu`; skipped without CUDA -- not run on the CPU-only CI host).
 
 - CUDA IPC: a producer process exports one packed CUDA buffer, a consumer process on the same GPU
-  maps it without a copy and verifies every checksum (parity.cuda_ipc).
+  maps it without a copy and verifies every checksum (parity.weights.cuda_ipc).
 - CUDA tensors over the data group: gloo on one GPU, sender and receiver in separate processes.
 - The topology rule at runtime: two NCCL ranks on one GPU are refused before NCCL is touched.
 """
@@ -14,9 +14,9 @@ import traceback
 
 import pytest
 
-from parity import checksum
 from parity.ports import free_port
 from parity.v1 import common_pb2
+from parity.weights import checksum
 
 pytestmark = pytest.mark.gpu
 
@@ -51,8 +51,8 @@ def _consumer(handle_bytes: bytes, metas_bytes: list[bytes], results) -> None:
     try:
         import torch
 
-        from parity.cuda_ipc import import_buffer
-        from parity.transport import Layout, views
+        from parity.weights.cuda_ipc import import_buffer
+        from parity.weights.layout import Layout, views
 
         metas = [common_pb2.TensorMeta.FromString(b) for b in metas_bytes]
         start = time.perf_counter()
@@ -66,8 +66,8 @@ def _consumer(handle_bytes: bytes, metas_bytes: list[bytes], results) -> None:
 
 
 def test_cuda_ipc_handoff_maps_the_producers_buffer_and_verifies() -> None:
-    from parity.cuda_ipc import export_buffer
-    from parity.transport import Layout, pack
+    from parity.weights.cuda_ipc import export_buffer
+    from parity.weights.layout import Layout, pack
 
     named = _named("cuda")
     metas = checksum.describe(named)
@@ -91,7 +91,7 @@ def _rank(rank: int, port: int, results) -> None:
     try:
         import torch
 
-        from parity.transport import TransferGroup
+        from parity.weights.wire import TransferGroup
 
         rdv = common_pb2.Rendezvous(
             host="127.0.0.1", port=port, rank=rank, world_size=2, backend="gloo", group_name="gpu-gloo",
@@ -127,7 +127,8 @@ def test_cuda_tensors_over_the_data_group_gloo_on_one_gpu() -> None:
 
 
 def _nccl_rank(rank: int, port: int, results) -> None:
-    from parity.transport import TransferError, TransferGroup
+    from parity.weights.layout import TransferError
+    from parity.weights.wire import TransferGroup
 
     rdv = common_pb2.Rendezvous(
         host="127.0.0.1", port=port, rank=rank, world_size=2, backend="nccl", group_name="dup",
@@ -177,11 +178,11 @@ def test_update_weights_by_cuda_ipc_to_a_worker_on_the_trainers_gpu(
     import grpc
 
     from parity.procs import start_service
-    from parity.transport import cuda_device_uuid
     from parity.v1 import broadcast_pb2 as pb
     from parity.v1 import broadcast_pb2_grpc
+    from parity.weights.devices import cuda_device_uuid
+    from parity.weights.sender import Publisher
     from tests.test_broadcast import TOKEN, start_standin
-    from trainer.publisher import Publisher
 
     broadcast = start_service(
         "broadcast",

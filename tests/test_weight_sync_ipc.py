@@ -68,7 +68,8 @@ class Env:
 
 
 def handle_for(nbytes: int, device_uuid: str = GPU) -> common_pb2.CudaIpcHandle:
-    """A well-formed handle (what `parity.cuda_ipc.export_buffer` gives); its bytes map nothing here."""
+    """A well-formed handle (what `parity.weights.cuda_ipc.export_buffer` gives); its bytes map
+    nothing here."""
     return common_pb2.CudaIpcHandle(
         nbytes=nbytes,
         device_index=0,
@@ -228,8 +229,8 @@ def test_no_offer_fails_the_gpu_worker_within_the_timeout_and_the_next_version_s
 
 
 def test_membership_splits_the_epoch_by_the_trainers_gpu() -> None:
+    from broadcast.membership import Membership
     from parity.errors import RequestError
-    from services.broadcast.membership import Membership
 
     members = Membership(max_workers=8, heartbeat_timeout_s=60, exclude_s=5)
     for wid, uuid in (("a", GPU), ("b", "GPU-other"), ("c", "")):
@@ -245,10 +246,10 @@ def test_membership_splits_the_epoch_by_the_trainers_gpu() -> None:
 
 
 def test_a_rollout_worker_validates_an_ipc_plan_and_fails_cleanly_without_cuda() -> None:
-    from parity import checksum
     from parity.errors import RequestError
+    from parity.weights import checksum
+    from parity.weights.receiver import receive_and_verify
     from rollout.validation import check_update_request
-    from rollout.weight_receiver import receive_and_verify
 
     named = toy_weights(1)
     metas = checksum.describe(named)

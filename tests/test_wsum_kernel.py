@@ -1,4 +1,4 @@
-"""The compiled WSUM64 kernel (parity/wsum_kernel.c) against numpy's path and the definition."""
+"""The compiled WSUM64 kernel (parity/weights/wsum_kernel.c) against numpy's path and the definition."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parity import checksum, wsum_kernel
+from parity.weights import checksum, wsum_kernel
 
 MASK64 = 2**64 - 1
 
@@ -89,7 +89,7 @@ def test_build_compiles_the_source_once_and_a_missing_library_falls_back(tmp_pat
     assert fresh(words) == checksum.run_sums_numpy(words)
     with pytest.raises(subprocess.CalledProcessError):
         wsum_kernel.build(compiler="false", library=tmp_path / "other.so")
-    with caplog.at_level(logging.WARNING, logger="parity.wsum_kernel"):
+    with caplog.at_level(logging.WARNING, logger="parity.weights.wsum_kernel"):
         assert wsum_kernel.load(tmp_path / "absent.so") is None
     assert "numpy" in caplog.text
 

@@ -5,7 +5,7 @@ Invariants:
 - Parameter objects keep their identity (only `.data` moves), so the optimizer, hooks and tied
   weights are unaffected; gradients stay separate tensors.
 - The order is `named_parameters()` order, the order the publisher describes and sends tensors in;
-  `parity.transport.packed_in_place` recognises the layout and falls back to packing otherwise.
+  `parity.weights.layout.packed_in_place` recognises the layout and falls back to packing otherwise.
 - Only for a model that is whole on one device. Sharded (FSDP2 / DTensor) parameters are gathered
   bucket by bucket at publish time and are left alone.
 """
@@ -23,7 +23,7 @@ def flatten_parameters(module: torch.nn.Module) -> torch.Tensor | None:
     parameters are sharded or spread over devices, which are then left as they are."""
     import torch
 
-    from parity.transport import allocate_packed
+    from parity.weights.layout import allocate_packed
 
     params = [param for _, param in module.named_parameters()]
     if not params:

@@ -2,7 +2,7 @@
 
 A frozen parameter gets no gradient and no optimizer state, so every published version carries it
 unchanged; with `broadcast.delta_updates` the broadcast service then sends only the blocks that did
-change (services/broadcast/delta.py). Tied weights share one parameter: freezing the embedding of a
+change (broadcast/delta.py). Tied weights share one parameter: freezing the embedding of a
 tied model freezes its output head too.
 """
 

@@ -8,9 +8,9 @@ Invariants:
   get the precision policy (bf16 params, fp32 gradient reduction in bf16 mode).
 - Each rank's loss is already divided by the *global* token (or sequence) count, so gradients are
   summed across ranks (divide factor 1), not averaged: N ranks then give the 1-rank gradient.
-- Parameters are DTensors after sharding; `full_parameters` all-gathers them (collective). On rank 0
-  of a multi-rank service every such gather is announced to the other ranks first (`announce_gather`,
-  trainer/multirank.py), so that they join the all-gathers in the same order.
+- Parameters are DTensors after sharding; `full_parameters` and `weight_history.weight_buckets`
+  all-gather them (collective). On rank 0 of a multi-rank service every such gather is announced to
+  the other ranks first (trainer/multirank.py), so that they join the all-gathers in the same order.
 - Every rank runs the same number of micro-batches of each kind (`align_micro_batches`); a rank
   with fewer runs `idle_micro_batch`es, so the all-gathers and reduce-scatters always pair up.
 """
@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from parity.sampling import SamplingTransform
+from trainer.policy import SequenceInput, token_logprobs
 from trainer.precision import mixed_precision_policy
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-_gather_hook: Callable[[], None] | None = None
 
 
 def world() -> tuple[int, int]:
@@ -48,12 +47,6 @@ def init_process_group(device: torch.device, timeout_s: float) -> None:
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     log.info("rank %d/%d joined (%s)", dist.get_rank(), dist.get_world_size(), backend)
-
-
-def is_sharded(module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
 
 
 def shard_scorer(scorer, precision: str, reshard_after_forward: bool = True):
@@ -113,18 +106,6 @@ def shard_of(items: list, rank: int, world_size: int) -> list:
     return items[rank::world_size]
 
 
-def set_gather_hook(hook: Callable[[], None] | None) -> None:
-    """What `announce_gather` runs (rank 0 of a multi-rank service: the GATHER command)."""
-    global _gather_hook
-    _gather_hook = hook
-
-
-def announce_gather() -> None:
-    """Called before every all-gather of the full weights (policy.weight_buckets)."""
-    if _gather_hook is not None:
-        _gather_hook()
-
-
 def align_micro_batches(chunks: list[list[Any]], device: torch.device) -> list[list[Any]]:
     """`chunks` padded with empty micro-batches to the most any rank has (a collective when
     distributed; `chunks` itself otherwise). An empty micro-batch is run as `idle_micro_batch`."""
@@ -143,9 +124,6 @@ def idle_micro_batch(scorer, ref_model, train: bool) -> None:
     `ref_model` when there is one) and, with `train`, the backward of loss x 0 (zero gradients,
     summed into the other ranks' by the reduce-scatter)."""
     import torch
-
-    from parity.sampling import SamplingTransform
-    from trainer.policy import SequenceInput, token_logprobs
 
     dummy = [SequenceInput((0,), (0,), SamplingTransform())]
     with torch.set_grad_enabled(train):

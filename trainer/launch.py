@@ -2,7 +2,7 @@
 
     parity serve trainer --nproc 2 ...            (this process)
       -> exec python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 0
-               -m parity.cli serve trainer         (the elastic agent replaces this process)
+               -m commands.main serve trainer      (the elastic agent replaces this process)
            -> rank 0: the service (gRPC, Redis, publisher); ranks 1..: followers (trainer/multirank.py)
 
 Invariants:
@@ -62,7 +62,7 @@ def torchrun_command(nproc: int) -> list[str]:
         "--max-restarts=0",
         "--monitor-interval=0.5",
         "-m",
-        "parity.cli",
+        "commands.main",
         "serve",
         "trainer",
     ]

@@ -8,10 +8,11 @@ that needs the other ranks starts with a command, one int64 tensor broadcast fro
     setup: load model, shard, DCP load  <->    the same (collective)
     loop:  collect a batch from Redis          wait for a command (heartbeats keep them waiting)
            STEP(version, tokens, seqs)   ->    scatter_sequences: own share of the batch
-           local_update(share)          <->    local_update(share)   FSDP2: grads summed over ranks
-           gather_totals                <-     gather_totals         (metrics see the whole batch)
-           GATHER                        ->    all-gather full weights with rank 0 (publish, and
-                                                 rank 0's own-version snapshot of each version)
+           forward_backward(share)      <->    forward_backward(share)   FSDP2: grads summed over ranks
+           gather_stats                 <-     gather_stats          (metrics see the whole batch)
+           optimizer_step               <->    optimizer_step        (the clip's norm is a collective)
+           GATHER                        ->    all-gather full weights with rank 0 (once per published
+                                                 version: the publish and the weight history share it)
            CHECKPOINT(step)              ->    DCP save of their shards (collective)
            STOP                          ->    leave the group, exit 0
 
@@ -37,8 +38,10 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-from trainer import fsdp, scatter
-from trainer.loop import ScoredSequence, StepTotals, Trainer
+from trainer import scatter
+from trainer.loop import Trainer
+from trainer.prepare import ScoredSequence, trainable_counts
+from trainer.stats import StepStats
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NOOP, STEP, GATHER, CHECKPOINT, STOP = range(5)
-OP_NAMES = ("NOOP", "STEP", "GATHER", "CHECKPOINT", "STOP")
 COMMAND_WIDTH = 4  # op + 3 int64 arguments
 HEARTBEAT_S = 10.0
 
@@ -86,27 +88,26 @@ class RankZeroTrainer(Trainer):
         super().setup_model()
         self._last_command = time.monotonic()
         self.heartbeat_s = min(HEARTBEAT_S, self.config.dist_timeout_s / 4)
-        # Every full-weight gather (the publisher's weight_buckets) is announced first.
-        fsdp.set_gather_hook(lambda: self._command(GATHER))
+        # Every full-weight gather (a publish, the history's first version) is announced first.
+        self.announce_gather = lambda: self._command(GATHER)
 
     def _command(self, op: int, *args: int) -> None:
         send_command(self.device, op, *args)
         self._last_command = time.monotonic()
 
-    def local_update(
-        self, sequences: list[ScoredSequence], global_counts: tuple[int, int] | None = None
-    ) -> tuple[StepTotals, float, bool]:
-        trainable = [s for s in sequences if s.trainable]
-        counts = global_counts or (sum(len(s.rollout_logprobs) for s in trainable), len(trainable))
+    def forward_backward(
+        self, sequences: list[ScoredSequence], counts: tuple[int, int] | None = None
+    ) -> StepStats:
+        """Scatter the batch, run this rank's share, gather every rank's statistics."""
+        counts = counts or trainable_counts(sequences)
         shards = scatter.balance(
             sequences, self.world_size, lambda s: len(s.inputs.prompt_ids) + len(s.inputs.completion_ids)
         )
         self._command(STEP, self.state.weight_version, *counts)
         mine = scatter.scatter_sequences(shards, self.device)
-        totals, grad_norm, stepped = super().local_update(mine, counts)
-        merged = scatter.gather_totals(totals, self.device)
+        merged = scatter.gather_stats(super().forward_backward(mine, counts), self.device)
         assert merged is not None
-        return merged, grad_norm, stepped
+        return merged
 
     def checkpoint(self):
         self._command(CHECKPOINT, self.state.step)
@@ -123,7 +124,6 @@ class RankZeroTrainer(Trainer):
         # torchrun stops the other ranks anyway once this one exits non-zero.
         if self.finished:
             self._command(STOP)
-        fsdp.set_gather_hook(None)
         super().close()
 
 
@@ -131,7 +131,7 @@ class RankZeroTrainer(Trainer):
 def follow(run_config: ParityConfig) -> int:
     """A follower rank's whole life: set up like rank 0, then obey commands until STOP."""
     from trainer.checkpoint import CheckpointStore, TrainerState
-    from trainer.policy import weight_buckets
+    from trainer.weight_history import weight_buckets
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)  # rank 0 stops us (STOP), or torchrun does (SIGKILL)
@@ -148,8 +148,8 @@ def follow(run_config: ParityConfig) -> int:
         if op == STEP:
             trainer.state.weight_version = args[0]
             share = scatter.scatter_sequences(None, trainer.device)
-            totals, _, _ = trainer.local_update(share, (args[1], args[2]))
-            scatter.gather_totals(totals, trainer.device)
+            scatter.gather_stats(trainer.forward_backward(share, (args[1], args[2])), trainer.device)
+            trainer.optimizer_step(args[1])
             steps += 1
         elif op == GATHER:
             for _bucket in weight_buckets(trainer.model, trainer.config.bucket_bytes):

@@ -233,27 +233,3 @@ def _transformed_logprobs(logits_TV, targets_T, sequences, with_entropy: bool):
     # Put the per-transform pieces back in token order (differentiable gather by inverse permutation).
     order_T = torch.cat(indices)
     return torch.cat(values)[torch.argsort(order_T)], entropy_T
-
-
-def weight_buckets(model, bucket_bytes: int):
-    """Yield lists of (name, dtype, shape, tensor on the model's device) of about `bucket_bytes`
-    each, in named_parameters order, for a publisher to send without copying to the host. Sharded
-    (DTensor) parameters are all-gathered on the device (a collective: every rank must iterate)."""
-    from trainer import fsdp
-
-    bucket: list[tuple[str, Any, tuple[int, ...], Any]] = []
-    size = 0
-    lm = model.lm if hasattr(model, "lm") and hasattr(model, "precision") else model
-    if any(hasattr(p, "full_tensor") for p in lm.parameters()):
-        fsdp.announce_gather()  # rank 0 of a multi-rank service: the other ranks gather with us
-    for name, param in lm.named_parameters():
-        tensor = param.detach()
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        bucket.append((name, tensor.dtype, tuple(tensor.shape), tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket

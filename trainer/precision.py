@@ -17,12 +17,10 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
-
-Precision = Literal["fp32", "bf16"]
 
 
 def disable_tf32() -> None:
@@ -32,12 +30,6 @@ def disable_tf32() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    import torch
-
-    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def decoder_autocast(precision: str, device: torch.device, sharded: bool):

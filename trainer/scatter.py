@@ -14,12 +14,11 @@ Sequences (`scatter_sequences`), one flat int64 and one flat float64 tensor per 
   scattered, zero-padded to the largest; each rank cuts its own back to size. float64 carries the
   float32 logprobs and the Python-float advantages exactly.
 
-Measurements (`gather_totals`): each rank flattens its StepTotals into one float64 tensor (the
-per-token fields in FIELDS order, then lags, clean flags, and the scalars loss, non-finite count
-and forward tokens) with an int64 vector of the pieces' lengths; the length vectors are
-all-gathered, the payloads gathered to rank 0 (zero-padded), and rank 0 rebuilds one StepTotals
-for the whole batch (host tensors, float32). Loss is the sum over the ranks that trained; NaN when
-none did.
+Measurements (`gather_stats`): each rank flattens its StepStats into one float64 tensor (the
+per-token fields in `stats.tensor_fields()` order, then the scalars loss, non-finite count and
+forward tokens) with an int64 vector of the pieces' lengths; the length vectors are all-gathered,
+the payloads gathered to rank 0 (zero-padded), and rank 0 joins one StepStats for the whole batch
+(host tensors). Loss is the sum over the ranks that trained; NaN when none did.
 """
 
 from __future__ import annotations
@@ -28,26 +27,17 @@ import math
 from typing import TYPE_CHECKING
 
 from parity.sampling import SamplingTransform
+from trainer.policy import SequenceInput
+from trainer.prepare import ScoredSequence
 
 if TYPE_CHECKING:
     import torch
 
-    from trainer.loop import ScoredSequence, StepTotals
 
-# Per-token (per-sequence for GSPO's clip) tensor lists of StepTotals, in wire order.
-FIELDS = (
-    "trainer_logprobs",
-    "rollout_logprobs",
-    "entropy",
-    "clip",
-    "kl_new_old",
-    "is_weights",
-    "is_corrected",
-    "kl_ref",
-    "at_version_trainer_logprobs",
-    "at_version_rollout_logprobs",
-)
-_SCALARS = 4  # loss, non-finite trainable tokens, train forward tokens, eval forward tokens
+from trainer.stats import OPTIONAL_FIELDS, SCALAR_FIELDS, StepStats, tensor_fields
+
+_SCALARS = len(SCALAR_FIELDS)
+_DTYPES = {"lags": "long", "clean": "bool"}  # the others travel and arrive as float32
 
 
 def encode_sequences(sequences: list[ScoredSequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,9 +65,6 @@ def encode_sequences(sequences: list[ScoredSequence]) -> tuple[torch.Tensor, tor
 
 def decode_sequences(ints: torch.Tensor, floats: torch.Tensor) -> list[ScoredSequence]:
     """The inverse of `encode_sequences` (host tensors)."""
-    from trainer.loop import ScoredSequence
-    from trainer.policy import SequenceInput
-
     values, reals = ints.tolist(), floats.tolist()
     count = values[0]
     header = values[1 : 1 + 5 * count]
@@ -152,57 +139,59 @@ def scatter_sequences(
     return decode_sequences(ints[: int(mine[0])].cpu(), floats[: int(mine[1])].cpu())
 
 
-def encode_totals(totals: StepTotals) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float64 payload, int64 lengths [len(FIELDS) + 2]) of one rank's StepTotals (host)."""
+def encode_stats(stats: StepStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 payload, int64 lengths [one per tensor field]) of one rank's StepStats (host)."""
     import torch
 
     pieces = []
-    for name in FIELDS:
-        chunks = getattr(totals, name)
-        pieces.append(
-            torch.cat([c.detach().reshape(-1).double().cpu() for c in chunks]) if chunks else torch.zeros(0)
-        )
-    pieces.append(torch.tensor(totals.lags, dtype=torch.float64))
-    pieces.append(torch.tensor([float(c) for c in totals.clean], dtype=torch.float64))
-    nonfinite = float(sum(int(c) for c in totals.nonfinite_counts))
-    scalars = [totals.loss, nonfinite, float(totals.train_forward_tokens), float(totals.eval_forward_tokens)]
+    for name in tensor_fields():
+        tensor = getattr(stats, name)
+        pieces.append(torch.zeros(0) if tensor is None else tensor.detach().reshape(-1).double().cpu())
+    loss = math.nan if stats.loss is None else float(stats.loss)
+    scalars = [
+        loss,
+        float(stats.nonfinite_tokens),
+        float(stats.train_forward_tokens),
+        float(stats.eval_forward_tokens),
+    ]
     lengths = torch.tensor([p.numel() for p in pieces], dtype=torch.int64)
     payload = torch.cat([*[p.double() for p in pieces], torch.tensor(scalars, dtype=torch.float64)])
     return payload, lengths
 
 
-def decode_totals(payloads: list[torch.Tensor], lengths: list[torch.Tensor], base: StepTotals) -> StepTotals:
-    """One StepTotals from every rank's payload; `base` gives the step-wide counts (host tensors)."""
+def decode_stats(payloads: list[torch.Tensor], lengths: list[torch.Tensor]) -> StepStats:
+    """One StepStats from every rank's payload (host tensors); an empty optional field is None."""
     import torch
 
-    from trainer.loop import StepTotals
-
-    merged = StepTotals(trainable_tokens=base.trainable_tokens, trainable_seqs=base.trainable_seqs)
-    losses = []
+    parts = []
     for payload, sizes in zip(payloads, lengths, strict=True):
-        parts = list(torch.split(payload[: int(sizes.sum()) + _SCALARS], [*sizes.tolist(), _SCALARS]))
-        for name, part in zip(FIELDS, parts, strict=False):
-            if part.numel():
-                getattr(merged, name).append(part.float())
-        merged.lags.extend(int(v) for v in parts[len(FIELDS)].tolist())
-        merged.clean.extend(bool(v) for v in parts[len(FIELDS) + 1].tolist())
-        loss, nonfinite, train_tokens, eval_tokens = parts[-1].tolist()
-        if not math.isnan(loss):
-            losses.append(loss)
-        merged.nonfinite_counts.append(torch.tensor(int(nonfinite)))
-        merged.train_forward_tokens += int(train_tokens)
-        merged.eval_forward_tokens += int(eval_tokens)
-    merged.loss = math.fsum(losses) if losses else math.nan
-    return merged
+        pieces = list(torch.split(payload[: int(sizes.sum()) + _SCALARS], [*sizes.tolist(), _SCALARS]))
+        fields = {}
+        for name, piece in zip(tensor_fields(), pieces, strict=False):
+            if name in OPTIONAL_FIELDS and not piece.numel():
+                fields[name] = None
+            else:
+                fields[name] = piece.to(getattr(torch, _DTYPES.get(name, "float32")))
+        loss, nonfinite, train_tokens, eval_tokens = pieces[-1].tolist()
+        parts.append(
+            StepStats(
+                **fields,
+                loss=loss,
+                nonfinite_tokens=int(nonfinite),
+                train_forward_tokens=int(train_tokens),
+                eval_forward_tokens=int(eval_tokens),
+            )
+        )
+    return StepStats.join(parts)
 
 
-def gather_totals(totals: StepTotals, device: torch.device) -> StepTotals | None:
-    """Collective. Rank 0 gets the whole batch's StepTotals; the other ranks get None."""
+def gather_stats(stats: StepStats, device: torch.device) -> StepStats | None:
+    """Collective. Rank 0 gets the whole batch's StepStats; the other ranks get None."""
     import torch
     import torch.distributed as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    payload, lengths = encode_totals(totals)
+    payload, lengths = encode_stats(stats)
     every_length = [torch.zeros_like(lengths, device=device) for _ in range(world_size)]
     dist.all_gather(every_length, lengths.to(device))
     every_length = [t.cpu() for t in every_length]
@@ -211,6 +200,6 @@ def gather_totals(totals: StepTotals, device: torch.device) -> StepTotals | None
     if rank == 0:
         received = [torch.zeros(longest, dtype=torch.float64, device=device) for _ in range(world_size)]
         dist.gather(padded, received, dst=0)
-        return decode_totals([t.cpu() for t in received], every_length, totals)
+        return decode_stats([t.cpu() for t in received], every_length)
     dist.gather(padded, None, dst=0)
     return None

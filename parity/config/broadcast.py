@@ -66,8 +66,8 @@ class BroadcastConfig(ServiceConfig):
     notify_redis: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Also publish every version event, serialized once, to Redis pub/sub channels "
-        "'<run.stream>:versions:<kind>' (parity/version_watch.py reads them; Redis fans out in C, so "
-        "1,000 watchers cost the service one write per event, not 1,000 gRPC stream writes). "
+        "'<run.stream>:versions:<kind>' (parity/weights/version_watch.py reads them; Redis fans out "
+        "in C, so 1,000 watchers cost the service one write per event, not 1,000 gRPC stream writes). "
         "auto: when run.redis_url is set; on: run.redis_url is required; off: gRPC WatchVersions only.",
     )
 
@@ -78,8 +78,3 @@ class BroadcastConfig(ServiceConfig):
                 f"heartbeat_timeout_s: must exceed heartbeat_interval_s={self.heartbeat_interval_s}"
             )
         return self
-
-    @property
-    def device(self) -> str:
-        """Where the service keeps the latest version: GPU memory for NCCL, host memory for gloo."""
-        return "cuda" if self.backend == "nccl" else "cpu"

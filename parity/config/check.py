@@ -33,7 +33,7 @@ class CheckConfig(Section):
     threshold: float = Field(
         DEFAULT_THRESHOLD,
         gt=0,
-        description="Largest passing mean k3 (KL) per token; see tools/check/check.py for why 1e-3.",
+        description="Largest passing mean k3 (KL) per token; see commands/check/check.py for why 1e-3.",
     )
     on_mismatch: Literal["warn", "stop"] = Field(
         "stop",

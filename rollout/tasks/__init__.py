@@ -20,50 +20,15 @@ Prompt text is the user's turn; the rollout service applies the model's chat tem
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from rollout.tasks.base import FiniteTask, Prompt, Task, TaskError
 
 if TYPE_CHECKING:
     from parity.config.task import TaskConfig
 
-
-@dataclass(frozen=True)
-class Prompt:
-    prompt_id: str
-    text: str
-    answer: str
-    # Chat turns (role, content) when the record came as `messages`; `text` then renders them.
-    messages: tuple[tuple[str, str], ...] = ()
-    # The record's own fields (reasoning-gym entries, user metadata), handed to rewards.
-    metadata: Mapping[str, Any] = field(default_factory=dict, hash=False)
-
-
-class Task(Protocol):
-    name: str
-
-    def train_prompts(self) -> Iterator[Prompt]:
-        """Endless, deterministic given the seed."""
-
-    def eval_prompts(self, n: int) -> list[Prompt]:
-        """Held-out prompts, disjoint from the training stream."""
-
-    def reward(self, prompt: Prompt, completion_text: str) -> float:
-        """Verifiable reward in [0, 1]."""
-
-
-@runtime_checkable
-class FiniteTask(Protocol):
-    """A task backed by a data set: the stream walks `train_set()` in epochs (rollout/tasks/stream.py)."""
-
-    name: str
-
-    def train_set(self) -> Sequence[Prompt]:
-        """Every training prompt once, in a fixed order (the stream shuffles per epoch)."""
-
-
-class TaskError(ValueError):
-    """A task source is unusable; the message names the config key, the file and the line or field."""
+__all__ = ["TASKS", "FiniteTask", "Prompt", "Task", "TaskError", "get_task"]
 
 
 def _arithmetic(seed: int) -> Task:
@@ -79,7 +44,6 @@ def _arithmetic_final(seed: int) -> Task:
 
 
 TASKS: dict[str, Callable[[int], Task]] = {"arithmetic": _arithmetic, "arithmetic_final": _arithmetic_final}
-SOURCE_PREFIXES = ("jsonl:", "hf:", "reasoning_gym:")
 
 
 def get_task(name: str, seed: int = 0, config: TaskConfig | None = None) -> Task:
@@ -94,11 +58,11 @@ def get_task(name: str, seed: int = 0, config: TaskConfig | None = None) -> Task
     if name in TASKS:
         return TASKS[name](seed)
     if name.startswith("jsonl:"):
-        from rollout.tasks.jsonl import jsonl_task
+        from rollout.tasks.sources import jsonl_task
 
         return jsonl_task(name.removeprefix("jsonl:"), config)
     if name.startswith("hf:"):
-        from rollout.tasks.hf import hf_task
+        from rollout.tasks.sources import hf_task
 
         return hf_task(name.removeprefix("hf:"), config)
     if name.startswith("reasoning_gym:"):

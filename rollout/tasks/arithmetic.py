@@ -13,7 +13,7 @@ import random
 import re
 from collections.abc import Iterator
 
-from rollout.tasks import Prompt
+from rollout.tasks.base import Prompt
 
 INSTRUCTION = "Answer with just the number."
 _FIRST_INTEGER = re.compile(r"-?\d+")

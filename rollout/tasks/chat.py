@@ -8,7 +8,7 @@ Invariants:
   - Off: the prompt text is tokenized as is (the system prompt, if any, then a blank line, first).
     Records given as `messages` need the template, so `chat_template = false` with such records is
     refused when the run starts (`check_prompt_format`).
-  - Training (the actor) and held-out evaluation (tools/run/evaluation.py) both call `token_ids`, so
+  - Training (the actor) and held-out evaluation (commands/run/evaluation.py) both call `token_ids`, so
     both see the same tokens for the same prompt.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from rollout.tasks import Prompt, TaskError
+from rollout.tasks.base import Prompt, TaskError
 
 
 def chat_messages(prompt: Prompt, system_prompt: str) -> list[dict[str, str]]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollout.tasks import Prompt, TaskError
-from rollout.tasks.records import DatasetTask, check_unique_ids, split_held_out, to_prompt
+from rollout.tasks.base import Prompt, TaskError
+from rollout.tasks.records import check_unique_ids, to_prompt
 
 if TYPE_CHECKING:
     from parity.config.task import TaskConfig
@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
 
-def _split(spec: str) -> tuple[str, str]:
+def split_spec(spec: str) -> tuple[str, str]:
+    """`PATH[:split]` -> (PATH, split or ""); a PATH that exists on disk keeps its colons."""
     path, sep, split = spec.rpartition(":")
     if sep and path and "/" not in split and not Path(spec).exists():
         return path, split
@@ -54,7 +55,7 @@ def _load(path: str, split: str):
 
 
 def read_hf(spec: str, config: TaskConfig) -> list[Prompt]:
-    path, split = _split(spec)
+    path, split = split_spec(spec)
     rows, split = _load(path, split)
     label = f"{path}[{split}]" if split else path
     placed = []
@@ -65,11 +66,3 @@ def read_hf(spec: str, config: TaskConfig) -> list[Prompt]:
         raise TaskError(f"{label}: no rows")
     check_unique_ids(placed)
     return [prompt for _, prompt in placed]
-
-
-def hf_task(spec: str, config: TaskConfig) -> DatasetTask:
-    from rollout.tasks.jsonl import held_out_records
-
-    prompts = read_hf(spec, config)
-    train, evals = split_held_out(prompts, held_out_records(config), config.eval_fraction, f"hf:{spec}")
-    return DatasetTask(f"hf:{Path(_split(spec)[0]).name}", train, evals)

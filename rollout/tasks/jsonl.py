@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollout.tasks import Prompt, TaskError
-from rollout.tasks.records import DatasetTask, check_unique_ids, split_held_out, to_prompt
+from rollout.tasks.base import Prompt, TaskError
+from rollout.tasks.records import check_unique_ids, to_prompt
 
 if TYPE_CHECKING:
     from parity.config.task import TaskConfig
@@ -46,23 +46,3 @@ def read_jsonl(path: str, config: TaskConfig) -> list[Prompt]:
         raise TaskError(f"{path}: no records")
     check_unique_ids(placed)
     return [prompt for _, prompt in placed]
-
-
-def held_out_records(config: TaskConfig) -> list[Prompt] | None:
-    """The records of `task.eval_task` (jsonl:PATH or hf:PATH[:split]), or None to split by fraction."""
-    spec = config.eval_task
-    if not spec:
-        return None
-    if spec.startswith("jsonl:"):
-        return read_jsonl(spec.removeprefix("jsonl:"), config)
-    if spec.startswith("hf:"):
-        from rollout.tasks.hf import read_hf
-
-        return read_hf(spec.removeprefix("hf:"), config)
-    raise TaskError(f"task.eval_task: must be jsonl:PATH or hf:PATH[:split], got {spec!r}")
-
-
-def jsonl_task(path: str, config: TaskConfig) -> DatasetTask:
-    prompts = read_jsonl(path, config)
-    train, evals = split_held_out(prompts, held_out_records(config), config.eval_fraction, f"jsonl:{path}")
-    return DatasetTask(f"jsonl:{Path(path).name}", train, evals)

@@ -11,7 +11,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from rollout.tasks import Task, TaskError
+from rollout.tasks.base import Task, TaskError
 
 TASK_METHODS = ("train_prompts", "eval_prompts", "reward")
 

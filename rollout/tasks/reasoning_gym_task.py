@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rollout.tasks import Prompt, TaskError
+from rollout.tasks.base import Prompt, TaskError
 from rollout.tasks.records import EVAL_ORDER_SEED, FiniteSplitTask
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rollout.tasks import Prompt, TaskError
+from rollout.tasks.base import Prompt, TaskError
 
 if TYPE_CHECKING:
     from parity.config.task import TaskConfig

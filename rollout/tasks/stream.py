@@ -29,7 +29,7 @@ import itertools
 import random
 from collections.abc import Iterator
 
-from rollout.tasks import FiniteTask, Prompt, Task, TaskError
+from rollout.tasks.base import FiniteTask, Prompt, Task, TaskError
 
 
 class PromptStream:

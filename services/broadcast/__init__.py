@@ -1,1 +1,1 @@
-"""services/broadcast"""
+"""services/broadcast: the WeightBroadcastService servicer and `parity serve broadcast`."""

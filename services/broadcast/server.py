@@ -9,7 +9,7 @@ default; off loopback it refuses to start without an auth token (PARITY_BROADCAS
 for the data groups' rendezvous listens on --data_host:--store_port only (0 picks a port); it is the
 only data-plane port the service opens, and the service never joins a data group itself.
 With `broadcast.notify_redis` (auto: when run.redis_url is set) it also publishes every version event
-to Redis pub/sub for parity/version_watch.py (services/broadcast/notify.py).
+to Redis pub/sub for parity/weights/version_watch.py (broadcast/notify.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ async def serve(config: BroadcastConfig, notify: tuple[str, str] | None = None) 
     """Serve until a shutdown signal. `notify` = (redis_url, stream): publish events to Redis."""
     from parity import metrics, tracing
     from parity.server import GrpcServer, install_shutdown_handlers
-    from parity.transport import serve_store
     from parity.v1 import broadcast_pb2_grpc
+    from parity.weights.rendezvous import serve_store
     from services.broadcast.service import PROTECTED_METHODS, SERVICE, WeightBroadcastService
 
     tracing.init("parity-broadcast")
@@ -45,7 +45,7 @@ async def serve(config: BroadcastConfig, notify: tuple[str, str] | None = None) 
     reaper = asyncio.ensure_future(service.reap_forever())
     notifier = None
     if notify is not None:
-        from services.broadcast.notify import RedisNotifier
+        from broadcast.notify import RedisNotifier
 
         notifier = asyncio.ensure_future(RedisNotifier(service.events, *notify).run())
 

@@ -20,17 +20,17 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from broadcast import delta, telemetry
+from broadcast.coordinator import Coordinator
+from broadcast.events import EventLog, Kind
+from broadcast.membership import DEVICE_UUID, Epoch, Membership, WorkerState
+from broadcast.registry import VersionRecord, VersionRegistry, is_final_for, reached
 from parity import tracing
 from parity.config.broadcast import BroadcastConfig
-from parity.cuda_ipc import handle_problem
 from parity.errors import RequestError, invalid
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc
-from services.broadcast import delta, telemetry
-from services.broadcast.coordinator import Coordinator
-from services.broadcast.events import EventLog, Kind
-from services.broadcast.membership import DEVICE_UUID, Epoch, Membership, WorkerState
-from services.broadcast.registry import VersionRecord, VersionRegistry, is_final_for, reached
+from parity.weights.cuda_ipc import handle_problem
 
 log = logging.getLogger(__name__)
 SERVICE = "parity.v1.WeightBroadcastService"
@@ -160,7 +160,7 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
 
     def _plan_delta(self, record: VersionRecord, epoch: Epoch) -> None:
         """Make `record` a delta against the previous version when every epoch member serves it
-        (services/broadcast/delta.py); a version that changes every tensor stays whole."""
+        (broadcast/delta.py); a version that changes every tensor stays whole."""
         previous = self.registry.get(record.version - 1)
         members = [self.membership.live.get(wid) for wid in epoch.members + epoch.ipc_members]
         base = delta.delta_base(

@@ -11,7 +11,7 @@ start; the real one is `rollout/`.
 
 Invariants (the same as the real worker's):
 - Updates are serialised; received bytes go to a spare buffer, never into the served weights; the
-  epoch's data group is held between versions (rollout.weight_receiver, as the real worker does).
+  epoch's data group is held between versions (parity.weights.receiver, as the real worker does).
 - Only if every tensor's shape, dtype and WSUM64 match the plan are the new tensors swapped in;
   otherwise the old weights and version stay and the answer is FAILED naming the tensors.
 - After each swap `--state_file` holds {"version", "checksums", "path", "device"} of the weights it
@@ -52,7 +52,7 @@ class StandinReceiver:
     def _write_state(self) -> None:
         if not self.args.state_file:
             return
-        from parity.checksum import tensor_checksum
+        from parity.weights.checksum import tensor_checksum
 
         path = Path(self.args.state_file)
         tmp = path.with_suffix(".tmp")
@@ -68,7 +68,7 @@ class StandinReceiver:
     def _receive(self, plan, corrupt: str):
         """Blocking: receive and verify through the rollout workers' own receiver (its process-wide
         epoch group, streaming checksums, memory check), into the spare buffer when it fits."""
-        from rollout.weight_receiver import receive_and_verify
+        from parity.weights.receiver import receive_and_verify
 
         delay = self.args.bucket_delay_s
         return receive_and_verify(
@@ -170,20 +170,20 @@ class StandinReceiver:
         CUDA IPC; "" on CPU."""
         if self.args.device == "cpu" or self.args.hide_device:
             return ""
-        from parity.transport import cuda_device_uuid
+        from parity.weights.devices import cuda_device_uuid
 
         return cuda_device_uuid(self.args.device)
 
     async def serve(self) -> int:
         from parity.config import ServiceConfig
-        from parity.membership_client import MembershipClient
         from parity.server import GrpcServer, install_shutdown_handlers
         from parity.v1 import rollout_pb2_grpc
+        from parity.weights.membership_client import MembershipClient
 
         # Loaded before registering, as a real rollout worker has torch loaded (by vLLM) long before
         # it registers: a first UpdateWeights that paid the import would miss a short rendezvous
         # deadline on a loaded box (the trainer waited transfer_timeout_s=4 for this rank).
-        for module in ("torch", "torch.distributed", "rollout.weight_receiver"):
+        for module in ("torch", "torch.distributed", "parity.weights.receiver"):
             importlib.import_module(module)
 
         name = "parity.v1.RolloutService"

@@ -1,4 +1,4 @@
-"""A stand-in trainer: publishes toy weight versions with the real `trainer.publisher.Publisher`
+"""A stand-in trainer: publishes toy weight versions with the real `parity.weights.sender.Publisher`
 (rank 0 of the epoch's data group, catch-up thread included), without a model or an optimizer.
 The chaos tests run it as a process they can kill mid-transfer.
 
@@ -33,13 +33,13 @@ def toy_weights(version: int) -> list[tuple[str, object]]:
 
 
 def trainer_checksums(version: int) -> list[str]:
-    from parity import checksum
+    from parity.weights import checksum
 
     return [str(m.checksum) for m in checksum.describe(toy_weights(version))]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from trainer.publisher import Publisher, PublishError
+    from parity.weights.sender import Publisher, PublishError
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--broadcast_address", required=True)

@@ -100,9 +100,9 @@ class HfScorer:
 
 def transfer_plan(state: dict, version: int, bucket_bytes: int = 1 << 20, timeout_s: float = 60.0):
     """(plan for the worker as rank 1, rendezvous for the sender as rank 0, tensors in plan order)."""
-    from parity import checksum
     from parity.ports import free_port
     from parity.v1 import common_pb2
+    from parity.weights import checksum
 
     names = sorted(state)
     tensors = [state[n] for n in names]
@@ -114,7 +114,7 @@ def transfer_plan(state: dict, version: int, bucket_bytes: int = 1 << 20, timeou
         backend="gloo",
         group_name=f"test-v{version}-{uuid.uuid4().hex[:8]}",
         timeout_s=timeout_s,
-        secret=uuid.uuid4().hex,  # the join's proof of the group secret (parity.transport)
+        secret=uuid.uuid4().hex,  # the join's proof of the group secret (parity.weights.rendezvous)
     )
     plan = common_pb2.TransferPlan(
         version=version,
@@ -132,7 +132,7 @@ def transfer_plan(state: dict, version: int, bucket_bytes: int = 1 << 20, timeou
 def send_as_rank0(sender_rdv, tensors, bucket_bytes: int, errors: list[BaseException]) -> None:
     """The sender's side of `transfer_plan` (for a thread): host the store, join as rank 0, send.
     An exception is appended to `errors` for the test to surface."""
-    from parity.transport import TransferGroup
+    from parity.weights.wire import TransferGroup
 
     try:
         group = TransferGroup.join(sender_rdv, host_store=True)

@@ -1,0 +1,1 @@
+"""The user commands: `parity` (main.py) and its subcommands `run` and `check`/`compare`."""

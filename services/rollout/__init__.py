@@ -1,0 +1,1 @@
+"""services/rollout: the RolloutService servicer and `parity serve rollout`."""

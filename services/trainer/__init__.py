@@ -1,0 +1,1 @@
+"""services/trainer: the TrainerService servicer and `parity serve trainer`."""

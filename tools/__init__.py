@@ -1,1 +1,0 @@
-"""User-facing tools that drive the services from outside: `parity run` and `parity check`."""

@@ -1,0 +1,108 @@
+"""Building a trainer's models: device, policy (sharded on several ranks), optimizer, frozen copies.
+
+Invariants:
+- The seed is set before anything random is created, so two trainers of one config start equal.
+- TF32 is off process-wide before the first matmul (trainer/precision.py).
+- On one rank the policy's parameters are flattened into one buffer (publishing then sends them
+  with no packing copy); on several, FSDP2 shards every decoder layer and the scorer's root.
+- The frozen copies (reference model for the KL penalty; `old_model` for recompute and own-version
+  scoring) never train. On several ranks only rank 0 scores own versions (it holds the whole
+  batch), with an unsharded copy of its own; recompute shards its copy like the policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer import fsdp
+from trainer import precision as numerics
+from trainer.device import resolve_device
+from trainer.flat_params import flatten_parameters
+from trainer.freeze import freeze_parameters
+from trainer.policy import load_model, scorer_for
+
+if TYPE_CHECKING:
+    from parity.config.trainer import TrainerConfig
+
+
+@dataclass
+class TrainingModels:
+    device: Any
+    rank: int
+    world_size: int
+    distributed: bool
+    model_dir: Path
+    model: Any  # the HF model whose parameters train
+    scorer: Any  # the model with its fp32 head: what the step runs
+    optimizer: Any
+    scheduler: Any
+    ref_model: Any | None
+    old_model: Any | None
+
+
+def build_models(config: TrainerConfig, seed: int, model_name: str) -> TrainingModels:
+    import torch
+
+    from parity import models
+
+    cfg = config
+    torch.manual_seed(seed)
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    numerics.disable_tf32()
+    device = resolve_device(cfg.device)
+    rank, world_size = fsdp.world()
+    distributed = world_size > 1
+    if distributed:
+        fsdp.init_process_group(device, cfg.dist_timeout_s)
+    model_dir = models.resolve(model_name)
+    model = load_model(model_dir, cfg.dtype, device, packing=cfg.packing)
+    freeze_parameters(model, cfg.freeze)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not distributed:
+        flatten_parameters(model)
+    scorer = scorer_for(model, cfg.precision)
+    if distributed:
+        fsdp.shard_scorer(scorer, cfg.precision)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+    )
+    warmup = cfg.lr_warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+    )
+
+    def frozen_copy(shard: bool):
+        copy = load_model(model_dir, cfg.dtype, device, packing=cfg.packing)
+        copy.eval()
+        for param in copy.parameters():
+            param.requires_grad_(False)
+        copy_scorer = scorer_for(copy, cfg.precision)
+        if distributed and shard:
+            fsdp.shard_scorer(copy_scorer, cfg.precision)
+        return copy_scorer
+
+    ref_model = frozen_copy(shard=True) if cfg.kl_coef > 0 else None
+    own_version = cfg.own_version_groups > 0 and rank == 0
+    recompute = cfg.old_logprobs == "recompute"
+    old_model = frozen_copy(shard=recompute) if recompute or own_version else None
+    return TrainingModels(
+        device,
+        rank,
+        world_size,
+        distributed,
+        model_dir,
+        model,
+        scorer,
+        optimizer,
+        scheduler,
+        ref_model,
+        old_model,
+    )

@@ -1,0 +1,99 @@
+"""The trainer's past weights: one host copy per published version, shared by every reader.
+
+Two readers need the weights of versions the trainer has moved past:
+- own-version rescoring and the PPO old policy (`old_logprobs=recompute`) load a version into a
+  frozen copy of the model to score tokens under the weights that sampled them;
+- the sender's catch-up hands the newest published version to a worker that joined late.
+Both read this history, so a publish gathers the full weights once (one all-gather on several
+ranks) and copies them to the host once.
+
+Invariants:
+- `record(v, named)` copies every tensor before returning (the optimizer may step right after);
+  a recorded version is never modified, only dropped whole.
+- `keep` bounds the versions held (max_lag + 1 when a reader scores stale tokens, else 1); the newest
+  is never dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+Bucket = list[tuple[str, Any, tuple[int, ...], Any]]  # (name, dtype, shape, tensor on the device)
+
+
+def weight_buckets(model, bucket_bytes: int, announce: Callable[[], None] | None = None) -> Iterator[Bucket]:
+    """Yield lists of (name, dtype, shape, tensor on the model's device) of about `bucket_bytes`
+    each, in named_parameters order (tied weights once, as vLLM loads them). Sharded (DTensor)
+    parameters are all-gathered on the device: a collective every rank must iterate; `announce`
+    runs first (rank 0 of a multi-rank service tells the other ranks to gather with it)."""
+    bucket: Bucket = []
+    size = 0
+    lm = model.lm if hasattr(model, "lm") and hasattr(model, "precision") else model
+    if announce is not None and any(hasattr(p, "full_tensor") for p in lm.parameters()):
+        announce()
+    for name, param in lm.named_parameters():
+        tensor = param.detach()
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        bucket.append((name, tensor.dtype, tuple(tensor.shape), tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def full_weights(model, bucket_bytes: int, announce: Callable[[], None] | None = None):
+    """Every (name, full tensor on the device), contiguous: the gathered buckets, kept whole."""
+    return [
+        (name, tensor.contiguous())
+        for bucket in weight_buckets(model, bucket_bytes, announce)
+        for name, _dtype, _shape, tensor in bucket
+    ]
+
+
+class WeightHistory:
+    """Host copies of published versions (see the module docstring). Thread-safe: the sender's
+    catch-up thread reads while the training loop records."""
+
+    def __init__(self, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.keep = keep
+        self._versions: dict[int, dict[str, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.host_copies_total = 0  # tensors sets copied (one per recorded version)
+
+    def record(self, version: int, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Copy `named` (on any device) to the host as `version`; drop the oldest beyond `keep`."""
+        copied = {name: tensor.detach().to("cpu", copy=True) for name, tensor in named}
+        with self._lock:
+            self._versions[version] = copied
+            self.host_copies_total += 1
+            for old in sorted(self._versions)[: max(0, len(self._versions) - self.keep)]:
+                del self._versions[old]
+
+    def get(self, version: int) -> dict[str, torch.Tensor] | None:
+        with self._lock:
+            return self._versions.get(version)
+
+    def __contains__(self, version: int) -> bool:
+        with self._lock:
+            return version in self._versions
+
+    def versions(self) -> list[int]:
+        with self._lock:
+            return sorted(self._versions)
+
+    def ordered(self, version: int, names: Sequence[str]) -> tuple[torch.Tensor, ...] | None:
+        """`version`'s tensors in `names` order (a transfer plan's), or None when not held."""
+        held = self.get(version)
+        if held is None:
+            return None
+        return tuple(held[name] for name in names)
