@@ -59,6 +59,11 @@ def validate_group(group: rollouts_pb2.RolloutGroup) -> str:
         if not sample.rollout_id:
             return "a sample has no rollout_id"
         n = len(sample.token_ids)
+        if sample.loss_mask:  # an episode: per-token fields cover the model's tokens only
+            problem = _episode_problem(sample)
+            if problem:
+                return f"{sample.rollout_id}: {problem}"
+            n = sum(sample.loss_mask)
         if len(sample.logprobs) != n:
             return f"{sample.rollout_id}: {len(sample.logprobs)} logprobs for {n} tokens"
         if sample.token_weight_versions and len(sample.token_weight_versions) != n:
@@ -70,11 +75,32 @@ def validate_group(group: rollouts_pb2.RolloutGroup) -> str:
     return ""
 
 
+def _episode_problem(sample: rollouts_pb2.RolloutSample) -> str:
+    if len(sample.loss_mask) != len(sample.token_ids):
+        return f"{len(sample.loss_mask)} loss-mask entries for {len(sample.token_ids)} tokens"
+    at = 0
+    for turn in sample.turns:
+        if turn.start != at or turn.end < turn.start:
+            return f"turn [{turn.start}, {turn.end}) does not continue at token {at}"
+        model = turn.role == rollouts_pb2.TURN_ROLE_MODEL
+        if any(bool(m) != model for m in sample.loss_mask[turn.start : turn.end]):
+            return f"the loss mask disagrees with turn [{turn.start}, {turn.end})'s role"
+        at = turn.end
+    if sample.turns and at != len(sample.token_ids):
+        return f"the turns cover {at} of {len(sample.token_ids)} tokens"
+    return ""
+
+
+def model_token_count(sample: rollouts_pb2.RolloutSample) -> int:
+    """Tokens the model sampled: all of them for a single completion, the masked ones in an episode."""
+    return sum(sample.loss_mask) if sample.loss_mask else len(sample.token_ids)
+
+
 def token_versions(group: rollouts_pb2.RolloutGroup, sample: rollouts_pb2.RolloutSample) -> list[int]:
     """One version per token; an entry without per-token versions counts as its oldest version."""
     if sample.token_weight_versions:
         return list(sample.token_weight_versions)
-    return [int(group.min_weight_version)] * len(sample.token_ids)
+    return [int(group.min_weight_version)] * model_token_count(sample)
 
 
 def token_context_versions(group: rollouts_pb2.RolloutGroup, sample: rollouts_pb2.RolloutSample) -> list[int]:

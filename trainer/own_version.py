@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from trainer.device import to_device
 from trainer.policy import token_logprobs
-from trainer.prepare import ScoredSequence
+from trainer.prepare import ScoredSequence, model_positions
 from trainer.weight_history import WeightHistory
 
 if TYPE_CHECKING:
@@ -52,7 +52,9 @@ def rescore_at_versions(
                 continue
             for name, tensor in weights.items():
                 params[name].copy_(tensor)
-            lp_T, _ = token_logprobs(old_model, [s.inputs for s in chunk], with_entropy=False)
+            lp_T, _ = token_logprobs(
+                old_model, [s.inputs for s in chunk], with_entropy=False, keep=model_positions(chunk)
+            )
             use_T = versions_T == version
             old_T[use_T] = lp_T[use_T]
             known_T |= use_T

@@ -176,15 +176,30 @@ def token_budget_batches(
 
 
 def token_logprobs(
-    model, sequences: Sequence[SequenceInput], with_entropy: bool = True
+    model, sequences: Sequence[SequenceInput], with_entropy: bool = True, keep: Sequence[bool] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob of every completion token [T], entropy at each of those positions [T]), on the
     model's device.
 
     `model` is an HF causal LM or its CompletionScorer. Tokens are in sequence order, then position
     order. Gradient flows into the logprobs when the caller has grad enabled; entropy never carries
-    gradient.
+    gradient. `keep` (one flag per completion token): only those tokens are returned (an episode's
+    model tokens; its environment tokens are context, never scored).
     """
+    logprobs_T, entropy_T = _all_token_logprobs(model, sequences, with_entropy)
+    if keep is None:
+        return logprobs_T, entropy_T
+    keep_T = to_device(torch_bool(keep), logprobs_T.device)
+    return logprobs_T[keep_T], entropy_T[keep_T]
+
+
+def torch_bool(values: Sequence[bool]):
+    import torch
+
+    return torch.tensor(list(values), dtype=torch.bool)
+
+
+def _all_token_logprobs(model, sequences: Sequence[SequenceInput], with_entropy: bool):
 
     from trainer import packing
 

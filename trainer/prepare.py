@@ -36,16 +36,19 @@ class ScoredSequence:
     trainable: bool
     contexts: list[int] = field(default_factory=list)  # per token, the oldest KV version it attended to
     group_index: int = 0
+    # Episodes: per completion token, whether the model sampled it (empty: every token is the
+    # model's). The per-token lists above cover the model's tokens only.
+    loss_mask: tuple[bool, ...] = ()
 
     @property
     def num_tokens(self) -> int:
-        """Completion tokens (the ones with a logprob, a version and a loss)."""
+        """Model tokens (the ones with a logprob, a version and a loss)."""
         return len(self.rollout_logprobs)
 
     @property
     def forward_tokens(self) -> int:
-        """Tokens through the model: prompt and completion."""
-        return len(self.inputs.prompt_ids) + len(self.rollout_logprobs)
+        """Tokens through the model: prompt and completion (environment turns included)."""
+        return len(self.inputs.prompt_ids) + len(self.inputs.completion_ids)
 
     def lags(self, trainer_version: int) -> list[int]:
         """Per token, how many versions behind the trainer's weights it was sampled."""
@@ -75,6 +78,14 @@ class PreparedBatch:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.sequences)
+
+
+def model_positions(chunk: list[ScoredSequence]) -> list[bool] | None:
+    """Over the chunk's completion tokens in order, which the model sampled; None when all did
+    (no episode in the chunk), so a single-turn step selects nothing."""
+    if not any(s.loss_mask for s in chunk):
+        return None
+    return [bool(m) for s in chunk for m in (s.loss_mask or (True,) * len(s.inputs.completion_ids))]
 
 
 def trainable_counts(sequences: list[ScoredSequence]) -> tuple[int, int]:
@@ -110,6 +121,7 @@ def prepare(batch: Batch, config: TrainerConfig) -> PreparedBatch:
                     trainable=not zero or config.kl_coef > 0,
                     contexts=token_context_versions(group, sample),
                     group_index=group_index,
+                    loss_mask=tuple(bool(m) for m in sample.loss_mask),
                 )
             )
     return PreparedBatch(sequences, rewards, zero_groups)

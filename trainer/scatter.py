@@ -6,9 +6,10 @@ on CPU, NCCL on CUDA; the group's timeout is `trainer.dist_timeout_s`). Nothing 
 
 Sequences (`scatter_sequences`), one flat int64 and one flat float64 tensor per rank:
 
-    ints   = [S, then per sequence: prompt_len, completion_len, trainable, group_index, top_k]
-             ‖ per sequence: prompt ids ‖ completion ids ‖ token versions ‖ token context versions
-    floats = per sequence: advantage, temperature, top_p ‖ per sequence: rollout logprobs
+    ints   = [S, then per sequence: prompt_len, completion_len, has_mask, trainable, group_index, top_k]
+             ‖ per sequence: prompt ids ‖ completion ids ‖ loss mask (one 0/1 per completion token)
+               ‖ token versions ‖ token context versions (one per model token)
+    floats = per sequence: advantage, temperature, top_p ‖ per sequence: rollout logprobs (model tokens)
 
   The sizes of every rank's pair are broadcast first ([world, 2] int64), then both tensors are
   scattered, zero-padded to the largest; each rank cuts its own back to size. float64 carries the
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 from trainer.stats import OPTIONAL_FIELDS, SCALAR_FIELDS, StepStats, tensor_fields
 
 _SCALARS = len(SCALAR_FIELDS)
+HEADER = 6  # per sequence: prompt_len, completion_len, has_mask, trainable, group_index, top_k
 _DTYPES = {"lags": "long", "clean": "bool"}  # the others travel and arrive as float32
 
 
@@ -50,12 +52,20 @@ def encode_sequences(sequences: list[ScoredSequence]) -> tuple[torch.Tensor, tor
     logprobs: list[float] = []
     for seq in sequences:
         inputs = seq.inputs
-        n = len(inputs.completion_ids)
-        if len(seq.rollout_logprobs) != n or len(seq.versions) != n or len(seq.contexts) != n:
-            raise ValueError("a sequence's logprobs, versions and contexts must match its completion")
+        c, m = len(inputs.completion_ids), seq.num_tokens
+        mask = seq.loss_mask or (True,) * c
+        if len(mask) != c or sum(mask) != m or len(seq.versions) != m or len(seq.contexts) != m:
+            raise ValueError("a sequence's logprobs, versions and contexts must match its model tokens")
         transform = inputs.transform
-        header += [len(inputs.prompt_ids), n, int(seq.trainable), seq.group_index, transform.top_k]
-        tokens += [*inputs.prompt_ids, *inputs.completion_ids, *seq.versions, *seq.contexts]
+        header += [len(inputs.prompt_ids), c, int(bool(seq.loss_mask)), int(seq.trainable), seq.group_index]
+        header += [transform.top_k]
+        tokens += [
+            *inputs.prompt_ids,
+            *inputs.completion_ids,
+            *(int(b) for b in mask),
+            *seq.versions,
+            *seq.contexts,
+        ]
         scalars += [seq.advantage, transform.temperature, transform.top_p]
         logprobs += seq.rollout_logprobs
     ints = torch.tensor(header + tokens, dtype=torch.int64)
@@ -67,32 +77,36 @@ def decode_sequences(ints: torch.Tensor, floats: torch.Tensor) -> list[ScoredSeq
     """The inverse of `encode_sequences` (host tensors)."""
     values, reals = ints.tolist(), floats.tolist()
     count = values[0]
-    header = values[1 : 1 + 5 * count]
-    at, real_at, lp_at = 1 + 5 * count, 0, 3 * count
+    header = values[1 : 1 + HEADER * count]
+    at, real_at, lp_at = 1 + HEADER * count, 0, 3 * count
     out: list[ScoredSequence] = []
     for i in range(count):
-        prompt_len, n, trainable, group_index, top_k = header[5 * i : 5 * i + 5]
+        prompt_len, c, has_mask, trainable, group_index, top_k = header[HEADER * i : HEADER * (i + 1)]
         prompt = tuple(values[at : at + prompt_len])
         at += prompt_len
-        completion = tuple(values[at : at + n])
-        versions = values[at + n : at + 2 * n]
-        contexts = values[at + 2 * n : at + 3 * n]
-        at += 3 * n
+        completion = tuple(values[at : at + c])
+        mask = tuple(bool(b) for b in values[at + c : at + 2 * c])
+        at += 2 * c
+        m = sum(mask)
+        versions = values[at : at + m]
+        contexts = values[at + m : at + 2 * m]
+        at += 2 * m
         advantage, temperature, top_p = reals[real_at : real_at + 3]
         real_at += 3
         transform = SamplingTransform(temperature, top_k, top_p)
         out.append(
             ScoredSequence(
                 inputs=SequenceInput(prompt, completion, transform),
-                rollout_logprobs=reals[lp_at : lp_at + n],
+                rollout_logprobs=reals[lp_at : lp_at + m],
                 versions=versions,
                 advantage=advantage,
                 trainable=bool(trainable),
                 contexts=contexts,
                 group_index=group_index,
+                loss_mask=mask if has_mask else (),
             )
         )
-        lp_at += n
+        lp_at += m
     return out
 
 

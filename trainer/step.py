@@ -26,7 +26,7 @@ from trainer.device import to_device
 from trainer.loss import LossInputs, policy_loss
 from trainer.own_version import rescore_at_versions
 from trainer.policy import token_budget_batches, token_logprobs
-from trainer.prepare import ScoredSequence
+from trainer.prepare import ScoredSequence, model_positions
 from trainer.stats import StepStats
 from trainer.weight_history import WeightHistory
 
@@ -97,7 +97,9 @@ def forward_backward(
             if not chunk:
                 fsdp.idle_micro_batch(models.scorer, models.ref_model, train=False)
                 continue
-            new_T, entropy_T = token_logprobs(models.scorer, [s.inputs for s in chunk])
+            new_T, entropy_T = token_logprobs(
+                models.scorer, [s.inputs for s in chunk], keep=model_positions(chunk)
+            )
             part = _forward_stats(chunk, new_T, entropy_T, _behaviour(chunk, models.device), weight_version)
             part.eval_forward_tokens = sum(s.forward_tokens for s in chunk)
             part.loss = None
@@ -158,7 +160,8 @@ def _train_micro_batch(
     import torch
 
     device = models.device
-    new_T, entropy_T = token_logprobs(models.scorer, [s.inputs for s in chunk])
+    keep = model_positions(chunk)  # an episode's environment tokens are context, never scored
+    new_T, entropy_T = token_logprobs(models.scorer, [s.inputs for s in chunk], keep=keep)
     behaviour_T = _behaviour(chunk, device)
     part = _forward_stats(chunk, new_T, entropy_T, behaviour_T, weight_version)
     seq_lengths_S = to_device(torch.tensor([s.num_tokens for s in chunk]), device)
@@ -172,7 +175,9 @@ def _train_micro_batch(
     ref_T = None
     if models.ref_model is not None:
         with torch.no_grad():
-            ref_T, _ = token_logprobs(models.ref_model, [s.inputs for s in chunk], with_entropy=False)
+            ref_T, _ = token_logprobs(
+                models.ref_model, [s.inputs for s in chunk], with_entropy=False, keep=keep
+            )
     advantages_S = to_device(torch.tensor([s.advantage for s in chunk], dtype=torch.float32), device)
     loss, loss_stats = policy_loss(
         config,

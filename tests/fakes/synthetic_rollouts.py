@@ -88,3 +88,69 @@ def _sample(model, prompt: list[int], length: int, transform: SamplingTransform,
         out.append(token)
         ids.append(token)
     return out
+
+
+def make_episode_group(
+    model,
+    group_id: str,
+    rewards: Sequence[float],
+    turns: Sequence[tuple[str, int]] = (("model", 5), ("environment", 4), ("model", 6)),
+    version: int = 0,
+    prompt_len: int = 6,
+    transform: SamplingTransform = PLAIN,
+    generator: torch.Generator | None = None,
+    vocab_low: int = 3,
+) -> rollouts_pb2.RolloutGroup:
+    """A group of multi-turn episodes: `turns` of (role, length); model tokens drawn at random,
+    environment tokens too (an observation). Model tokens get the processed logprobs of the whole
+    sequence so far (environment tokens are their context), as an engine fed the exact token prefix
+    would report; environment tokens carry none (rollouts.proto, RolloutSample.loss_mask)."""
+    import torch
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompt = [int(t) for t in torch.randint(vocab_low, vocab, (prompt_len,), generator=generator)]
+    group = rollouts_pb2.RolloutGroup(
+        group_id=group_id,
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(
+            temperature=transform.temperature,
+            top_k=transform.top_k,
+            top_p=transform.top_p,
+            max_tokens=max(n for _, n in turns),
+            n=len(rewards),
+        ),
+        min_weight_version=version,
+        max_weight_version=version,
+        logprobs_mode=common_pb2.LOGPROBS_MODE_PROCESSED,
+    )
+    with torch.no_grad():
+        for index, reward in enumerate(rewards):
+            tokens: list[int] = []
+            mask: list[bool] = []
+            spans = []
+            for role, length in turns:
+                start = len(tokens)
+                tokens += [int(t) for t in torch.randint(vocab_low, vocab, (length,), generator=generator)]
+                mask += [role == "model"] * length
+                spans.append((role, start, len(tokens)))
+            logprobs, _ = token_logprobs(
+                model, [SequenceInput(tuple(prompt), tuple(tokens), transform)], keep=mask
+            )
+            sample = group.samples.add(
+                rollout_id=f"{group_id}/{index}",
+                token_ids=tokens,
+                logprobs=[float(x) for x in logprobs],
+                token_weight_versions=[version] * sum(mask),
+                reward=float(reward),
+                loss_mask=mask,
+                episode_end=rollouts_pb2.EPISODE_END_DONE,
+            )
+            for role, start, end in spans:
+                sample.turns.add(
+                    role=rollouts_pb2.TURN_ROLE_MODEL
+                    if role == "model"
+                    else rollouts_pb2.TURN_ROLE_ENVIRONMENT,
+                    start=start,
+                    end=end,
+                )
+    return group
