@@ -56,6 +56,12 @@ from rollout.tasks.chat import needs_tokenizer, request_text, token_ids
 from rollout.tasks.stream import PromptStream
 
 log = logging.getLogger("parity.rollout.actor")
+EPISODE_ENDS = {
+    "done": rollouts_pb2.EPISODE_END_DONE,
+    "max_turns": rollouts_pb2.EPISODE_END_MAX_TURNS,
+    "context_length": rollouts_pb2.EPISODE_END_CONTEXT_LENGTH,
+    "environment_error": rollouts_pb2.EPISODE_END_ENVIRONMENT_ERROR,
+}
 POLL_S = 0.2
 
 
@@ -93,6 +99,7 @@ class Actor:
         self._group_traceparents: dict[str, str] = {}  # group_id -> its rollout_group span
         self._in_flight = 0
         self._admission = asyncio.Lock()
+        self._turn_template = None  # rollout.episodes.TurnTemplate, made on the first episode
 
     def prompt_stream(self) -> PromptStream:
         """A fresh stream of this worker's training prompts at position 0 (`seek` moves it)."""
@@ -176,6 +183,8 @@ class Actor:
         self, prompt: Prompt, seed: int | None = None, draw: int | None = None
     ) -> rollouts_pb2.RolloutGroup | None:
         """One scored group, or None when its reward failed (the group is dropped and counted)."""
+        if getattr(self.task, "is_environment", False):
+            return await self.one_episode_group(prompt, seed, draw)
         sampling = self.sampling()
         group_id = f"{self.worker_id}-{self._run_id}-{next(self._counter)}"
         if draw is not None:
@@ -222,6 +231,128 @@ class Actor:
                 )
                 for r, reward in zip(results, rewards, strict=True)
             ],
+            min_weight_version=min(versions),
+            max_weight_version=max(versions),
+            worker_id=self.worker_id,
+            created_at_unix=time.time(),
+            logprobs_mode=common_pb2.LOGPROBS_MODE_PROCESSED
+            if self.config.logprobs_mode == "processed"
+            else common_pb2.LOGPROBS_MODE_RAW,
+        )
+
+    async def one_episode_group(
+        self, prompt: Prompt, seed: int | None = None, draw: int | None = None
+    ) -> rollouts_pb2.RolloutGroup | None:
+        """A group of `n` episodes of one environment record (rollout/episodes.py), or None when an
+        environment failed in any of them (the group is dropped and counted, never scored)."""
+        from rollout.episodes import TurnTemplate, retokenization_drift, run_episode
+
+        c, sampling = self.sampling_config, self.sampling()
+        group_id = f"{self.worker_id}-{self._run_id}-{next(self._counter)}"
+        if draw is not None:
+            self._group_draws[group_id] = draw
+        if self._turn_template is None:
+            self._turn_template = TurnTemplate(self.engine.tokenizer, c.chat_template)
+
+        def first_prompt(observation: str) -> list[int]:
+            return self.prompt_ids(Prompt(prompt.prompt_id, observation, prompt.answer))
+
+        def generate_for(index: int):
+            async def generate(ids: list[int], max_tokens: int, turn: int):
+                turn_seed = None if seed is None else (seed * 1_000_003 + index * 1009 + turn) % (2**63 - 1)
+                spec = GenerationSpec(
+                    request_id=f"{group_id}/{index}/t{turn}",
+                    prompt_token_ids=ids,
+                    n=1,
+                    max_tokens=max_tokens,
+                    temperature=sampling.temperature,
+                    top_k=sampling.top_k,
+                    top_p=sampling.top_p,
+                    seed=turn_seed,
+                )
+                (result,) = await self._generate(spec)
+                return result
+
+            return generate
+
+        group_attrs = {"parity.group_id": group_id, "parity.weight_version": self.engine.weight_version}
+        with tracing.span("rollout_group", group_attrs):
+            self._group_traceparents[group_id] = tracing.current_traceparent()
+            episodes = await asyncio.gather(
+                *(
+                    run_episode(
+                        self.task.source.new_episode(f"{group_id}/{i}"),
+                        prompt.metadata,
+                        first_prompt,
+                        generate_for(i),
+                        self._turn_template,
+                        c.max_turns,
+                        c.max_episode_tokens,
+                        sampling.max_tokens,
+                    )
+                    for i in range(sampling.n)
+                )
+            )
+        for episode in episodes:
+            metrics.EPISODES.labels(end=episode.end).inc()
+            metrics.EPISODE_TURNS.inc(sum(t.role == "model" for t in episode.turns))
+        problem, reason = "", ""
+        if failed := [e for e in episodes if e.end == "environment_error"]:
+            problem, reason = failed[0].error, failed[0].error_reason or "error"
+        elif any(e.token_mismatches for e in episodes):
+            problem, reason = "a model token differs from the engine's output", "token_mismatch"
+        elif any(e.prompt_token_ids != episodes[0].prompt_token_ids for e in episodes):
+            problem, reason = (
+                "reset(record) gave the episodes of one group different first observations",
+                "error",
+            )
+        if problem:
+            metrics.EPISODE_GROUPS_DROPPED.labels(reason=reason).inc()
+            self._group_traceparents.pop(group_id, None)
+            self._group_draws.pop(group_id, None)
+            log.warning("episode group %s (record %s) dropped: %s", group_id, prompt.prompt_id, problem)
+            return None
+        tokenizer = self.engine.tokenizer
+        samples = []
+        for index, episode in enumerate(episodes):
+            drift = retokenization_drift(tokenizer, episode.prompt_token_ids, episode.token_ids)
+            metrics.RETOKENIZATION_DRIFT.inc(drift)
+            model_turns = [t for t in episode.turns if t.role == "model"]
+            sample = rollouts_pb2.RolloutSample(
+                rollout_id=f"{group_id}/{index}",
+                token_ids=episode.token_ids,
+                logprobs=episode.logprobs,
+                token_weight_versions=episode.weight_versions,
+                token_context_versions=episode.context_versions,
+                text=episode.text(tokenizer),
+                reward=episode.reward,
+                finish_reason=FINISH_REASONS[model_turns[-1].finish_reason] if model_turns else 0,
+                loss_mask=episode.loss_mask,
+                episode_end=EPISODE_ENDS[episode.end],
+                token_mismatches=episode.token_mismatches,
+                retokenization_drift=drift,
+            )
+            for turn in episode.turns:
+                proto_turn = sample.turns.add(
+                    role=rollouts_pb2.TURN_ROLE_MODEL
+                    if turn.role == "model"
+                    else rollouts_pb2.TURN_ROLE_ENVIRONMENT,
+                    start=turn.start,
+                    end=turn.end,
+                    finish_reason=FINISH_REASONS[turn.finish_reason] if turn.finish_reason else 0,
+                )
+                if turn.reward is not None:
+                    proto_turn.reward = turn.reward
+            samples.append(sample)
+        versions = [v for e in episodes for v in e.weight_versions] or [self.engine.weight_version]
+        return rollouts_pb2.RolloutGroup(
+            group_id=group_id,
+            task=self.task.name,
+            prompt_id=prompt.prompt_id,
+            prompt_token_ids=episodes[0].prompt_token_ids,
+            prompt_text=episodes[0].first_observation,
+            sampling=sampling,
+            samples=samples,
             min_weight_version=min(versions),
             max_weight_version=max(versions),
             worker_id=self.worker_id,

@@ -101,3 +101,17 @@ class TokenRate:
         rate = (self.total - first_total) / (now - first_t) if now > first_t else 0.0
         TOKENS_PER_SECOND.set(rate)
         return rate
+
+
+EPISODES = Counter("parity_rollout_episodes", "Multi-turn episodes by end reason.", ["end"])
+EPISODE_TURNS = Counter("parity_rollout_episode_model_turns", "Model turns taken in episodes.")
+EPISODE_GROUPS_DROPPED = Counter(
+    "parity_rollout_episode_groups_dropped",
+    "Episode groups dropped, never scored: an environment failed (reason), or a model token differed "
+    "from the engine's (token_mismatch).",
+    ["reason"],
+)
+RETOKENIZATION_DRIFT = Counter(
+    "parity_rollout_retokenization_drift_tokens",
+    "Episode tokens a decode-then-encode round trip would have changed (avoided: tokens are kept).",
+)

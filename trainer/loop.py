@@ -44,6 +44,7 @@ from trainer.recovery import PUBLISHED_VERSION_FILE, bound_dedupe, plan_resume, 
 from trainer.stats import StepStats
 from trainer.step_metrics import (
     SpeedInputs,
+    episode_metrics,
     flops_per_token,
     own_version_metrics,
     speed_metrics,
@@ -266,6 +267,7 @@ class Trainer:
                 metrics = step_metrics(batch, prepared, stats, result, self.state, step_time_s)
                 metrics.update(speed_metrics(stats, self._speed, step_time_s))
                 metrics.update(own_version_metrics(stats, own))
+                metrics.update(episode_metrics(batch))
             metrics.update(timings)
             span.set_attribute(tracing.ATTR_TOKENS, prepared.num_tokens)
             span.set_attribute("parity.groups", len(batch.groups))

@@ -122,6 +122,32 @@ def step_metrics(
     return metrics
 
 
+def episode_metrics(batch: Batch) -> dict[str, Any]:
+    """Multi-turn episodes of the step (absent when it had none): how many, their turns and
+    environment tokens, how they ended, and the token-in/token-out checks the rollout service made
+    (`episode_token_mismatches` must be 0; `episode_retokenization_drift_tokens` is what a
+    decode-then-encode loop would have changed)."""
+    from parity.v1 import rollouts_pb2
+
+    episodes = [s for g in batch.groups for s in g.samples if s.loss_mask]
+    if not episodes:
+        return {}
+    model_turns = [sum(t.role == rollouts_pb2.TURN_ROLE_MODEL for t in s.turns) for s in episodes]
+    metrics: dict[str, Any] = {
+        "episodes": len(episodes),
+        "episode_model_turns_mean": sum(model_turns) / len(episodes),
+        "episode_model_tokens": sum(sum(s.loss_mask) for s in episodes),
+        "episode_environment_tokens": sum(len(s.loss_mask) - sum(s.loss_mask) for s in episodes),
+        "episode_token_mismatches": sum(s.token_mismatches for s in episodes),
+        "episode_retokenization_drift_tokens": sum(s.retokenization_drift for s in episodes),
+    }
+    for name, value in rollouts_pb2.EpisodeEnd.items():
+        if value:
+            key = name.removeprefix("EPISODE_END_").lower()
+            metrics[f"episode_end_{key}"] = sum(s.episode_end == value for s in episodes)
+    return metrics
+
+
 def own_version_metrics(stats: StepStats, own_version: OwnVersionSample | None) -> dict[str, Any]:
     """mismatch_*_own_version over every clean lag-0 token plus the rescored sample, and the
     mixed-context lag-0 tokens as their own class. Absent when own-version scoring is off."""
@@ -192,6 +218,30 @@ def step_samples(batch: Batch, version: int, step: int, limit: int = SAMPLES_PER
                 "reward": float(sample.reward),
                 "version": max(versions),
                 "lag": version - min(versions),
+                **episode_sample(sample, versions),
             }
         )
     return out
+
+
+def episode_sample(sample, versions: list[int]) -> dict:
+    """An episode's turns for samples.jsonl: role, token count, reward, and for model turns the
+    weight versions their tokens were sampled at (an episode may span updates)."""
+    from parity.v1 import rollouts_pb2
+
+    if not sample.loss_mask:
+        return {}
+    turns, model_at = [], 0
+    for turn in sample.turns:
+        entry: dict[str, Any] = {"tokens": turn.end - turn.start}
+        if turn.role == rollouts_pb2.TURN_ROLE_MODEL:
+            n = turn.end - turn.start
+            entry.update(role="model", versions=sorted(set(versions[model_at : model_at + n])))
+            model_at += n
+        else:
+            entry["role"] = "environment"
+        if turn.HasField("reward"):
+            entry["reward"] = turn.reward
+        turns.append(entry)
+    end = rollouts_pb2.EpisodeEnd.Name(sample.episode_end).removeprefix("EPISODE_END_").lower()
+    return {"episode_end": end, "turns": turns}

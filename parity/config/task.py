@@ -17,7 +17,9 @@ class TaskConfig(Section):
     name: str = Field(
         "arithmetic_final",
         description="Prompt source (docs/tasks.md): arithmetic_final (scores the last integer) | arithmetic "
-        "| jsonl:PATH | hf:PATH[:split] | reasoning_gym:NAME[,NAME] | package.module:factory.",
+        "| jsonl:PATH | hf:PATH[:split] | reasoning_gym:NAME[,NAME] | package.module:factory; multi-turn "
+        "environments (docs/environments.md): env:calculator | env:guess_number | env:package.module:factory "
+        "| env:grpc:HOST:PORT.",
     )
     eval_task: str = Field(
         "",
@@ -76,6 +78,33 @@ class TaskConfig(Section):
         le=64,
         description="Also sample k answers per held-out prompt (training temperature) and "
         "report pass@k; 0 skips.",
+    )
+
+    # ---- multi-turn environments (task.name env:...) ----
+    max_turns: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Environments: model turns per episode at most (the end reason is then max_turns).",
+    )
+    max_episode_tokens: int = Field(
+        512,
+        ge=1,
+        le=32768,
+        description="Environments: tokens after the prompt per episode at most (model and environment turns); "
+        "a turn that would not fit ends the episode (context_length). task.max_tokens bounds each model turn.",
+    )
+    env_step_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Environments: deadline of each reset, step and close call."
+    )
+    env_max_observation_chars: int = Field(
+        8192, ge=1, description="Environments: a longer observation ends the episode (environment_error)."
+    )
+    env_retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="env:grpc: retries of UNAVAILABLE / DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED.",
     )
 
     @property

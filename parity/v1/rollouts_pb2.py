@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from parity.v1 import common_pb2 as parity_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18parity/v1/rollouts.proto\x12\tparity.v1\x1a\x16parity/v1/common.proto\"\xdc\x02\n\x0cRolloutGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x05 \x01(\t\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.parity.v1.SamplingParams\x12)\n\x07samples\x18\x07 \x03(\x0b\x32\x18.parity.v1.RolloutSample\x12\x1a\n\x12min_weight_version\x18\x08 \x01(\x03\x12\x1a\n\x12max_weight_version\x18\t \x01(\x03\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x17\n\x0f\x63reated_at_unix\x18\x0b \x01(\x01\x12.\n\rlogprobs_mode\x18\x0c \x01(\x0e\x32\x17.parity.v1.LogprobsMode\"\xcb\x02\n\rRolloutSample\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x1d\n\x15token_weight_versions\x18\x04 \x03(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x0e\n\x06reward\x18\x06 \x01(\x02\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.parity.v1.FinishReason\x12\x1e\n\x16token_context_versions\x18\x08 \x03(\x03\x12\x11\n\tloss_mask\x18\t \x03(\x08\x12\x1e\n\x05turns\x18\n \x03(\x0b\x32\x0f.parity.v1.Turn\x12*\n\x0b\x65pisode_end\x18\x0b \x01(\x0e\x32\x15.parity.v1.EpisodeEnd\x12\x15\n\repisode_error\x18\x0c \x01(\t\"\x95\x01\n\x04Turn\x12!\n\x04role\x18\x01 \x01(\x0e\x32\x13.parity.v1.TurnRole\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\x12\x13\n\x06reward\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.parity.v1.FinishReasonB\t\n\x07_reward*U\n\x08TurnRole\x12\x19\n\x15TURN_ROLE_UNSPECIFIED\x10\x00\x12\x13\n\x0fTURN_ROLE_MODEL\x10\x01\x12\x19\n\x15TURN_ROLE_ENVIRONMENT\x10\x02*\x9d\x01\n\nEpisodeEnd\x12\x1b\n\x17\x45PISODE_END_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45PISODE_END_DONE\x10\x01\x12\x19\n\x15\x45PISODE_END_MAX_TURNS\x10\x02\x12\x1e\n\x1a\x45PISODE_END_CONTEXT_LENGTH\x10\x03\x12!\n\x1d\x45PISODE_END_ENVIRONMENT_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18parity/v1/rollouts.proto\x12\tparity.v1\x1a\x16parity/v1/common.proto\"\xdc\x02\n\x0cRolloutGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x05 \x01(\t\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.parity.v1.SamplingParams\x12)\n\x07samples\x18\x07 \x03(\x0b\x32\x18.parity.v1.RolloutSample\x12\x1a\n\x12min_weight_version\x18\x08 \x01(\x03\x12\x1a\n\x12max_weight_version\x18\t \x01(\x03\x12\x11\n\tworker_id\x18\n \x01(\t\x12\x17\n\x0f\x63reated_at_unix\x18\x0b \x01(\x01\x12.\n\rlogprobs_mode\x18\x0c \x01(\x0e\x32\x17.parity.v1.LogprobsMode\"\x83\x03\n\rRolloutSample\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x1d\n\x15token_weight_versions\x18\x04 \x03(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x0e\n\x06reward\x18\x06 \x01(\x02\x12.\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x17.parity.v1.FinishReason\x12\x1e\n\x16token_context_versions\x18\x08 \x03(\x03\x12\x11\n\tloss_mask\x18\t \x03(\x08\x12\x1e\n\x05turns\x18\n \x03(\x0b\x32\x0f.parity.v1.Turn\x12*\n\x0b\x65pisode_end\x18\x0b \x01(\x0e\x32\x15.parity.v1.EpisodeEnd\x12\x15\n\repisode_error\x18\x0c \x01(\t\x12\x18\n\x10token_mismatches\x18\r \x01(\x05\x12\x1c\n\x14retokenization_drift\x18\x0e \x01(\x05\"\x95\x01\n\x04Turn\x12!\n\x04role\x18\x01 \x01(\x0e\x32\x13.parity.v1.TurnRole\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\x12\x13\n\x06reward\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.parity.v1.FinishReasonB\t\n\x07_reward*U\n\x08TurnRole\x12\x19\n\x15TURN_ROLE_UNSPECIFIED\x10\x00\x12\x13\n\x0fTURN_ROLE_MODEL\x10\x01\x12\x19\n\x15TURN_ROLE_ENVIRONMENT\x10\x02*\x9d\x01\n\nEpisodeEnd\x12\x1b\n\x17\x45PISODE_END_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45PISODE_END_DONE\x10\x01\x12\x19\n\x15\x45PISODE_END_MAX_TURNS\x10\x02\x12\x1e\n\x1a\x45PISODE_END_CONTEXT_LENGTH\x10\x03\x12!\n\x1d\x45PISODE_END_ENVIRONMENT_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'parity.v1.rollouts_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TURNROLE']._serialized_start=900
-  _globals['_TURNROLE']._serialized_end=985
-  _globals['_EPISODEEND']._serialized_start=988
-  _globals['_EPISODEEND']._serialized_end=1145
+  _globals['_TURNROLE']._serialized_start=956
+  _globals['_TURNROLE']._serialized_end=1041
+  _globals['_EPISODEEND']._serialized_start=1044
+  _globals['_EPISODEEND']._serialized_end=1201
   _globals['_ROLLOUTGROUP']._serialized_start=64
   _globals['_ROLLOUTGROUP']._serialized_end=412
   _globals['_ROLLOUTSAMPLE']._serialized_start=415
-  _globals['_ROLLOUTSAMPLE']._serialized_end=746
-  _globals['_TURN']._serialized_start=749
-  _globals['_TURN']._serialized_end=898
+  _globals['_ROLLOUTSAMPLE']._serialized_end=802
+  _globals['_TURN']._serialized_start=805
+  _globals['_TURN']._serialized_end=954
 # @@protoc_insertion_point(module_scope)

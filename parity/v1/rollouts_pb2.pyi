@@ -59,7 +59,7 @@ class RolloutGroup(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., task: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[RolloutSample, _Mapping]]] = ..., min_weight_version: _Optional[int] = ..., max_weight_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., created_at_unix: _Optional[float] = ..., logprobs_mode: _Optional[_Union[_common_pb2.LogprobsMode, str]] = ...) -> None: ...
 
 class RolloutSample(_message.Message):
-    __slots__ = ("rollout_id", "token_ids", "logprobs", "token_weight_versions", "text", "reward", "finish_reason", "token_context_versions", "loss_mask", "turns", "episode_end", "episode_error")
+    __slots__ = ("rollout_id", "token_ids", "logprobs", "token_weight_versions", "text", "reward", "finish_reason", "token_context_versions", "loss_mask", "turns", "episode_end", "episode_error", "token_mismatches", "retokenization_drift")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,8 @@ class RolloutSample(_message.Message):
     TURNS_FIELD_NUMBER: _ClassVar[int]
     EPISODE_END_FIELD_NUMBER: _ClassVar[int]
     EPISODE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    RETOKENIZATION_DRIFT_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -84,7 +86,9 @@ class RolloutSample(_message.Message):
     turns: _containers.RepeatedCompositeFieldContainer[Turn]
     episode_end: EpisodeEnd
     episode_error: str
-    def __init__(self, rollout_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_weight_versions: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reward: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., token_context_versions: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., episode_end: _Optional[_Union[EpisodeEnd, str]] = ..., episode_error: _Optional[str] = ...) -> None: ...
+    token_mismatches: int
+    retokenization_drift: int
+    def __init__(self, rollout_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_weight_versions: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reward: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., token_context_versions: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., episode_end: _Optional[_Union[EpisodeEnd, str]] = ..., episode_error: _Optional[str] = ..., token_mismatches: _Optional[int] = ..., retokenization_drift: _Optional[int] = ...) -> None: ...
 
 class Turn(_message.Message):
     __slots__ = ("role", "start", "end", "reward", "finish_reason")

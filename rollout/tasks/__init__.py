@@ -14,6 +14,8 @@ Sources, chosen by `task.name` (the `--task` flag; docs/tasks.md):
   hf:PATH[:split]                    rollout/tasks/hf.py (a dataset on disk, via `datasets`)
   reasoning_gym:NAME[,NAME...]       rollout/tasks/reasoning_gym_task.py
   package.module:factory             rollout/tasks/loading.py (any object implementing Task)
+  env:NAME | env:pkg.mod:factory | env:grpc:HOST:PORT
+                                     multi-turn environments (rollout/environments/, docs/environments.md)
 Prompt text is the user's turn; the rollout service applies the model's chat template unless
 `task.chat_template` is off (rollout/tasks/chat.py).
 """
@@ -65,6 +67,10 @@ def get_task(name: str, seed: int = 0, config: TaskConfig | None = None) -> Task
         from rollout.tasks.sources import hf_task
 
         return hf_task(name.removeprefix("hf:"), config)
+    if name.startswith("env:"):
+        from rollout.environments.task import environment_task
+
+        return environment_task(name, seed, config)
     if name.startswith("reasoning_gym:"):
         from rollout.tasks.reasoning_gym_task import reasoning_gym_task
 
