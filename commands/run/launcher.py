@@ -38,6 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from commands.run import records
+from commands.run.console import log
+from commands.run.held_out import PeriodicEval, run_eval
 from commands.run.resume import ResumeError, ResumePlan, format_diff, truncate_lineage
 from commands.run.resume import plan as plan_resume
 from commands.run.supervisor import (
@@ -62,10 +64,6 @@ EVAL_BEFORE = "eval_before.json"  # the evaluation at version 0, kept for resume
 
 class RunError(RuntimeError):
     """The run cannot continue; the message says why."""
-
-
-def log(message: str) -> None:
-    print(f"[parity run {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 class RunConfigError(ValueError):
@@ -197,58 +195,6 @@ def preflight(cfg: ParityConfig, rollout_address: str, run_dir: Path) -> dict:
             )
         log("WARNING: preflight check FAILED and run.i_know_the_mismatch_is_high is set: training anyway")
     return {"ran": True, "passed": report.passed, "report": report.as_dict()}
-
-
-def run_eval(cfg: ParityConfig, task: object, address: str, label: str, step: int) -> dict:
-    from commands.run.evaluation import evaluate
-    from parity import models
-    from parity.v1 import common_pb2
-    from rollout.rewards import build_scorer
-
-    t = cfg.task
-    result = evaluate(
-        address,
-        task,
-        t.eval_size,
-        t.eval_tokens,
-        use_chat_template=t.chat_template,
-        label=label,
-        scorer=build_scorer(task, t),  # type: ignore[arg-type]
-        system_prompt=t.system_prompt,
-        tokenizer_dir=str(models.resolve(cfg.model.name)),
-        pass_k=t.eval_pass_k,
-        sampling=common_pb2.SamplingParams(
-            temperature=t.temperature, top_p=t.top_p, top_k=t.top_k, seed=cfg.run.seed * 1_000_003 + step + 1
-        ),
-    )
-
-    def pct(value: float | None) -> str:
-        return "n/a" if value is None else f"{100 * value:.1f}%"
-
-    pass_k = f", pass@{t.eval_pass_k} {pct(result.pass_at_k)}" if t.eval_pass_k else ""
-    failed = f", {result.rewards_failed} rewards failed" if result.rewards_failed else ""
-    log(
-        f"held-out accuracy {label}: {pct(result.accuracy)}{pass_k}{failed} ({result.num_prompts} prompts, "
-        f"greedy, weight versions {result.weight_versions}, {result.seconds:.0f}s)"
-    )
-    return {**result.as_dict(), "step": step}
-
-
-class PeriodicEval:
-    """task.eval_every: the held-out evaluation every N trainer steps while training goes on (the
-    weight versions that answered are recorded; the last step is left to the final evaluation)."""
-
-    def __init__(self, cfg: ParityConfig, task: object, address: str, evals: list[dict]) -> None:
-        self.cfg, self.task, self.address, self.evals = cfg, task, address, evals
-        self.done: set[int] = set()
-
-    def __call__(self, step: int) -> None:
-        every = self.cfg.task.eval_every
-        if not (every and self.cfg.task.eval_size) or step % every or step >= self.cfg.run.steps:
-            return
-        if step not in self.done:
-            self.done.add(step)
-            self.evals.append(run_eval(self.cfg, self.task, self.address, f"step {step}", step))
 
 
 def follow_training(
