@@ -316,10 +316,15 @@ def test_seeded_group_whose_prefill_exceeds_a_step_budget_completes(running) -> 
     still_serving("rollout", running["rollout"])
 
 
-def test_health_answers_within_1s_while_large_prompts_tokenise(running) -> None:
-    """Tokenisation runs off the event loop: four ~1 MB prompts (about 2 s of tokenising each, one
-    at a time on the tokenizer thread) and one over the message cap; health answers within 1 s all
-    along, and every prompt gets a status (too many tokens, too big, or too many pending)."""
+def test_health_answers_while_large_prompts_tokenise(running) -> None:
+    """Tokenisation runs off the event loop: four ~1 MB prompts (0.7-2 s of tokenising each, one at a
+    time on the tokenizer thread) and one over the message cap; health keeps answering all along,
+    and every prompt gets a status (too many tokens, too big, or too many pending).
+
+    A loop that tokenised itself would hold every probe sent while a prompt tokenises: probes would
+    spend most of the time waiting (about 80% when tried). So the time spent waiting on probes is
+    held under half the time the prompts took; the worst single probe only under 5 s, since on a
+    loaded 2-core box a healthy service has been seen to answer one probe in 1.8 s."""
     import threading
     import time
 
@@ -339,20 +344,22 @@ def test_health_answers_within_1s_while_large_prompts_tokenise(running) -> None:
     threads = [threading.Thread(target=send, args=(p,)) for p in payloads]
     for thread in threads:
         thread.start()
-    worst_s = 0.0
-    probes = 0
+    began = time.monotonic()
+    latencies: list[float] = []
     with grpc.insecure_channel(address) as chan:
         check = chan.unary_unary("/grpc.health.v1.Health/Check")
         while any(t.is_alive() for t in threads):
             started = time.monotonic()
-            check(b"", timeout=5.0)
-            worst_s = max(worst_s, time.monotonic() - started)
-            probes += 1
+            check(b"", timeout=10.0)
+            latencies.append(time.monotonic() - started)
             time.sleep(0.05)
     for thread in threads:
         thread.join()
-    print(f"health: worst {worst_s:.3f}s over {probes} probes; codes {sorted(c.name for c in codes)}")
-    assert probes >= 10, "the prompts finished too fast to say anything about the loop"
-    assert worst_s < 1.0, f"health took {worst_s:.2f}s while prompts tokenised"
+    waiting = sum(latencies) / (time.monotonic() - began)
+    worst_s = max(latencies)
+    print(f"health: {100 * waiting:.0f}% of the time waiting, worst {worst_s:.3f}s, {len(latencies)} probes")
+    assert len(latencies) >= 5, "the prompts finished too fast to say anything about the loop"
+    assert waiting < 0.5, f"health probes waited {100 * waiting:.0f}% of the time while prompts tokenised"
+    assert worst_s < 5.0, f"health took {worst_s:.2f}s while prompts tokenised"
     assert sorted(c.name for c in codes).count("INVALID_ARGUMENT") >= 1
     assert set(codes) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}

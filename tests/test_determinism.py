@@ -3,10 +3,13 @@
 End to end: two short tiny-model runs, one after the other, each with its own Redis stream. In sync
 mode every step's batch is exactly the groups generated at the trainer's version, published in
 prompt-draw order, and every group's sampling seed is a function of the run seed and the prompt's
-draw index (rollout/actor.py), never of timing. So the streams (prompts, tokens, rollout logprobs,
-rewards, versions) and every per-step metric must agree bit for bit (JSON floats round-trip
-exactly). Without the per-group seed the engine's shared generator depends on how requests happened
-to be batched, and the tokens differ between the runs.
+draw index (rollout/actor.py), never of timing. So the streams' prompts, tokens, rewards and versions
+must agree exactly. Their float numbers (rollout logprobs, and the per-step metrics computed from
+them) agree to 1e-6, not bit for bit: vLLM on CPU computes a request's logits inside whatever batch
+it shares with other requests, and the batch's composition depends on timing, which moves float
+sums in their last bits (seen: a step's loss 0.0 in one run, 6.5e-08 in the other, on a loaded box).
+Without the per-group seed the engine's shared generator depends on how requests happened to be
+batched, and the tokens themselves differ between the runs.
 
 The tiny random model never earns a reward on arithmetic, so its runs have no gradient (loss is
 null: nothing trained). The trainer's half is therefore also checked on its own: two trainers fed
@@ -16,6 +19,7 @@ the same rewarded batches produce the same losses, gradient norms and weights, b
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -44,10 +48,8 @@ def _stream(redis_url: str, out: Path) -> list[tuple]:
             (
                 group.prompt_id,
                 tuple(group.prompt_token_ids),
-                tuple(
-                    (tuple(s.token_ids), tuple(s.logprobs), tuple(s.token_weight_versions), s.reward)
-                    for s in group.samples
-                ),
+                tuple((tuple(s.token_ids), tuple(s.token_weight_versions), s.reward) for s in group.samples),
+                [lp for s in group.samples for lp in s.logprobs],
             )
         )
     return entries
@@ -85,13 +87,22 @@ def test_sync_mode_with_one_seed_is_reproducible_bit_for_bit(redis_server: str, 
     for a, b in zip(first, second, strict=True):
         assert a["weight_version"] == b["weight_version"] and a["lag_max"] == b["lag_max"] == 0
         for key in COMPARED:
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+            assert _close(a[key], b[key]), (a["step"], key, a[key], b[key])
     streams = _stream(redis_server, tmp_path / "first"), _stream(redis_server, tmp_path / "second")
     # The entries the steps trained on; the actor may already have generated the next version's
     # groups when the run stopped.
     trained = [stream[: 2 * STEPS] for stream in streams]
     assert len(trained[0]) == 2 * STEPS and sum(len(s[0]) for g in trained[0] for s in g[2]) > 0
-    assert trained[0] == trained[1]
+    assert [g[:3] for g in trained[0]] == [g[:3] for g in trained[1]]  # prompts, tokens, versions, rewards
+    for one, other in zip(trained[0], trained[1], strict=True):
+        assert all(_close(x, y) for x, y in zip(one[3], other[3], strict=True))
+
+
+def _close(a, b) -> bool:
+    """Equal, or both null, or floats within 1e-6 (the module docstring says why not bit for bit)."""
+    if a is None or b is None or isinstance(a, str) or isinstance(b, str):
+        return a == b
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
 
 
 def test_the_trainer_is_bit_for_bit_reproducible_on_the_same_rewarded_batches(

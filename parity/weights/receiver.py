@@ -10,6 +10,12 @@ trainer's packed buffer (`map_and_verify`), never joins a group. The group is he
 (`group.GroupHolder`: one join per membership epoch), the plan's size is checked against free
 memory before anything is allocated, and each tensor is checksummed as its bytes arrive (each
 bucket's share, in host memory), while the next buckets are on the wire.
+
+In a chain, every receiver forwards the bytes as they arrived and verifies its own copy. A byte
+corrupted on the wire into receiver k reaches every receiver after it, and each of them fails the
+version on its own checksums and keeps its old weights; a fault in receiver k's own copy (what
+`fault_corrupt_tensor` injects) fails receiver k alone. The broadcast service then marks the
+version DISTRIBUTED for the receivers that verified it and brings the others up to date.
 """
 
 from __future__ import annotations
@@ -98,19 +104,29 @@ def receive_and_verify(
         corrupt_at = layout.offsets[staged.names.index(fault_corrupt_tensor)] if fault_corrupt_tensor else -1
 
         def progress(end: int) -> None:
-            nonlocal corrupt_at
-            if 0 <= corrupt_at < end:  # flip one byte in flight, as a bad link or copy would
-                out[corrupt_at] ^= 0xFF
-                corrupt_at = -1
             verifier.advance(end)
             if on_bucket is not None:
                 on_bucket(end)
 
         with holder.use(plan.rendezvous) as group:
             group.recv_packed(metas, int(plan.bucket_bytes), out=out, progress=progress, ahead=ahead)
+        if corrupt_at >= 0:
+            _corrupt_own_copy(out, verifier, staged.names.index(fault_corrupt_tensor), corrupt_at)
     except Exception as exc:  # a transfer failure must leave the old weights serving
         return _failed(staged, f"transfer of version {plan.version}", exc, start)
     return _verified(staged, plan, out, verifier, start)  # the tail: tensors finished by the last bucket
+
+
+def _corrupt_own_copy(out: torch.Tensor, verifier, index: int, offset: int) -> None:
+    """Fault injection: flip one byte of this receiver's copy, as a bad local copy would, after
+    every bucket was forwarded (recv_packed waits for its forwards), so the fault stays here: the
+    receivers after this one in the chain get the bytes as they arrived. The tensor's checksum is
+    taken again over the flipped copy."""
+    from parity.weights.checksum import tensor_checksum
+
+    out[offset] ^= 0xFF
+    verifier.advance(verifier.layout.total_bytes)
+    verifier.checksums[index] = tensor_checksum(verifier.tensors[index])
 
 
 def _failed(staged: StagedWeights, what: str, exc: Exception, start: float) -> StagedWeights:
