@@ -80,7 +80,9 @@ def test_calculator_answers_the_tool_call_and_rewards_the_right_answer() -> None
         (["<answer>444.0</answer>"], ["Correct."], 1.0),
         (["<answer>lots</answer>"], ["Wrong."], 0.0),
         (["hmm", "<answer>444</answer>"], ["Write", "Correct."], 1.0),  # one retry
-        (["hmm", "still nothing"], ["Write", "No calculation and no answer."], 0.0),
+        (["hmm", "still nothing"], ["Write", "Wrong."], 0.0),
+        (["hmm", "37 * 12 is 444"], ["Write", "Correct."], 1.0),  # after the retry: the last number
+        (["hmm", "it is 443"], ["Write", "Wrong."], 0.0),
         (["<calc>37 * (10 + 2)", "<answer>444</answer>"], ["444", "Correct."], 1.0),  # stop string cut "</calc>"
         (["<answer>444</answer> <calc>1+1</calc>"], ["Correct."], 1.0),  # the first tag decides
         (["<calc>1+1</calc> then <answer>444</answer>"], ["2"], 0.0),

@@ -16,7 +16,10 @@ Each model turn is read for its first tag:
                         one more ends the episode with reward 0.
   <answer>N</answer>    ends the episode: reward 1.0 when N equals the answer, else 0.0.
   neither               one retry: the observation repeats the two forms (reward 0); a second turn
-                        with neither ends the episode with reward 0.
+                        with neither is read as a plain answer, its last number (as the arithmetic
+                        task reads completions): reward 1.0 when it is the answer, else 0.0. So a
+                        model that has not learnt the tags yet still earns a reward now and then,
+                        and GRPO has a signal to learn the tool from.
 A closing tag may be missing at the very end of a turn (generation stopped at "</calc>").
 
 guess_number. A secret integer in [1, high], high in 8..24, with max_guesses = high.bit_length()
@@ -170,7 +173,10 @@ class Calculator:
             if self.format_retries_left > 0:
                 self.format_retries_left -= 1
                 return FORMAT_HINT, 0.0, False
-            return "No calculation and no answer.", 0.0, True
+            numbers = _NUMBER.findall(action.replace(",", ""))
+            given = parse_number(numbers[-1]) if numbers else None
+            correct = given is not None and given == self.answer
+            return ("Correct." if correct else "Wrong."), (1.0 if correct else 0.0), True
         kind, body = tag.groups()
         if kind == "answer":
             given = parse_number(body)
