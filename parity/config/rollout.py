@@ -150,6 +150,36 @@ class RolloutConfig(ServiceConfig):
         "after 4 * groups_per_step such drops in a row the next group is published anyway.",
     )
 
+    # The OpenAI-compatible endpoint for agent harnesses (services/rollout/openai_api.py).
+    openai_port: int = Field(
+        -1,
+        ge=-1,
+        le=65535,
+        description="HTTP port of the OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions, "
+        "/v1/sessions/{id}/finish) on `host`; -1 disables it, 0 picks a free port (written next to "
+        "port_file as <name>.openai.port).",
+    )
+    openai_max_request_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description="Largest HTTP request body the OpenAI endpoint reads; a larger one gets 413.",
+    )
+    openai_max_sessions: int = Field(
+        1024, ge=1, description="OpenAI endpoint: open episode sessions at most; more get 429."
+    )
+    openai_session_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        description="OpenAI endpoint: an unfinished session idle this long is dropped (counted).",
+    )
+    openai_group_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="OpenAI endpoint: a group whose group_size episodes have not all finished this long "
+        "after its first is dropped, never published (counted).",
+    )
+
     @model_validator(mode="after")
     def _limits(self) -> RolloutConfig:
         if self.max_tokens_limit >= self.max_model_len:

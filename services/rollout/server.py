@@ -78,6 +78,7 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     port = await server.start()  # NOT_SERVING until the engine is loaded and caught up
     background: list[asyncio.Task] = []
     stopped = asyncio.Event()
+    openai_server = None  # services/rollout/openai_api.py, when rollout.openai_port is not -1
 
     async def shutdown() -> None:
         # New RPCs get UNAVAILABLE ("shutting down") from here on; in-flight groups get the grace
@@ -90,6 +91,8 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
         deadline = time.monotonic() + config.shutdown_grace_s
         while engine.num_running() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if openai_server is not None:
+            await openai_server.stop()
         await server.stop(0.5)
         stopped.set()
 
@@ -105,6 +108,10 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     )
     metrics.WEIGHT_VERSION.set(engine.weight_version)
     address = f"{config.host}:{port}"
+    if config.openai_port >= 0 and not servicer.shutting_down:
+        from services.rollout.openai_api import start_openai_server
+
+        openai_server = await start_openai_server(run_config, servicer)
 
     async def tick() -> None:
         while True:
