@@ -18,7 +18,7 @@ workers=${PARITY_TEST_WORKERS:-3}
 parallel=()
 if [ "$workers" != 0 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 set +e
-.venv/bin/python -m pytest "${parallel[@]}" "$@"
+.venv/bin/python -m pytest "${parallel[@]}" --durations=30 "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected nothing: a broken collection must never pass.
