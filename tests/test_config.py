@@ -96,11 +96,9 @@ def test_print_config_names_the_source_of_every_overridden_value(tmp_path: Path)
         ),
         (["--trainr.lr", "1"], {}, r"^trainr: unknown section"),
         (["--bogus"], {}, r"^--bogus: unknown option"),
-        (
-            [],
-            {"PARITY_ROLLOUT_BOGUS": "1"},
-            r"^rollout\.bogus: unknown key \(from env PARITY_ROLLOUT_BOGUS\)",
-        ),
+        (["--dtype", "bfloat16"], {}, r"^--dtype: ambiguous.*use --rollout\.dtype or --trainer\.dtype"),
+        (["--stpes", "3"], {}, r"^--stpes: unknown option; did you mean --steps\?"),
+        (["--dtyp", "x"], {}, r"did you mean --rollout\.dtype or --trainer\.dtype\?"),
         (["--steps", "0"], {}, r"^run\.steps: .*greater than or equal to 1 \(got '0'; from --steps\)"),
         (["--rollout.max_tokens_limit", "600"], {}, r"^rollout\.max_tokens_limit: must be < max_model_len"),
         (["--task.group_size", "20"], {}, r"^task\.group_size: must be <= rollout\.max_n=16"),
@@ -196,3 +194,119 @@ def test_a_secret_is_refused_on_the_command_line() -> None:
     ):
         load(["--trainer.auth_token", "tok"], environ={})
     assert load([], environ={"PARITY_TRAINER_AUTH_TOKEN": "tok"}).config.trainer.auth_token == "tok"
+
+
+@pytest.mark.parametrize(
+    ("home", "argv", "key", "value"),
+    [
+        ("run", ["--max_tokens", "9"], "task.max_tokens", 9),  # a documented shorthand of `parity run`
+        ("rollout", ["--temperature", "0.9"], "task.temperature", 0.9),
+        ("check", ["--max_tokens", "9"], "check.max_tokens", 9),  # `parity check`'s own section
+        ("trainer", ["--dtype", "bfloat16"], "trainer.dtype", "bfloat16"),
+        ("run", ["--lr", "1e-4"], "trainer.lr", 1e-4),  # only one section has it
+    ],
+)
+def test_bare_flags_follow_the_commands_shorthands_then_its_section_then_the_one_owner(
+    home, argv, key, value
+) -> None:
+    section, _, name = key.partition(".")
+    config = load(argv, home=home, environ={}).config
+    assert getattr(getattr(config, section), name) == value
+
+
+def test_parity_run_refuses_flags_for_the_keys_it_sets_for_each_child() -> None:
+    with pytest.raises(ConfigError, match=r"^trainer\.run_dir: set by `parity run` itself.*use --out"):
+        load(["--trainer.run_dir", "x"], home="run", environ={}, as_command=True)
+    with pytest.raises(ConfigError, match=r"^check\.max_tokens: set by `parity run` itself"):
+        load(["--check.max_tokens", "8"], home="run", environ={}, as_command=True)
+    # the same keys are a service's own options
+    assert load(["--run_dir", "x"], home="trainer", environ={}, as_command=True).config.trainer.run_dir == "x"
+
+
+def test_repeated_config_files_layer_in_order(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.toml", tmp_path / "b.toml"
+    first.write_text("[run]\nseed = 1\nsteps = 5\n[trainer]\nlr = 1e-4\n")
+    second.write_text("[run]\nsteps = 7\n")
+    loaded = load(["--config", str(first), f"--config={second}"], home="run", environ={})
+    run = loaded.config.run
+    assert (run.seed, run.steps, loaded.config.trainer.lr) == (1, 7, 1e-4)
+    assert loaded.sources == {"run.seed": str(first), "run.steps": str(second), "trainer.lr": str(first)}
+
+
+def test_a_secret_in_a_config_file_is_refused_naming_the_key_and_its_variable(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('[broadcast]\nauth_token = "tok"\n')
+    with pytest.raises(
+        ConfigError,
+        match=r"^broadcast\.auth_token: a secret is never taken from a config file .*"
+        r"set PARITY_BROADCAST_AUTH_TOKEN in the environment",
+    ):
+        load(["--config", str(path)], home="broadcast", environ={})
+
+
+def test_wiring_variables_that_name_no_key_are_not_config_and_are_listed(tmp_path: Path) -> None:
+    """docker-compose.yml's PARITY_TRAINER_GPU / PARITY_RUN_NAME once failed `parity run`."""
+    environ = {
+        "PARITY_TRAINER_GPU": "0",
+        "PARITY_RUN_NAME": "exp1",
+        "PARITY_ROLLOUT_2_GPU": "2",
+        "PARITY_TRAINER_LRR": "1",
+        "PARITY_TRAINER_LR": "1e-4",
+    }
+    loaded = load([], home="run", environ=environ)
+    assert loaded.config.trainer.lr == 1e-4
+    assert set(config_env_keys(environ)) == {"PARITY_TRAINER_LR"}
+    assert loaded.ignored_env == {
+        "PARITY_TRAINER_GPU": "",
+        "PARITY_RUN_NAME": "",
+        "PARITY_ROLLOUT_2_GPU": "",
+        "PARITY_TRAINER_LRR": "PARITY_TRAINER_LR",
+    }
+    text = loaded.to_toml()
+    assert "#   PARITY_TRAINER_LRR (did you mean PARITY_TRAINER_LR?)" in text
+    assert "#   PARITY_RUN_NAME\n" in text and tomllib.loads(text)["trainer"]["lr"] == 1e-4
+    # the real command, with compose's wiring in its environment
+    printed = _print_config(["run"], env=_clean_env(PARITY_TRAINER_GPU="0", PARITY_RUN_NAME="exp1"))
+    assert "PARITY_TRAINER_GPU" in printed
+
+
+def test_resume_with_print_config_prints_the_resumed_runs_config(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    stored = load(["--seed", "1", "--steps", "6", "--model", "tiny"], home="run", environ={}).config
+    write_config(stored, run_dir / "config.toml")
+    text = _print_config(["run"], "--resume", str(run_dir), "--steps", "9")
+    values = tomllib.loads(text)
+    assert values["run"]["seed"] == 1 and values["model"]["name"] == "tiny"  # from the run's config.toml
+    assert values["run"]["steps"] == 9 and "steps = 9  # --steps" in text  # the command line on top
+    assert f"seed = 1  # {run_dir / 'config.toml'}" in text
+    missing = subprocess.run(
+        [sys.executable, "-m", "commands.main", "run", "--resume", str(tmp_path / "none"), "--print-config"],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and "run.resume:" in missing.stderr and "no config.toml" in missing.stderr
+
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_example_config_loads_as_a_valid_run_config(path: Path) -> None:
+    loaded = load(["--config", str(path)], home="run", environ={})
+    assert loaded.sources, f"{path.name} sets nothing"
+    for home in ("rollout", "trainer", "broadcast"):  # the services of a deployment read it too
+        load([], home=home, environ={"PARITY_CONFIG": str(path)})
+
+
+def test_the_examples_cover_cpu_one_gpu_eight_gpus_and_a_custom_task() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {"cpu_demo.toml", "one_gpu.toml", "eight_gpus.toml", "custom_task.toml"} <= names
+    one_gpu = load(["--config", str(ROOT / "examples" / "one_gpu.toml")], environ={}).config
+    assert one_gpu.model.name == "Qwen/Qwen2.5-1.5B-Instruct" and one_gpu.rollout.dtype == "bfloat16"
+    custom = load(["--config", str(ROOT / "examples" / "custom_task.toml")], environ={}).config
+    task_file = custom.task.name.removeprefix("jsonl:")
+    assert custom.task.name.startswith("jsonl:") and (ROOT / task_file).exists()

@@ -27,6 +27,7 @@ ended (commands/run/records.py); the chosen trackers get every step (commands/ru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -52,7 +53,7 @@ from commands.run.supervisor import (
     progress_line,
 )
 from commands.run.trackers import RunTrackers, TrackerError
-from parity.config import ParityConfig, env_for, write_config
+from parity.config import ConfigError, LoadedConfig, ParityConfig, env_for, load, write_config
 from parity.config.entry import entrypoint
 from parity.config.loader import CONFIG_FILE_ENV, config_env_keys
 from parity.procs import redact_url
@@ -119,7 +120,7 @@ def validate_inputs(cfg: ParityConfig) -> object:
     try:
         models.resolve(cfg.model.name)
     except models.ModelError as exc:
-        raise RunConfigError(f"model.{exc}") from None
+        raise RunConfigError(str(exc)) from None  # "model.name: why"
     return task
 
 
@@ -479,7 +480,25 @@ def _interrupt_once(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str]) -> int:
-    return entrypoint("parity run", "run", argv, lambda cfg: launch(cfg, list(argv)))
+    return entrypoint(
+        "parity run",
+        "run",
+        argv,
+        lambda cfg: launch(cfg, list(argv)),
+        effective=lambda loaded: resumed_config(loaded, list(argv)),
+    )
+
+
+def resumed_config(loaded: LoadedConfig, argv: list[str]) -> LoadedConfig:
+    """With --resume RUN_DIR: the config the resumed launch runs with (RUN_DIR/config.toml under this
+    command line's variables and flags, as commands/run/resume.py loads it); else `loaded`."""
+    if not loaded.config.run.resume:
+        return loaded
+    config_path = Path(loaded.config.run.resume) / "config.toml"
+    if not config_path.exists():
+        raise ConfigError(f"run.resume: {config_path.parent} holds no run to resume (no config.toml)")
+    resumed = load(argv, home="run", environ={**os.environ, CONFIG_FILE_ENV: str(config_path)})
+    return dataclasses.replace(resumed, print_config=loaded.print_config)
 
 
 def launch(cfg: ParityConfig, argv: list[str]) -> int:

@@ -288,6 +288,11 @@ def main(argv: list[str]) -> int:
     ls.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     args = parser.parse_args(argv)
     root = Path(args.dir)
+    if not root.exists():  # nothing has run here yet: not an error
+        print(
+            f"no runs yet in {root}/ (`parity run` creates it)", file=sys.stderr if args.json else sys.stdout
+        )
+        return 0
     if not root.is_dir():
         print(f"parity runs: error: {root} is not a directory", file=sys.stderr)
         return 2

@@ -2,18 +2,19 @@
 
 Precedence, lowest first (each layer names keys as `section.field`):
   1. the field defaults (parity/config/*.py, one definition each);
-  2. a TOML file: `--config run.toml`, or the path in `PARITY_CONFIG` (how `parity run` hands the
-     effective config to its children);
+  2. TOML files: `--config run.toml` (repeat it to layer files: a later file wins), or else the path
+     in `PARITY_CONFIG` (how `parity run` hands the effective config to its children);
   3. environment variables `PARITY_<SECTION>_<FIELD>` (`PARITY_TRAINER_LR=1e-4`), how compose and
-     Kubernetes configure a container; `PARITY_CONFIG`, `PARITY_HOME`, `PARITY_DEVICE` and
-     `PARITY_RUN_MARKER` are not config keys;
-  4. flags: `--section.field value` (`--trainer.lr 1e-4`, `--rollout.prefix-caching`). A bare
-     `--field` resolves to the command's own section first, then to the first section in
-     `RESOLUTION_ORDER` that has it (`--steps` is `run.steps`); `--model X` is `--model.name X` and
-     `--task X` is `--task.name X`. `--print-config` shows where every value resolved.
-An unknown section or key, in any layer, is a `ConfigError` naming it and the layer it came from.
-Secret fields (auth tokens) are never printed or written, nor is a password inside a URL (a Redis
-URL with credentials is masked); children get those through their environment.
+     Kubernetes configure a container. Only a variable that names a key is config: others
+     (`PARITY_TRAINER_GPU`, `PARITY_RUN_NAME`: deployment wiring) are left alone, and
+     `--print-config` lists them, with a suggestion where one looks like a misspelt key;
+  4. flags: `--section.field value` (`--trainer.lr 1e-4`, `--rollout.prefix-caching`); a bare
+     `--field` resolves as parity/config/cli.py says (the command's shorthands, then its own
+     section, then the one section that has the key; several sections: an error).
+An unknown section or key, in a file or a flag, is a `ConfigError` naming it and where it came from.
+Secret fields (auth tokens) are taken from the environment only: a flag or a config file that sets
+one is refused. They are never printed or written, nor is a password inside a URL (a Redis URL with
+credentials is masked); children get those through their environment.
 """
 
 from __future__ import annotations
@@ -30,29 +31,42 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from parity.config.base import ConfigError, is_secret
+from parity.config.cli import check_flag_allowed, resolve_flag
 from parity.config.schema import SECTIONS, ParityConfig
 
 CONFIG_FILE_ENV = "PARITY_CONFIG"
 NOT_CONFIG_ENV = frozenset({CONFIG_FILE_ENV, "PARITY_HOME", "PARITY_DEVICE", "PARITY_RUN_MARKER"})
 ENV_PREFIX = "PARITY_"
-RESOLUTION_ORDER = ("run", "task", "model", "rollout", "trainer", "broadcast", "check", "observability")
-NAME_ALIASES = ("model", "task")  # `--model X` == `--model.name X`
 
 
 class HelpRequested(Exception):
-    """`--help` was given; the message is the help text."""
+    """`--help` (full=False) or `--help-all` (full=True) was given."""
+
+    def __init__(self, full: bool) -> None:
+        super().__init__("--help-all" if full else "--help")
+        self.full = full
 
 
 @dataclass(frozen=True)
 class LoadedConfig:
-    """A validated config and where each non-default value came from."""
+    """A validated config, where each non-default value came from, and PARITY_* variables ignored."""
 
     config: ParityConfig
     sources: dict[str, str] = field(default_factory=dict)
     print_config: bool = False
+    ignored_env: dict[str, str] = field(default_factory=dict)  # variable -> suggestion ("" if none)
 
     def to_toml(self) -> str:
-        return to_toml(self.config, self.sources)
+        text = to_toml(self.config, self.sources)
+        if not self.ignored_env:
+            return text
+        notes = [
+            f"#   {key}" + (f" (did you mean {hint}?)" if hint else "")
+            for key, hint in sorted(self.ignored_env.items())
+        ]
+        header, _, body = text.partition("\n\n")
+        ignored = "# PARITY_* variables that name no config key, ignored:\n" + "\n".join(notes)
+        return f"{header}\n{ignored}\n\n{body}"
 
     def sources_key(self, env_key: str) -> tuple[str, str]:
         """(section, field) that the environment variable `env_key` set."""
@@ -79,6 +93,13 @@ def _unknown_section(section: str, origin: str) -> ConfigError:
     return ConfigError(f"{section}: unknown section (from {origin}); sections: {', '.join(SECTIONS)}")
 
 
+def _secret_refused(section: str, name: str, where: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"{section}.{name}: a secret is never taken from {where} ({why}); "
+        f"set {env_name(section, name)} in the environment"
+    )
+
+
 def _put(values: dict, sources: dict, section: str, name: str, value: object, origin: str) -> None:
     if section not in SECTIONS:
         raise _unknown_section(section, origin)
@@ -99,54 +120,61 @@ def _from_file(path: str, values: dict, sources: dict) -> None:
         if not isinstance(body, dict):
             raise ConfigError(f"{section}: expected a [{section}] table in {path}, got a value")
         for name, value in body.items():
+            if section in SECTIONS and name in _fields(section) and is_secret(SECTIONS[section], name):
+                raise _secret_refused(section, name, f"a config file ({path})", "files get copied and shared")
             _put(values, sources, section, name, value, path)
+
+
+def _env_key(key: str) -> tuple[str, str] | None:
+    """(section, field) when the variable `key` names a config key, else None."""
+    if not key.startswith(ENV_PREFIX) or key in NOT_CONFIG_ENV:
+        return None
+    section, _, name = key[len(ENV_PREFIX) :].lower().partition("_")
+    if section in SECTIONS and name in _fields(section):
+        return section, name
+    return None
 
 
 def _from_env(environ: Mapping[str, str], values: dict, sources: dict) -> None:
     for key in sorted(config_env_keys(environ)):
         if key != CONFIG_FILE_ENV:
-            section, _, name = key[len(ENV_PREFIX) :].lower().partition("_")
+            section, name = _env_key(key)  # type: ignore[misc]
             _put(values, sources, section, name, environ[key], f"env {key}")
 
 
 def config_env_keys(environ: Mapping[str, str]) -> list[str]:
-    """The environment variables that `load` reads as config keys (PARITY_CONFIG included)."""
+    """The environment variables that `load` reads as config (PARITY_CONFIG included)."""
     keys = [CONFIG_FILE_ENV] if CONFIG_FILE_ENV in environ else []
+    return keys + [key for key in environ if _env_key(key) is not None]
+
+
+def ignored_env_keys(environ: Mapping[str, str]) -> dict[str, str]:
+    """PARITY_<SECTION>_* variables that name no key (deployment wiring, or a typo): variable ->
+    the config variable it most resembles ("" when none is close)."""
+    ignored = {}
     for key in environ:
-        if key.startswith(ENV_PREFIX) and key not in NOT_CONFIG_ENV:
-            section, _, name = key[len(ENV_PREFIX) :].lower().partition("_")
-            if section in SECTIONS and name:
-                keys.append(key)
-    return keys
+        if key in NOT_CONFIG_ENV or _env_key(key) is not None or not key.startswith(ENV_PREFIX):
+            continue
+        section, _, name = key[len(ENV_PREFIX) :].lower().partition("_")
+        if section in SECTIONS and name:
+            close = difflib.get_close_matches(name, list(_fields(section)), n=1, cutoff=0.8)
+            ignored[key] = env_name(section, close[0]) if close else ""
+    return ignored
 
 
-def _resolve(flag: str, home: str | None) -> tuple[str, str]:
-    name = flag.replace("-", "_")
-    if "." in name:
-        section, _, field_name = name.partition(".")
-        return section, field_name
-    if name in NAME_ALIASES:
-        return name, "name"
-    order = ([home] if home else []) + [s for s in RESOLUTION_ORDER if s != home]
-    for section in order:
-        if name in _fields(section):
-            return section, name
-    every = [f"{s}.{n}" for s in RESOLUTION_ORDER for n in _fields(s)] + list(NAME_ALIASES)
-    close = difflib.get_close_matches(name, every, n=1)
-    hint = f"; did you mean --{close[0]}?" if close else ""
-    raise ConfigError(f"--{flag}: unknown option{hint} (`--help` lists them)")
-
-
-def _from_flags(argv: Sequence[str], home: str | None, values: dict, sources: dict) -> tuple[str, bool]:
-    """Apply flags; return (config file named by --config, whether --print-config was given)."""
-    config_file, print_config = "", False
+def _from_flags(
+    argv: Sequence[str], home: str | None, values: dict, sources: dict, as_command: bool = False
+) -> tuple[list[str], bool]:
+    """Apply flags; return (the config files named by --config, in order; whether --print-config)."""
+    config_files: list[str] = []
+    print_config = False
     tokens = list(argv)
     i = 0
     while i < len(tokens):
         token = tokens[i]
         i += 1
-        if token in ("-h", "--help"):
-            raise HelpRequested(help_text(home))
+        if token in ("-h", "--help", "--help-all", "--help_all"):
+            raise HelpRequested(full=token.startswith("--help-") or token == "--help_all")
         if not token.startswith("--") or token == "--":
             raise ConfigError(f"unexpected argument {token!r}: options look like --section.field VALUE")
         flag, has_value, value = token[2:].partition("=")
@@ -155,21 +183,22 @@ def _from_flags(argv: Sequence[str], home: str | None, values: dict, sources: di
             continue
         if flag == "config":
             if not has_value:
-                if i >= len(tokens):
+                if i >= len(tokens) or tokens[i].startswith("--"):
                     raise ConfigError("--config: expected a TOML file path")
                 value, i = tokens[i], i + 1
-            config_file = value
+            config_files.append(value)
             continue
-        section, name = _resolve(flag, home)
+        section, name = resolve_flag(flag, home)
         if section not in SECTIONS:
             raise _unknown_section(section, f"--{flag}")
         if name not in _fields(section):
             raise _unknown_key(section, name, f"--{flag}")
         if is_secret(SECTIONS[section], name):
-            raise ConfigError(
-                f"{section}.{name}: a secret is never taken from the command line (it would show in "
-                f"`ps` and shell history); set {env_name(section, name)} in the environment"
+            raise _secret_refused(
+                section, name, "the command line", "it would show in `ps` and shell history"
             )
+        if as_command:
+            check_flag_allowed(section, name, home)
         if not has_value:
             is_bool = _fields(section)[name].annotation is bool
             if is_bool and (i >= len(tokens) or tokens[i].startswith("--")):
@@ -179,7 +208,7 @@ def _from_flags(argv: Sequence[str], home: str | None, values: dict, sources: di
             else:
                 value, i = tokens[i], i + 1
         _put(values, sources, section, name, value, f"--{flag}")
-    return config_file, print_config
+    return config_files, print_config
 
 
 def _error(exc: ValidationError, sources: Mapping[str, str]) -> ConfigError:
@@ -206,17 +235,22 @@ def load(
     *,
     home: str | None = None,
     environ: Mapping[str, str] | None = None,
+    as_command: bool = False,
 ) -> LoadedConfig:
-    """Build the run config from defaults, a TOML file, the environment and flags (see module doc)."""
+    """Build the run config from defaults, TOML files, the environment and flags (see module doc).
+
+    `as_command`: `argv` is a command's own command line (parity/config/entry.py), so flags for the
+    keys that command sets itself are refused (parity/config/cli.py)."""
     environ = os.environ if environ is None else environ
     flag_values: dict = {}
     flag_sources: dict[str, str] = {}
-    config_file, print_config = _from_flags(argv, home, flag_values, flag_sources)
+    config_files, print_config = _from_flags(argv, home, flag_values, flag_sources, as_command)
     values: dict = {}
     sources: dict[str, str] = {}
-    config_file = config_file or environ.get(CONFIG_FILE_ENV, "")
-    if config_file:
-        _from_file(config_file, values, sources)
+    if not config_files and environ.get(CONFIG_FILE_ENV):
+        config_files = [environ[CONFIG_FILE_ENV]]
+    for path in config_files:  # in order: a later file's value wins
+        _from_file(path, values, sources)
     _from_env(environ, values, sources)
     for section, body in flag_values.items():
         values.setdefault(section, {}).update(body)
@@ -225,7 +259,7 @@ def load(
         config = ParityConfig.model_validate(values)
     except ValidationError as exc:
         raise _error(exc, sources) from None
-    return LoadedConfig(config, sources, print_config)
+    return LoadedConfig(config, sources, print_config, ignored_env_keys(environ))
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -280,24 +314,3 @@ def env_for(section: str, **values: object) -> dict[str, str]:
             raise _unknown_key(section, name, "env_for")
         out[env_name(section, name)] = value if isinstance(value, str) else _toml_value(value).strip('"')
     return out
-
-
-def help_text(home: str | None) -> str:
-    """Every option, the command's own section first."""
-    order = ([home] if home else []) + [s for s in RESOLUTION_ORDER if s != home]
-    lines = [
-        "options: --section.field VALUE (a bare --field resolves to the first section below that has it)",
-        "  --config FILE      load a TOML config (also PARITY_CONFIG)",
-        "  --print-config     print the effective config, with the source of every value, and exit",
-    ]
-    defaults = ParityConfig()
-    for section in order:
-        lines.append(f"\n[{section}]  (env PARITY_{section.upper()}_<FIELD>)")
-        for name, info in _fields(section).items():
-            default = (
-                "<secret>"
-                if is_secret(SECTIONS[section], name)
-                else getattr(getattr(defaults, section), name)
-            )
-            lines.append(f"  --{section}.{name} (default {default!r}): {info.description}")
-    return "\n".join(lines)

@@ -13,6 +13,7 @@ class ModelConfig(Section):
     name: str = Field(
         "smollm2-135m",
         min_length=1,
-        description="Model: tiny, smollm2-135m, or an HF model directory. `--model X` is short for "
-        "`--model.name X`.",
+        description="Model: tiny or smollm2-135m (built in), a Hugging Face model directory, or a Hub "
+        "id ORG/NAME (resolved through the Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1). "
+        "`--model X` is short for `--model.name X`.",
     )
