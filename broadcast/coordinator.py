@@ -151,7 +151,7 @@ class Coordinator:
             errors = [f"{wid}: {err}" for wid, err in zip(ids, results, strict=True) if err]
             if any(results[: len(epoch.members)]):
                 self.membership.stale = True  # the group saw a failure: never reuse it
-                await self._exclude_absent(epoch.group_name, epoch.members, world)
+                await self._exclude_absent(epoch.group_name, epoch.members, world, results)
             if record.state == pb.VERSION_STATE_RECEIVING:  # no worker verified it
                 self.registry.fail(record, "; ".join(errors)[:2000] or "no worker verified it")
             else:
@@ -248,11 +248,35 @@ class Coordinator:
         log.warning("update of %s to v%d failed (%s): %s", worker_id, record.version, reason, error)
         return error
 
-    async def _exclude_absent(self, group_name: str, members: tuple[str, ...], world: int) -> None:
-        """Exclude the workers that never reached the group's store (they broke it for everyone)."""
-        absent = await asyncio.to_thread(
-            absent_ranks, self.config.data_host, self.store_port, group_name, world
-        )
+    async def _exclude_absent(
+        self, group_name: str, members: tuple[str, ...], world: int, results: list[str]
+    ) -> None:
+        """Exclude the workers that never reached the group's store (they broke it for everyone).
+
+        When the store cannot tell (it did not answer), every member whose update failed
+        (`results[i]` non-empty) is excluded instead: not knowing who broke the group must not
+        mean that nobody did, or the same member would fail the next epoch too."""
+        try:
+            absent = await asyncio.to_thread(
+                absent_ranks, self.config.data_host, self.store_port, group_name, world
+            )
+        except Exception as exc:  # torch raises RuntimeError/DistStoreError subclasses; we only log it
+            failed = [wid for wid, err in zip(members, results, strict=False) if err]
+            log.error(
+                "group %s: the store could not say who joined (%s: %s); excluding the %d member(s) "
+                "whose update failed for %.0fs: %s",
+                group_name,
+                type(exc).__name__,
+                exc,
+                len(failed),
+                self.membership.exclude_s,
+                ", ".join(failed),
+            )
+            for worker_id in failed:
+                self.membership.exclude(
+                    worker_id, f"update failed in group {group_name} (store unreadable: {exc})"
+                )
+            return
         for rank in absent:
             if rank >= 1:
                 worker_id = members[rank - 1]
@@ -307,7 +331,7 @@ class Coordinator:
                     *(self._update(wid, record, name, "", 0, 0, start, ipc=offer) for wid in ipc_ids),
                 )
                 if any(results[: len(ids)]):
-                    await self._exclude_absent(name, ids, world)
+                    await self._exclude_absent(name, ids, world, results)
                 self.on_change()
             finally:
                 self._ipc_offers.pop(record.version, None)
@@ -326,12 +350,9 @@ def absent_ranks(host: str, port: int, group_name: str, world: int, timeout_s: f
     """Ranks of `group_name` that never wrote their join key to the store (blocking)."""
     import torch.distributed as dist
 
-    try:
-        client = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
-        store = dist.PrefixStore(f"parity/{group_name}/", client)
-        return [r for r in range(world) if not store.check([f"joined/{r}"])]
-    except Exception:  # the store is ours; if it cannot answer, exclude nobody
-        return []
+    client = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
+    store = dist.PrefixStore(f"parity/{group_name}/", client)
+    return [r for r in range(world) if not store.check([f"joined/{r}"])]
 
 
 def check_reply(reply: rollout_pb2.UpdateWeightsResponse, plan: common_pb2.TransferPlan) -> str:

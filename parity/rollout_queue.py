@@ -14,7 +14,8 @@ backpressure. The trainer consumes through the consumer group. Invariants:
 - **Replay floor.** The trainer checkpoints every few steps; entries acknowledged after its last
   checkpoint must be consumed again after a crash. `set_replay_floor(id)` (written after each
   durable checkpoint) keeps every entry >= id in the stream, and `rewind(id)` makes the group
-  deliver them again on restart. Without a floor nothing acknowledged is trimmed (safe default).
+  deliver them again on restart, each once: the pending list (all >= id) is released, since `>`
+  delivers those entries again. Without a floor nothing acknowledged is trimmed (safe default).
 - **Dedupe is the consumer's job** (by rollout id; the trainer persists its set with the checkpoint
   so that it always matches the weights it describes).
 - **Redis outages are waited out.** Every command goes through `ReconnectingRedis`: on a lost
@@ -315,13 +316,25 @@ class RolloutQueue:
             candidates.append(_text(self.redis.xpending(self.stream, self.group)["min"]))
         return min_id(*candidates)
 
-    def rewind(self, floor: str) -> None:
-        """Deliver every entry >= `floor` again (restart after a crash: replay since the checkpoint)."""
+    def rewind(self, floor: str) -> int:
+        """Deliver every entry >= `floor` again (restart after a crash: replay since the checkpoint).
+
+        Pending entries are all >= floor (the floor never passes the oldest pending entry), so
+        `XREADGROUP >` delivers them again. They are acknowledged here (after the SETID, so that
+        no entry is ever neither pending nor undelivered): left in the pending list, `claim` would
+        deliver them a second time, and an entry the trainer skipped and acknowledged after the
+        claim would be pending again after the `>` delivery, never read nor acknowledged, in the
+        actors' backlog for good. Returns how many pending entries were released this way."""
         self.redis.xgroup_setid(self.stream, self.group, previous_id(floor))
-        # Pending entries are all >= floor (the floor never passes the oldest pending entry), so
-        # `XREADGROUP >` delivers them again; reading the PEL as well would deliver them twice.
+        released = 0
+        while True:
+            rows = self.redis.xpending_range(self.stream, self.group, "-", "+", 1000)
+            if not rows:
+                break
+            released += self.ack([_text(row["message_id"]) for row in rows])
         self._own_pending_cursor = None
         self._claim_cursor = MIN_ID
+        return released
 
     def read(
         self, consumer: str, count: int, block_ms: int = 1000, claim_idle_ms: int = 30_000

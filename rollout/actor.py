@@ -9,9 +9,11 @@ Invariants:
     (`rollout_id = f"{group_id}/{index}"`), per-token versions, min/max versions, the sampling
     params used (for the trainer's replay), rewards, logprobs mode, and the `traceparent` of the
     `publish` span.
-  - async mode: never start a new group while `backlog() + groups in flight >= max_lag *
-    groups_per_step` (so the stream never holds more unconsumed groups than that); the time spent
-    waiting is counted (`parity_rollout_backpressure_wait_seconds_total`).
+  - async mode: never start a new group while `backlog() + groups in flight >= max(1, max_lag) *
+    groups_per_step` (`backlog_limit`; so the stream never holds more unconsumed groups than that);
+    the time spent waiting is counted (`parity_rollout_backpressure_wait_seconds_total`). The
+    trainer acknowledges entries it drops (stale, lost version, duplicate) at once, so only groups
+    it can still train hold the actor back.
   - sync mode: generate `groups_per_step` groups at the serving version, publish them, then wait
     until the serving version increases (generate -> train -> update).
   - skip_zero_variance (dynamic sampling): a group whose rewards are all equal carries no GRPO
@@ -63,6 +65,14 @@ EPISODE_ENDS = {
     "environment_error": rollouts_pb2.EPISODE_END_ENVIRONMENT_ERROR,
 }
 POLL_S = 0.2
+
+
+def backlog_limit(max_lag: int, groups_per_step: int) -> int:
+    """The async actor's backpressure bound: it starts no group while backlog + in flight reaches
+    this. At least one step's groups: the trainer holds the entries of the batch it is building
+    pending until its step, so a bound below `groups_per_step` (max_lag 0) would stop the actor
+    while the trainer waits for the rest of its batch."""
+    return max(1, max_lag) * max(1, groups_per_step)
 
 
 class Actor:
@@ -145,7 +155,7 @@ class Actor:
 
     async def _admit(self) -> None:
         """Wait until backlog + groups in flight < max_lag * groups_per_step, then claim a slot."""
-        limit = max(1, self.max_lag * self.groups_per_step)
+        limit = backlog_limit(self.max_lag, self.groups_per_step)
         start = None
         async with self._admission:
             while await self._backlog() + self._in_flight >= limit:

@@ -146,6 +146,68 @@ def test_rollouts_of_lost_versions_are_dropped_and_counted(redis_url: str, tmp_p
     trainer.close()
 
 
+def test_resumed_trainer_dropping_the_whole_backlog_does_not_stall_the_actor(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """The `--resume` deadlock: a trainer killed before its first checkpoint leaves 8 groups (4 of
+    version 0, 4 of version 1) delivered to `trainer-0`. The restarted trainer restores version 0,
+    re-publishes as 2 (version 1 lost), trains 2 groups of version 0 at step 1 and then drops the
+    other 6 at step 2 (stale or lost). Held pending until a step that never comes, those 6 kept the
+    actor's backlog at its bound (max_lag x groups_per_step = 4), so it produced nothing while the
+    trainer waited. The producer here follows the actor's rule (`backlog_limit`)."""
+    import threading
+
+    from rollout.actor import backlog_limit
+    from tests.fakes.trainer_helpers import STREAM, make_trainer, metrics
+
+    (tmp_path / "published_version").write_text("1")
+    queue = RolloutQueue(redis_url, stream=STREAM)
+    for i, version in enumerate([0, 0, 0, 0, 1, 1, 1, 1]):
+        queue.publish(_group(f"old{i}", [version, version]))
+    dead = queue.read("trainer-0", count=8, block_ms=10)  # the killed trainer's reads ...
+    queue.ack([e.entry_id for e in dead[:2]])  # ... and its step 1, never checkpointed
+    trainer = make_trainer(redis_url, tmp_path, steps=2, groups_per_step=2, max_lag=2)
+    assert trainer.state.lost_versions == [[1, 1]] and trainer.state.weight_version == 2
+    limit = backlog_limit(2, 2)
+    stop = threading.Event()
+    produced: list[str] = []
+
+    def actor() -> None:
+        producer = RolloutQueue(redis_url, stream=STREAM)
+        while not stop.is_set():
+            if producer.backlog() < limit:
+                version = trainer.state.weight_version
+                produced.append(f"new{len(produced)}")
+                producer.publish(_group(produced[-1], [version, version]))
+            stop.wait(0.05)
+
+    threads = [threading.Thread(target=actor, daemon=True), threading.Thread(target=trainer.run, daemon=True)]
+    for thread in threads:
+        thread.start()
+    threads[1].join(timeout=60)
+    stalled = threads[1].is_alive()
+    if stalled:
+        trainer.request_stop()
+        threads[1].join(timeout=30)
+    stop.set()
+    threads[0].join(timeout=10)
+    assert not stalled, (
+        f"trainer stalled at step {trainer.state.step + 1}: backlog {queue.backlog()}, pending "
+        f"{queue.redis.xpending_range(STREAM, 'trainer', '-', '+', 20)}, produced {produced}"
+    )
+    first, second = metrics(tmp_path)
+    assert first["dropped_stale"] == first["dropped_future_version"] == 0
+    assert second["dropped_stale"] == 2 and second["dropped_future_version"] == 4
+    trained = [
+        json.loads(line)["rollout_ids"]
+        for line in (tmp_path / "trained_rollouts.jsonl").read_text().splitlines()
+    ]
+    assert trained[0] == ["old0/0", "old1/0"]
+    assert set(trained[1]) <= {f"{g}/0" for g in produced} and len(trained[1]) == 2
+    assert queue.pending() == 0  # everything read was used or dropped, and acknowledged
+    trainer.close()
+
+
 def test_runs_ls_shows_running_finished_and_died(tmp_path: Path) -> None:
     def run_dir(name: str, status: str, pid: int, steps_done: int) -> None:
         path = tmp_path / name

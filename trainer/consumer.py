@@ -3,13 +3,20 @@
 Invariants:
 - A rollout id is trained at most once in the lineage of the weights: `applied_ids` (restored with
   the checkpoint) plus the ids already in the batch being built. An entry any of whose rollout ids
-  is known is a duplicate: it is skipped, counted, and acknowledged with the step.
-- An entry whose oldest token is more than `max_lag` versions behind the trainer is dropped whole,
-  counted (`dropped_stale`) and acknowledged with the step. So are malformed entries.
+  is known is a duplicate: it is skipped and counted.
+- An entry whose oldest token is more than `max_lag` versions behind the trainer is dropped whole
+  and counted (`dropped_stale`). So are malformed entries.
 - An entry with a token sampled from a *lost* version (published by a process of this run that
   died before checkpointing it: `lost_versions`) is dropped whole and counted
   (`dropped_future_version`): those weights are not in the lineage being trained.
-- Nothing is acknowledged here: the caller acks `batch.all_entry_ids()` after the optimizer step.
+- Skipped entries (all of the above) are acknowledged here, as soon as they are read. Held pending
+  until the step, they would count in the actors' backlog (undelivered + pending): a trainer that
+  drops a whole backlog (after `--resume`, where the stream holds versions it lost or outgrew)
+  would then wait for new groups that the actors, at their backlog bound, never generate. Acking
+  early loses nothing: a skip depends only on the trainer's state, and a restart rewinds the stream
+  to the checkpoint's floor, which stays below every entry of the batch being built.
+- Admitted entries are not acknowledged here: the caller acks `batch.all_entry_ids()` after the
+  optimizer step (acking a skipped id again is a no-op).
 - The same entry delivered twice while the batch is built (XAUTOCLAIM can return this consumer's
   own idle entries) is used once.
 """
@@ -157,6 +164,7 @@ class RolloutConsumer:
 
         batch = Batch()
         seen_entries: set[str] = set()
+        skipped: set[str] = set()
         batch_ids: set[str] = set()
         start = time.perf_counter()
         while len(batch.groups) < groups_per_step:
@@ -169,11 +177,18 @@ class RolloutConsumer:
                 block_ms=self.block_ms,
                 claim_idle_ms=self.claim_idle_ms,
             )
+            skipped_before = len(batch.skipped_entry_ids)
+            again: list[str] = []  # skipped before and delivered again: pending again
             for entry in entries:
                 if entry.entry_id in seen_entries:
+                    if entry.entry_id in skipped:
+                        again.append(entry.entry_id)
                     continue
                 seen_entries.add(entry.entry_id)
                 self._admit(entry, batch, batch_ids, trainer_version, max_lag)
+            newly_skipped = batch.skipped_entry_ids[skipped_before:]
+            skipped.update(newly_skipped)
+            self.queue.ack(newly_skipped + again)  # at once: see the module docstring
         batch.wait_s = time.perf_counter() - start
         return batch
 

@@ -21,7 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
@@ -119,11 +118,22 @@ class MembershipClient:
                     log.warning("heartbeat failed: %s", exc.code().name)
 
     async def unregister(self) -> None:
-        """Best effort UnregisterWorker (2 s), then close the channel."""
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+        """Best effort UnregisterWorker (2 s), then close the channel. A failed call is logged (the
+        service drops a silent worker after its heartbeat timeout anyway); a cancellation of the
+        caller propagates, after the channel is closed."""
+        try:
             await self._stub.UnregisterWorker(
                 broadcast_pb2.UnregisterWorkerRequest(worker_id=self.worker_id),
                 timeout=2.0,
                 metadata=self._metadata,
             )
-        await self._channel.close()
+        except grpc.aio.AioRpcError as exc:
+            log.warning(
+                "UnregisterWorker at %s failed (%s: %s); the service drops %s at its heartbeat timeout",
+                self.broadcast_address,
+                exc.code().name,
+                exc.details(),
+                self.worker_id,
+            )
+        finally:
+            await self._channel.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import hmac
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,8 @@ from parity.weights.rendezvous import (
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 # How buckets move through a group. "broadcast": one collective per bucket (NCCL's broadcast is a
 # pipelined ring). "chain": rank 0 sends each bucket to rank 1, which forwards it to rank 2 as soon as
@@ -353,5 +356,7 @@ class TransferGroup:
                 pg.abort()
             else:
                 pg.shutdown()
-        except Exception:  # best effort: the group is being discarded either way
-            pass
+        except Exception as exc:  # the group is discarded either way; a failed teardown is only logged
+            log.warning(
+                "closing %s group (rank %s): %s: %s", self.backend, self.rank, type(exc).__name__, exc
+            )

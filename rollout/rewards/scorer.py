@@ -116,7 +116,7 @@ class Scorer:
         except RewardFailed:
             raise
         except Exception as exc:
-            raise RewardFailed("error", f"{c.name}: {type(exc).__name__}: {exc}") from None
+            raise RewardFailed("error", f"{c.name}: {type(exc).__name__}: {exc}") from exc
 
     async def score(self, prompt: Prompt, completions: Sequence[str], request_id: str = "") -> list[float]:
         """One finite reward per completion, or RewardFailed (module docstring)."""
@@ -128,7 +128,7 @@ class Scorer:
             if isinstance(part, BaseException):
                 if isinstance(part, RewardFailed):
                     raise part
-                raise RewardFailed("error", f"{type(part).__name__}: {part}")
+                raise RewardFailed("error", f"{type(part).__name__}: {part}") from part
         totals = [0.0] * len(completions)
         for c, values in zip(self.components, parts, strict=True):
             for i, value in enumerate(values):

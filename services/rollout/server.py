@@ -3,7 +3,9 @@ around one engine, the membership link to the broadcast service, and the actor l
 
 Startup: the gRPC port binds NOT_SERVING, the engine loads, the worker registers with the broadcast
 service (when configured) and serves once caught up; SIGTERM/SIGINT drains in-flight requests for
-`shutdown_grace_s`. A crashed actor loop restarts after a capped backoff, NOT_SERVING meanwhile.
+`shutdown_grace_s`. A crashed actor loop restarts after a capped backoff, NOT_SERVING meanwhile,
+up to `ACTOR_RESTART_ATTEMPTS` crashes in a row; then the service logs one line naming the actor and
+the last cause, stops and exits 1.
 """
 
 from __future__ import annotations
@@ -30,29 +32,52 @@ log = logging.getLogger("parity.rollout")
 
 ACTOR_RESTART_START_S = 1.0
 ACTOR_RESTART_CAP_S = 30.0
+ACTOR_RESTART_ATTEMPTS = 8  # crashes in a row (a loop that ran 10 x the cap starts a fresh count)
 
 
-async def supervise_actor(actor, servicer: RolloutServicer) -> None:
-    """Run the actor loop; when it crashes, NOT_SERVING, then restart it after a capped backoff."""
-    delay_s = ACTOR_RESTART_START_S
+async def supervise_actor(
+    actor,
+    servicer: RolloutServicer,
+    attempts: int = ACTOR_RESTART_ATTEMPTS,
+    start_s: float = ACTOR_RESTART_START_S,
+    cap_s: float = ACTOR_RESTART_CAP_S,
+) -> str:
+    """Run the actor loop; when it crashes, NOT_SERVING, then restart it after a capped backoff.
+
+    Returns "" when the loop finished, or a one-line error naming the component and the last cause
+    once `attempts` crashes in a row used up the budget (the service then stops and exits 1)."""
+    delay_s, crashes = start_s, 0
     while not servicer.shutting_down:
         started = time.monotonic()
         try:
             await actor.run()
-            return  # finished (max_groups) or shutting down
+            return ""  # finished (max_groups) or shutting down
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             servicer.actor_failed = True
             await servicer.refresh_serving()
             metrics.ACTOR_RESTARTS.inc()
-            if time.monotonic() - started > 10 * ACTOR_RESTART_CAP_S:
-                delay_s = ACTOR_RESTART_START_S  # it ran a long while: a fresh fault
-            log.error("actor loop crashed (%r); restarting in %.0fs", exc, delay_s)
+            if time.monotonic() - started > 10 * cap_s:
+                delay_s, crashes = start_s, 0  # it ran a long while: a fresh fault
+            crashes += 1
+            if crashes >= attempts:
+                return (
+                    f"rollout actor: gave up after {crashes} crashes in a row (restart budget {attempts}); "
+                    f"last cause: {type(exc).__name__}: {exc}"
+                )
+            log.error(
+                "actor loop crashed (%r); restarting in %.1fs (restart %d of %d)",
+                exc,
+                delay_s,
+                crashes,
+                attempts - 1,
+            )
             await asyncio.sleep(delay_s)
-            delay_s = min(ACTOR_RESTART_CAP_S, 2 * delay_s)
+            delay_s = min(cap_s, 2 * delay_s)
             servicer.actor_failed = False
             await servicer.refresh_serving()
+    return ""
 
 
 async def serve(run_config: ParityConfig, model_dir: Path) -> int:
@@ -78,6 +103,7 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     port = await server.start()  # NOT_SERVING until the engine is loaded and caught up
     background: list[asyncio.Task] = []
     stopped = asyncio.Event()
+    gave_up: list[asyncio.Future] = []  # a recovery loop gave up: its shutdown; the service exits 1
     openai_server = None  # services/rollout/openai_api.py, when rollout.openai_port is not -1
 
     async def shutdown() -> None:
@@ -144,7 +170,15 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     if config.actor:
         from rollout.actor import Actor
 
-        background.append(asyncio.create_task(supervise_actor(Actor(run_config, servicer), servicer)))
+        supervised = asyncio.create_task(supervise_actor(Actor(run_config, servicer), servicer))
+        background.append(supervised)
+
+        def actor_done(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is None and task.result():
+                log.error("%s", task.result())
+                gave_up.append(asyncio.ensure_future(shutdown()))  # held: not collected mid-run
+
+        supervised.add_done_callback(actor_done)
     await stopped.wait()
     if config.broadcast_address:
         await link.unregister()
@@ -153,7 +187,7 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
         # a restart in progress: the engine it is building is shut down as soon as it is built
         await asyncio.wait({servicer._recovery}, timeout=config.shutdown_grace_s)
     log.info("rollout service stopped")
-    return 0
+    return 1 if gave_up else 0
 
 
 def main(argv: Sequence[str]) -> int:
@@ -169,7 +203,7 @@ def main(argv: Sequence[str]) -> int:
         try:
             model_dir = models.resolve(config.model.name)
         except models.ModelError as exc:
-            print(f"parity serve rollout: error: model.{exc}", file=sys.stderr)
+            print(f"parity serve rollout: error: {exc}", file=sys.stderr)
             return 2
         return asyncio.run(serve(config, model_dir))
 
