@@ -14,7 +14,7 @@ import torch
 from parity.rollout_queue import RolloutQueue
 from tests.fakes.synthetic_rollouts import make_group
 from tests.fakes.trainer_helpers import STREAM, make_trainer, metrics
-from trainer.mismatch_gate import MismatchGate, MismatchGateError
+from trainer.mismatch_gate import GATED_METRIC, MismatchGate, MismatchGateError
 from trainer.policy import load_model
 
 
@@ -100,11 +100,11 @@ def test_nothing_measured_is_null_never_zero(redis_url: str, tmp_path: Path, ref
 
 def test_gate_counts_consecutive_measured_steps_and_ignores_unmeasured_ones() -> None:
     gate = MismatchGate(threshold=1e-3, steps=3, action="warn")
-    over, under, nan = {"mismatch_k3_own_version": 5e-3}, {"mismatch_k3_own_version": 1e-4}, {}
+    over, under, nan = {GATED_METRIC: 5e-3}, {GATED_METRIC: 1e-4}, {}
     assert gate.observe(1, over) == "" and gate.observe(2, over) == ""
     assert gate.observe(3, under) == ""  # a passing step breaks the streak
     assert gate.observe(4, over) == "" and gate.observe(5, nan) == "" and gate.observe(6, over) == ""
-    warning = gate.observe(7, {"mismatch_k3_own_version": math.inf})  # inf is not measured either
+    warning = gate.observe(7, {GATED_METRIC: math.inf})  # inf is not measured either
     assert warning == ""
     warning = gate.observe(8, over)
     assert "exceeded check.threshold=0.001 for 3 consecutive" in warning and "head_dtype" in warning
@@ -130,4 +130,27 @@ def test_running_gate_stops_a_run_whose_rollout_logprobs_are_off(
     else:
         trainer.run()
         rows = metrics(tmp_path)
-        assert len(rows) == 2 and all(r["mismatch_k3_own_version"] > 1e-3 for r in rows)
+        assert len(rows) == 2 and all(r["mismatch_k3_own_version_informative"] > 1e-3 for r in rows)
+
+
+def test_degenerate_tokens_are_not_informative_and_a_step_of_them_is_not_measured(
+    redis_url: str, tmp_path: Path, reference_model
+) -> None:
+    # top_k=1: every processed distribution has one candidate, logprob 0 on both sides whatever
+    # the engine did. An engine 0.3 nats off on its (never reported) other candidates cannot show.
+    from parity.sampling import SamplingTransform
+
+    queue = RolloutQueue(redis_url, stream=STREAM)
+    top1 = SamplingTransform(1.0, 1, 1.0)
+    queue.publish(make_group(reference_model, "top1", (1.0, 0.0, 0.0, 1.0), transform=top1,
+                             generator=torch.Generator().manual_seed(0)))  # fmt: skip
+    queue.publish(group(reference_model, "plain", seed=1))
+    make_trainer(redis_url, tmp_path, steps=2, max_lag=1, lr=1e-3, gate_steps=1, on_mismatch="stop").run()
+    degenerate, plain = metrics(tmp_path)
+    assert degenerate["own_version_tokens"] == degenerate["num_tokens"] > 0
+    assert degenerate["mismatch_k3_own_version"] == 0.0  # measured over tokens that cannot differ
+    assert degenerate["own_version_informative_tokens"] == 0
+    assert degenerate["mismatch_k3_own_version_informative"] is None  # not measured, never a pass
+    assert degenerate["mismatch_max_abs_own_version_informative"] is None
+    assert plain["own_version_informative_tokens"] == plain["own_version_tokens"] > 0  # rescored at v0
+    assert 0.0 <= plain["mismatch_k3_own_version_informative"] < 1e-8

@@ -2,13 +2,15 @@
 
 The preflight (`parity check`, run by `parity run` before training) measures the rollout-vs-trainer
 mismatch once. This gate watches the same number during the run: the backend mismatch at each
-token's own version (`mismatch_k3_own_version`, trainer/loop.py). When it exceeds
+token's own version over its informative tokens (`mismatch_k3_own_version_informative`,
+trainer/step_metrics.py: tokens whose processed distribution is degenerate read 0 on any backend
+and would make a broken step look clean). When it exceeds
 `check.threshold` for `check.gate_steps` consecutive measured steps, `check.on_mismatch` decides:
 `stop` raises `MismatchGateError` (the trainer exits, `parity run` stops with its message), `warn`
 logs once per streak.
 
 Invariants:
-  - A step with nothing measured (NaN) neither extends nor breaks a streak: it is not evidence.
+  - A step with nothing measured (NaN: no own-version token, or none informative) neither extends nor breaks a streak: it is not evidence.
   - The message names the number, the threshold, the streak and the usual causes, so a user can act.
 """
 
@@ -20,7 +22,7 @@ from typing import Literal
 
 log = logging.getLogger(__name__)
 
-GATED_METRIC = "mismatch_k3_own_version"
+GATED_METRIC = "mismatch_k3_own_version_informative"
 LIKELY_CAUSES = (
     "prefix-cache KV from older weights (rollout.prefix_caching with reset_prefix_cache_on_update off), "
     "a low-precision lm_head (rollout.head_dtype), raw instead of processed logprobs "

@@ -26,18 +26,27 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class OwnVersionSample:
-    """Trainer and rollout logprobs of the rescored clean stale tokens (host, float32)."""
+    """Trainer and rollout logprobs of the rescored clean stale tokens (host, float32), and the
+    entropy of the trainer's processed distribution at each (the informative-token test)."""
 
     trainer_logprobs: torch.Tensor
     rollout_logprobs: torch.Tensor
     seconds: float
+    entropy: torch.Tensor | None = None
 
 
 def rescore_at_versions(
-    old_model, history: WeightHistory, chunk: list[ScoredSequence], behaviour_T: torch.Tensor, device
+    old_model,
+    history: WeightHistory,
+    chunk: list[ScoredSequence],
+    behaviour_T: torch.Tensor,
+    device,
+    entropy_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Trainer logprobs at each token's own version, mask of tokens whose version is held).
-    Tokens whose version is not held keep their behaviour logprobs and are outside the mask."""
+    Tokens whose version is not held keep their behaviour logprobs and are outside the mask.
+    With `entropy_out` ([T]), the processed distribution's entropy at each rescored token is written
+    into it (from the same logits: no extra forward)."""
     import torch
 
     versions = [v for s in chunk for v in s.versions]
@@ -52,11 +61,16 @@ def rescore_at_versions(
                 continue
             for name, tensor in weights.items():
                 params[name].copy_(tensor)
-            lp_T, _ = token_logprobs(
-                old_model, [s.inputs for s in chunk], with_entropy=False, keep=model_positions(chunk)
+            lp_T, entropy_T = token_logprobs(
+                old_model,
+                [s.inputs for s in chunk],
+                with_entropy=entropy_out is not None,
+                keep=model_positions(chunk),
             )
             use_T = versions_T == version
             old_T[use_T] = lp_T[use_T]
+            if entropy_out is not None:
+                entropy_out[use_T] = entropy_T[use_T].to(entropy_out.dtype)
             known_T |= use_T
     return old_T, known_T
 
@@ -86,12 +100,13 @@ def score_own_version(
             by_group.setdefault(seq.group_index, []).append(seq)
     chosen = [s for g in sorted(by_group)[:groups] for s in by_group[g]]
     if not chosen:
-        return OwnVersionSample(torch.zeros(0), torch.zeros(0), time.perf_counter() - start)
+        return OwnVersionSample(torch.zeros(0), torch.zeros(0), time.perf_counter() - start, torch.zeros(0))
     rollout_T = to_device(
         torch.tensor([lp for s in chosen for lp in s.rollout_logprobs], dtype=torch.float32), device
     )
+    entropy_T = torch.full_like(rollout_T, float("nan"))
     with torch.no_grad():
-        scored_T, known_T = rescore_at_versions(old_model, history, chosen, rollout_T, device)
+        scored_T, known_T = rescore_at_versions(old_model, history, chosen, rollout_T, device, entropy_T)
     stale_clean_T = to_device(
         torch.tensor(
             [
@@ -104,5 +119,8 @@ def score_own_version(
     )
     use_T = known_T & stale_clean_T
     return OwnVersionSample(
-        scored_T[use_T].float().cpu(), rollout_T[use_T].float().cpu(), time.perf_counter() - start
+        scored_T[use_T].float().cpu(),
+        rollout_T[use_T].float().cpu(),
+        time.perf_counter() - start,
+        entropy_T[use_T].float().cpu(),
     )

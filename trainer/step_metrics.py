@@ -6,6 +6,11 @@ Names say what they measure (docs/trainer.md lists them):
 - `mismatch_*_own_version`: the same over clean lag-0 tokens plus stale tokens rescored under their
   own version (absent when own-version scoring is off); `*_mixed_context`: lag-0 tokens whose KV
   came from older weights, kept apart.
+- `mismatch_{k3,max_abs}_own_version_informative`: the own-version tokens whose processed
+  distribution is not degenerate (entropy > INFORMATIVE_ENTROPY_NATS); a token that top-k/top-p
+  left alone, or whose probability rounds to 1 in float32, has logprob 0 on both sides whatever the
+  backend does and cannot show a fault. `own_version_informative_tokens` counts them; the running
+  gate judges these (NaN, "not measured", when there are none).
 - `policy_drift_*`: every token against the current weights, stale ones included.
 A metric with nothing to measure is NaN (null in metrics.jsonl), never 0.
 """
@@ -29,6 +34,10 @@ if TYPE_CHECKING:
     from trainer.checkpoint import TrainerState
 
 SAMPLES_PER_STEP = 4  # completions per step written to samples.jsonl (run trackers show them)
+# A processed distribution with entropy at or below this is degenerate: one candidate, or a top
+# probability that rounds to 1 in float32 (the next-largest float32 below 1 is 1 - 6e-8, whose
+# entropy is ~1e-6 nats at the smallest). Such a token's logprob is 0 on every backend.
+INFORMATIVE_ENTROPY_NATS = 1e-6
 STAT_KEYS = ("k1", "k2", "k3", "max_abs", "ratio_p05", "ratio_p50", "ratio_p95", "nonfinite_tokens")
 
 
@@ -164,9 +173,18 @@ def own_version_metrics(stats: StepStats, own_version: OwnVersionSample | None) 
         return metrics
     own_trainer_T = torch.cat([trainer_T[lag0_T & clean_T], own_version.trainer_logprobs])
     own_rollout_T = torch.cat([rollout_T[lag0_T & clean_T], own_version.rollout_logprobs])
+    rescored_entropy_T = own_version.entropy
+    if rescored_entropy_T is None:  # not measured: no rescored token counts as informative
+        rescored_entropy_T = torch.full_like(own_version.trainer_logprobs, math.nan)
+    own_entropy_T = torch.cat([stats.entropy[lag0_T & clean_T].float(), rescored_entropy_T.float()])
     own = mismatch.mismatch_stats(own_trainer_T, own_rollout_T)
     for key in STAT_KEYS:
         metrics[f"mismatch_{key}_own_version"] = getattr(own, key)
+    informative_T = own_entropy_T > INFORMATIVE_ENTROPY_NATS  # NaN entropy: not informative
+    informative = mismatch.mismatch_stats(own_trainer_T[informative_T], own_rollout_T[informative_T])
+    for key in ("k3", "max_abs"):
+        metrics[f"mismatch_{key}_own_version_informative"] = getattr(informative, key)
+    metrics["own_version_informative_tokens"] = int(informative_T.sum())
     metrics["own_version_tokens"] = int(own_trainer_T.numel())
     metrics["own_version_rescored_tokens"] = int(own_version.trainer_logprobs.numel())
     metrics["own_version_score_s"] = own_version.seconds

@@ -41,6 +41,8 @@ REQUIRED_METRICS = (
     "mismatch_k1_own_version",
     "mismatch_k3_own_version",
     "mismatch_max_abs_own_version",
+    "mismatch_k3_own_version_informative",
+    "own_version_informative_tokens",
     "policy_drift_k1",
     "policy_drift_k2",
     "policy_drift_k3",

@@ -1,0 +1,166 @@
+"""Every fault class of rollout/faults.py, injected into an in-process run, and when the gate caught it.
+
+Each run: the real `trainer.loop.Trainer` on the tiny model, a private redis-server, and a
+`rollout.faults.ReferenceEngine` that loads the trainer's weights after every update and samples
+one group per step at the trainer's version (temperature 0.8, top-k 40, top-p 0.95). The fault is
+active from weight version `--inject_version` (version v is trained at step v + 1). The running
+gate runs with gate_steps 1, on_mismatch stop and `--threshold`, so "caught at" is the step at
+which the gate stopped the run; a clean control runs the same steps and must not be caught.
+
+    python -m bench.faults [--steps 4] [--inject_version 2] [--threshold 1e-6] [--out faults.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from parity.sampling import SamplingTransform
+from rollout.faults import FAULTS, FaultSpec, ReferenceEngine
+
+TRANSFORM = SamplingTransform(0.8, 40, 0.95)
+STREAM = "bench:faults"
+
+
+@dataclass(frozen=True)
+class FaultResult:
+    fault: str
+    injected_step: int | None  # first step that trains on a faulty token
+    caught_step: int | None
+    signal: str
+    steps_run: int
+
+
+def run_fault(
+    name: str | None,
+    model_dir: Path,
+    redis_url: str,
+    run_dir: Path,
+    steps: int = 4,
+    inject_version: int = 2,
+    threshold: float = 1e-6,
+) -> FaultResult:
+    """One in-process run with fault `name` (None: clean control)."""
+    import torch
+
+    from parity.config import ParityConfig
+    from parity.rollout_queue import RolloutQueue
+    from trainer.loop import Trainer
+    from trainer.mismatch_gate import GATED_METRIC, MismatchGateError
+
+    config = ParityConfig.model_validate(
+        {
+            "model": {"name": str(model_dir)},
+            "run": {"redis_url": redis_url, "stream": STREAM, "steps": steps, "groups_per_step": 1,
+                    "max_lag": 1},
+            "trainer": {"run_dir": str(run_dir), "micro_batch_size": 4, "lr": 1e-3, "read_block_ms": 50},
+            "check": {"threshold": threshold, "gate_steps": 1, "on_mismatch": "stop"},
+        }
+    )  # fmt: skip
+    trainer = Trainer(config)
+    trainer.setup()
+    queue = RolloutQueue(redis_url, stream=STREAM)
+    spec = FaultSpec(FAULTS[name], inject_version) if name else None
+    engine = ReferenceEngine(trainer.model, spec)
+    generator = torch.Generator().manual_seed(0)
+    vocab = trainer.model.get_output_embeddings().weight.shape[0]
+    injected = caught = None
+    clean_max: float | None = None  # the gated metric's largest value on the steps that passed
+    signal = ""
+    try:
+        for step in range(1, steps + 1):
+            version = trainer.state.weight_version
+            engine.update(version, trainer.model.state_dict())
+            prompt = [int(t) for t in torch.randint(3, vocab, (6,), generator=generator)]
+            group = engine.group(f"s{step}", prompt, (1.0, 0.0, 0.0, 1.0), TRANSFORM, 8, generator)
+            if spec is not None and spec.active(version) and injected is None:
+                injected = step
+            queue.publish(group)
+            batch = trainer.consumer.collect(1, version, 1, lambda: False)
+            if batch is None:
+                raise RuntimeError(f"step {step}: no batch collected")
+            try:
+                metrics = trainer.train_step(batch)
+            except MismatchGateError:
+                caught = step
+                metrics = trainer.last_metrics
+                signal = f"{GATED_METRIC}={metrics[GATED_METRIC]:.2e}"
+                break
+            clean = [v for v in (metrics.get(GATED_METRIC), clean_max) if v is not None]
+            clean_max = max(clean) if clean else None
+            trainer._publish()  # as Trainer.run does after every step (publish_every 1)
+        else:
+            signal = "not caught; max " + (f"{clean_max:.2e}" if clean_max is not None else "none measured")
+    finally:
+        trainer.close()
+    return FaultResult(name or "clean (control)", injected, caught, signal, step)
+
+
+def markdown(results: list[FaultResult], threshold: float) -> str:
+    lines = [
+        f"Gate: `{threshold:g}` on k3 over informative own-version tokens, gate_steps 1.",
+        "",
+        "| class | site | injected at step | caught at step | signal |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        site = FAULTS[r.fault].site if r.fault in FAULTS else "-"
+        injected = "-" if r.injected_step is None else str(r.injected_step)
+        caught = "not caught" if r.caught_step is None else str(r.caught_step)
+        lines.append(f"| {r.fault} | {site} | {injected} | {caught} | {r.signal} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--inject_version", type=int, default=2)
+    parser.add_argument("--threshold", type=float, default=1e-6)
+    parser.add_argument("--faults", default="", help="comma-separated subset (default: all)")
+    parser.add_argument("--out", default="", help="also write the table here (markdown)")
+    args = parser.parse_args(argv)
+    from bench.trainer_step import start_redis
+    from parity import models
+
+    names = [n for n in args.faults.split(",") if n] or list(FAULTS)
+    model_dir = models.prepare("tiny")
+    redis_proc, redis_url, redis_dir = start_redis()
+    start = time.perf_counter()
+    results = []
+    try:
+        for name in [None, *names]:
+            run_dir = Path(tempfile.mkdtemp(prefix="bench-faults-"))
+            try:
+                results.append(
+                    run_fault(
+                        name, model_dir, redis_url, run_dir, args.steps, args.inject_version, args.threshold
+                    )
+                )
+            finally:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            subprocess.run(
+                ["redis-cli", "-u", redis_url, "FLUSHALL"], check=True, capture_output=True, timeout=30
+            )
+    finally:
+        redis_proc.terminate()
+        redis_proc.wait(10)
+        shutil.rmtree(redis_dir, ignore_errors=True)
+    table = markdown(results, args.threshold)
+    print(table)
+    print(f"{len(results)} runs in {time.perf_counter() - start:.1f} s")
+    if args.out:
+        Path(args.out).write_text(table)
+    ok = results[0].caught_step is None and all(
+        r.caught_step is not None and r.caught_step == r.injected_step for r in results[1:]
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

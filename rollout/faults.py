@@ -1,0 +1,267 @@
+"""Train-inference parity faults, for tests and the fault bench only (issue 36).
+
+Each fault is a known way a rollout backend breaks parity. `ReferenceEngine` is an engine with the
+trainer's numerics (sampling replayed by parity.sampling on a Hugging Face model, weights loaded by
+update) into which one fault is injected at the site it lives in a real engine: the logprobs it
+reports, the sampling transform it applies, the weights an update leaves it with, the version tags
+it writes, or the head's precision.
+
+A fault is selected by the environment variable PARITY_FAULT="<name>@<version>" (active for every
+rollout sampled at weight version >= <version>). It is honoured only where fault injection is
+enabled (`rollout.enable_fault_injection`); otherwise `fault_from_env` refuses it with an error
+naming that setting.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from parity.sampling import SamplingTransform, processed_logprobs
+from parity.v1 import common_pb2, rollouts_pb2
+
+if TYPE_CHECKING:
+    import torch
+
+ENV_VAR = "PARITY_FAULT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    site: str  # where it lives in a real engine
+    looks_like: str  # what it does to the data the trainer receives
+
+
+FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in (
+        Fault("raw_logprobs", "logprob reporting",
+              "logprobs of the raw logits (no temperature/top-k/top-p): every token off by the "
+              "transform's log-normaliser, so k3 is large on every informative token"),
+        Fault("logprobs_shifted", "logprob reporting",
+              "token i carries token i+1's logprob (the last repeats): large |delta| at every position"),
+        Fault("last_logprob_dropped", "logprob reporting",
+              "the last token's logprob is missing and zero-filled: |delta| = -logprob at the last position only"),
+        Fault("last_logprob_perturbed", "logprob reporting",
+              "the last token's logprob is 0.05 nats low: a small error at one position per sample"),
+        Fault("temperature_replay", "sampling transform",
+              "the engine samples at 1.5x the requested temperature; the trainer replays the requested one"),
+        Fault("top_k_replay", "sampling transform",
+              "the engine applies top_k 4x larger than requested (more candidates, lower logprobs)"),
+        Fault("top_p_replay", "sampling transform",
+              "the engine ignores top_p (samples from the full distribution after top-k)"),
+        Fault("stale_weights", "weight update",
+              "the engine keeps serving version v-1 while labelling tokens v: one step of policy drift"),
+        Fault("tensor_not_updated", "weight update",
+              "one weight tensor (the first MLP down-projection) keeps its previous value after an update"),
+        Fault("swapped_tensors", "weight update",
+              "two same-shaped tensors (layer 0's q_proj and o_proj) are loaded into each other's place"),
+        Fault("wrong_version_tag", "version accounting",
+              "the second half of each sample is tagged v-1 though sampled at v: rescored at the wrong weights"),
+        Fault("repetition_penalty_unreplayed", "sampling transform",
+              "the engine applies repetition_penalty 1.3 to tokens already in the sequence; the trainer "
+              "replays no penalty: repeated tokens' logprobs differ"),
+        Fault("prompt_token_drift", "tokenization",
+              "the engine conditions on a prompt whose first token differs from the recorded one (chat "
+              "template or tokenizer drift): every completion logprob is scored on another context"),
+        Fault("rope_theta", "model config",
+              "the engine's RoPE theta is 2x the trainer's: attention drifts with distance from each token"),
+        Fault("bf16_lm_head", "model numerics",
+              "the engine's lm_head runs in bf16 (hidden state and head weight rounded): ~1e-2 logit noise"),
+    )
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    fault: Fault
+    start_version: int
+
+    def active(self, version: int) -> bool:
+        return version >= self.start_version
+
+
+def parse_fault(value: str) -> FaultSpec:
+    """'<name>@<version>' -> FaultSpec; a clear error naming PARITY_FAULT on bad input."""
+    name, _, at = value.partition("@")
+    if name not in FAULTS:
+        raise ValueError(f"{ENV_VAR}: unknown fault {name!r}; known: {', '.join(sorted(FAULTS))}")
+    try:
+        start = int(at) if at else 0
+    except ValueError:
+        raise ValueError(f"{ENV_VAR}: version after '@' must be an integer, got {at!r}") from None
+    if start < 0:
+        raise ValueError(f"{ENV_VAR}: version must be >= 0, got {start}")
+    return FaultSpec(FAULTS[name], start)
+
+
+def fault_from_env(enabled: bool, environ: Mapping[str, str] | None = None) -> FaultSpec | None:
+    """The fault PARITY_FAULT names, or None. Refused unless fault injection is enabled."""
+    value = (os.environ if environ is None else environ).get(ENV_VAR, "")
+    if not value:
+        return None
+    if not enabled:
+        raise ValueError(
+            f"{ENV_VAR}={value!r} needs fault injection enabled (rollout.enable_fault_injection true)"
+        )
+    return parse_fault(value)
+
+
+class ReferenceEngine:
+    """An engine with the trainer's numerics on a private copy of a Hugging Face causal LM."""
+
+    def __init__(self, model, fault: FaultSpec | None = None) -> None:
+        self.model = copy.deepcopy(model).eval()
+        self.fault = fault
+        self.version = 0
+        self._previous: dict[str, torch.Tensor] | None = None
+
+    def _on(self, name: str, version: int | None = None) -> bool:
+        v = self.version if version is None else version
+        return self.fault is not None and self.fault.fault.name == name and self.fault.active(v)
+
+    def update(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load `state_dict` as `version` (the weight-update path; weight faults act here)."""
+        import torch
+
+        current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        new = {k: v.detach().clone() for k, v in state_dict.items()}
+        if self._on("stale_weights", version) and self._previous is not None:
+            new = self._previous  # the engine serves what it had one update ago
+        if self._on("tensor_not_updated", version):
+            name = next(k for k in new if "down_proj" in k)
+            new[name] = current[name]
+        if self._on("swapped_tensors", version):
+            q = next(k for k in new if "layers.0." in k and "q_proj.weight" in k)
+            o = next(k for k in new if "layers.0." in k and "o_proj.weight" in k)
+            if new[q].shape != new[o].shape:
+                raise ValueError(f"swapped_tensors: {q} and {o} differ in shape")
+            new[q], new[o] = new[o], new[q]
+        with torch.no_grad():
+            self.model.load_state_dict(new)
+        self._previous = {k: v.detach().clone() for k, v in state_dict.items()}
+        self.version = version
+
+    def _logits(self, rows: list[list[int]]) -> torch.Tensor:
+        """[rows, len, V] float32 next-token logits at every position of equal-length rows."""
+        import torch
+
+        if self._on("prompt_token_drift"):
+            vocab = self.model.config.vocab_size
+            rows = [[r[0] + 1 if r[0] + 1 < vocab else r[0] - 1, *r[1:]] for r in rows]
+        rope = self.model.model.rotary_emb
+        if self._on("rope_theta") and not getattr(self, "_rope_changed", False):
+            base = float(getattr(self.model.config, "rope_theta", None) or 10000.0) * 2
+            n = rope.inv_freq.numel()
+            rope.inv_freq.copy_(1.0 / base ** (torch.arange(0, 2 * n, 2, dtype=torch.float32) / (2 * n)))
+            self._rope_changed = True
+        with torch.no_grad():
+            if self._on("bf16_lm_head"):
+                hidden = self.model.model(input_ids=torch.tensor(rows)).last_hidden_state
+                head = self.model.get_output_embeddings().weight
+                return (hidden.bfloat16() @ head.bfloat16().T).float()
+            return self.model(input_ids=torch.tensor(rows)).logits.float()
+
+    def _engine_transform(self, requested: SamplingTransform) -> SamplingTransform:
+        if self._on("temperature_replay"):
+            return replace(requested, temperature=requested.temperature * 1.5)
+        if self._on("top_k_replay"):
+            return replace(requested, top_k=requested.top_k * 4)
+        if self._on("top_p_replay"):
+            return replace(requested, top_p=1.0)
+        return requested
+
+    def sample(
+        self, prompt: Sequence[int], length: int, n: int, requested: SamplingTransform, generator
+    ) -> list[tuple[list[int], list[float], list[int]]]:
+        """(tokens, reported logprobs, weight-version tags) of `n` completions, sampled together."""
+        import torch
+
+        transform = self._engine_transform(requested)
+        rows = [list(prompt) for _ in range(n)]
+        penalised = self._on("repetition_penalty_unreplayed")
+        for _ in range(length):
+            logits_nV = self._logits(rows)[:, -1]
+            if penalised:
+                logits_nV = torch.cat([_repetition_penalty(logits_nV[i : i + 1], rows[i]) for i in range(n)])
+            probs_nV = processed_logprobs(logits_nV, transform).exp()
+            for row, token in zip(rows, torch.multinomial(probs_nV, 1, generator=generator)[:, 0].tolist(),
+                                  strict=True):  # fmt: skip
+                row.append(int(token))
+        all_logits = self._logits(rows)[:, len(prompt) - 1 : -1]
+        out = []
+        for i, row in enumerate(rows):
+            tokens, logits = row[len(prompt) :], all_logits[i]
+            if penalised:
+                logits = torch.cat(
+                    [_repetition_penalty(logits[j : j + 1], row[: len(prompt) + j]) for j in range(length)]
+                )
+            targets = torch.tensor(tokens).unsqueeze(-1)
+            if self._on("raw_logprobs"):
+                logprobs = logits.log_softmax(-1).gather(-1, targets).squeeze(-1).tolist()
+            else:
+                logprobs = processed_logprobs(logits, transform).gather(-1, targets).squeeze(-1).tolist()
+            if self._on("logprobs_shifted"):
+                logprobs = [*logprobs[1:], logprobs[-1]]
+            if self._on("last_logprob_dropped"):
+                logprobs[-1] = 0.0
+            if self._on("last_logprob_perturbed"):
+                logprobs[-1] -= 0.05
+            versions = [self.version] * length
+            if self._on("wrong_version_tag") and self.version > 0:
+                versions[length // 2 :] = [self.version - 1] * (length - length // 2)
+            out.append((tokens, logprobs, versions))
+        return out
+
+    def group(
+        self,
+        group_id: str,
+        prompt: Sequence[int],
+        rewards: Sequence[float],
+        requested: SamplingTransform,
+        length: int,
+        generator,
+    ) -> rollouts_pb2.RolloutGroup:
+        """One RolloutGroup as the rollout service would publish it (requested transform recorded)."""
+        out = rollouts_pb2.RolloutGroup(
+            group_id=group_id,
+            prompt_token_ids=list(prompt),
+            sampling=common_pb2.SamplingParams(
+                temperature=requested.temperature,
+                top_k=requested.top_k,
+                top_p=requested.top_p,
+                max_tokens=length,
+                n=len(rewards),
+            ),
+            logprobs_mode=common_pb2.LOGPROBS_MODE_PROCESSED,
+        )
+        all_versions: list[int] = []
+        completions = self.sample(prompt, length, len(rewards), requested, generator)
+        for index, (reward, (tokens, logprobs, versions)) in enumerate(
+            zip(rewards, completions, strict=True)
+        ):
+            all_versions += versions
+            out.samples.add(
+                rollout_id=f"{group_id}/{index}",
+                token_ids=tokens,
+                logprobs=logprobs,
+                token_weight_versions=versions,
+                reward=float(reward),
+            )
+        out.min_weight_version, out.max_weight_version = min(all_versions), max(all_versions)
+        return out
+
+
+def _repetition_penalty(logits_1V: torch.Tensor, seen: Sequence[int], penalty: float = 1.3) -> torch.Tensor:
+    """vLLM's rule: a seen token's positive logit is divided by the penalty, a negative one multiplied."""
+    import torch
+
+    out = logits_1V.clone()
+    index = torch.tensor(sorted(set(seen)))
+    values = out[0, index]
+    out[0, index] = torch.where(values > 0, values / penalty, values * penalty)
+    return out

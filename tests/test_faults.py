@@ -1,0 +1,53 @@
+"""Fault classes (rollout/faults.py) injected into an in-process run on the tiny model (real
+Trainer, real Redis): the running gate (k3 over informative own-version tokens, gate_steps 1) stops
+the run at the first step that trains on a faulty token, and a clean control is never stopped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.faults import run_fault
+from rollout.faults import FAULTS, fault_from_env, parse_fault
+
+# Version 1 is trained at step 2: step 1 is clean, step 2 the first step with faulty tokens.
+STEPS, INJECT_VERSION, FIRST_FAULTY_STEP = 2, 1, 2
+
+
+@pytest.fixture
+def fresh_stream(redis_url: str):
+    import redis
+
+    redis.Redis.from_url(redis_url).flushall()
+    return redis_url
+
+
+def test_clean_control_is_never_stopped(fresh_stream: str, tmp_path: Path, tiny_model: Path) -> None:
+    result = run_fault(
+        None, tiny_model, fresh_stream, tmp_path, steps=STEPS + 1, inject_version=INJECT_VERSION
+    )
+    assert result.caught_step is None and result.steps_run == STEPS + 1
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_fault_is_caught_at_the_first_faulty_step(
+    name: str, fresh_stream: str, tmp_path: Path, tiny_model: Path
+) -> None:
+    result = run_fault(name, tiny_model, fresh_stream, tmp_path, steps=STEPS, inject_version=INJECT_VERSION)
+    assert result.injected_step == FIRST_FAULTY_STEP
+    assert result.caught_step == FIRST_FAULTY_STEP, result
+    assert "mismatch_k3_own_version_informative" in result.signal
+
+
+def test_fault_setting_is_refused_unless_fault_injection_is_enabled() -> None:
+    assert fault_from_env(False, {}) is None
+    with pytest.raises(ValueError, match=r"rollout\.enable_fault_injection"):
+        fault_from_env(False, {"PARITY_FAULT": "raw_logprobs@3"})
+    spec = fault_from_env(True, {"PARITY_FAULT": "raw_logprobs@3"})
+    assert spec is not None and spec.fault.name == "raw_logprobs" and spec.start_version == 3
+    assert not spec.active(2) and spec.active(3)
+    with pytest.raises(ValueError, match="unknown fault 'nope'"):
+        parse_fault("nope@1")
+    with pytest.raises(ValueError, match="must be an integer"):
+        parse_fault("raw_logprobs@x")
