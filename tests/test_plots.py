@@ -89,7 +89,7 @@ def test_the_gate_threshold_from_the_config_is_drawn(figures: dict, name: str) -
 
 def test_values_a_log_axis_cannot_show_are_left_out_not_clipped(figures: dict) -> None:
     mismatch = _ax(figures, "mismatch")
-    own = _line(mismatch, "k3, own version (clean tokens)")
+    own = _line(mismatch, "k3, own version, all clean tokens")
     # Step 3 (exactly 0) is a gap, step 4 (null) is absent: never a made-up floor value.
     assert list(own.get_xdata()) == [1, 2, 3, 5]
     ys = list(own.get_ydata())

@@ -42,7 +42,8 @@ METRICS = (
     (
         "mismatch k3 (nats)",
         [
-            ("mismatch_k3_own_version", "-", "own version (the gated metric)"),
+            ("mismatch_k3_own_version_informative", "-", "own version, informative tokens (gated)"),
+            ("mismatch_k3_own_version", ":", "own version, all tokens"),
             ("mismatch_k3", "--", "lag-0 clean tokens"),
         ],
         True,

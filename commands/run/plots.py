@@ -57,7 +57,8 @@ CURVES: dict[str, Curve] = {
     "mismatch": Curve(
         "Backend mismatch at each token's own version",
         [
-            ("mismatch_k3_own_version", "k3, own version (clean tokens)"),
+            ("mismatch_k3_own_version_informative", "k3, own version, informative tokens (gated)"),
+            ("mismatch_k3_own_version", "k3, own version, all clean tokens"),
             ("mismatch_max_abs_own_version", "max |Δ|, own version"),
             ("mismatch_k3", "k3, lag-0 clean tokens"),
             ("mismatch_k3_mixed_context", "k3, lag-0 tokens over older KV (mixed context)"),
