@@ -33,6 +33,7 @@ LONGEST_FILES_FIRST = (
     "test_run_multirank.py",
     "test_rollout_inflight.py",
     "test_security.py",
+    "test_faults.py",
 )
 
 
