@@ -9,6 +9,12 @@ Invariants:
   with a fresh group name and secret. Any join, leave, drop or failed transfer marks the epoch stale;
   the next version then forms a new epoch from the live workers that are not excluded. Groups are
   never reused after a failure, so a new epoch never meets an old epoch's store keys.
+- An epoch belongs to one publisher (`PublishVersionRequest.publisher_id`, one per trainer process).
+  A publish from another publisher (a restarted trainer) starts a new epoch even when the workers
+  are the same: the workers still hold the old epoch's group, and a newcomer joining it as rank 0
+  would wait out the rendezvous timeout alone.
+- A worker reports at registration how many bytes it can receive a version into
+  (`receive_capacity_bytes`, 0: unknown); `capacity_problem` refuses a version no worker can hold.
 - A worker that never joined a group, or could not be reached, is excluded from epochs for
   `exclude_s`, so one dead member cannot fail version after version.
 - A worker silent for `heartbeat_timeout_s` is dropped, except while an update to it is in flight.
@@ -29,6 +35,7 @@ from parity.v1 import broadcast_pb2 as pb
 WorkerState = pb.WorkerState
 _WORKER_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 DEVICE_UUID = re.compile(r"^[A-Za-z0-9-]{0,128}$")
+PUBLISHER_ID = re.compile(r"^[A-Za-z0-9._:-]{0,128}$")
 
 
 @dataclass
@@ -52,6 +59,7 @@ class WorkerRecord:
     epoch: int = 0
     busy: bool = False  # an UpdateWeights to it is in flight
     device_uuid: str = ""  # the GPU its engine runs on ("" on CPU)
+    receive_capacity_bytes: int = 0  # bytes it can receive a version into (0: not reported)
 
     @property
     def known_version(self) -> int:
@@ -88,6 +96,7 @@ class Epoch:
     secret: str
     ipc_members: tuple[str, ...] = ()
     trainer_device: str = ""
+    publisher_id: str = ""  # the trainer process that is rank 0 of this epoch's group
 
 
 def validate_registration(request: pb.RegisterWorkerRequest) -> None:
@@ -103,6 +112,10 @@ def validate_registration(request: pb.RegisterWorkerRequest) -> None:
     if not DEVICE_UUID.match(request.device_uuid):
         raise invalid("device_uuid", f"empty (CPU) or a GPU UUID of 1-128 characters from [A-Za-z0-9-] "
                       f"(got {request.device_uuid[:140]!r})")  # fmt: skip
+    if request.receive_capacity_bytes < 0:
+        raise invalid(
+            "receive_capacity_bytes", f"must be >= 0 (0: not reported; got {request.receive_capacity_bytes})"
+        )
 
 
 class Membership:
@@ -132,6 +145,7 @@ class Membership:
             claimed_version=request.weight_version,
             attempted_version=request.weight_version,
             device_uuid=request.device_uuid,
+            receive_capacity_bytes=request.receive_capacity_bytes,
         )
         self.live[record.worker_id] = record
         self.dropped.pop(record.worker_id, None)
@@ -184,9 +198,25 @@ class Membership:
         now = time.monotonic()
         return [r for r in self.live.values() if r.excluded_until <= now]
 
-    def current_epoch(self, trainer_device: str = "") -> tuple[Epoch, bool]:
-        """The epoch the next version goes to: (epoch, whether it is new). A stale epoch, or one
-        whose members are no longer the eligible workers, is replaced. Workers registered on
+    def capacity_problem(self, total_bytes: int) -> str:
+        """Why no live worker can hold a version of `total_bytes` ("" when one may): refused only
+        when every live worker reported a capacity and each is smaller. A worker that reported none
+        (0) may hold it, and with no worker at all there is nobody to judge by."""
+        workers = list(self.live.values())
+        if not workers or any(w.receive_capacity_bytes <= 0 for w in workers):
+            return ""
+        largest = max(workers, key=lambda w: w.receive_capacity_bytes)
+        if total_bytes <= largest.receive_capacity_bytes:
+            return ""
+        return (
+            f"{total_bytes} bytes exceed what every registered worker can receive into (largest: "
+            f"{largest.receive_capacity_bytes} bytes at {largest.worker_id}, of {len(workers)} worker(s))"
+        )
+
+    def current_epoch(self, trainer_device: str = "", publisher_id: str = "") -> tuple[Epoch, bool]:
+        """The epoch the next version goes to: (epoch, whether it is new). A stale epoch, one
+        whose members are no longer the eligible workers, or one another publisher (`publisher_id`:
+        a restarted trainer) was rank 0 of, is replaced. Workers registered on
         `trainer_device` (the trainer's GPU; "" on CPU) are the epoch's IPC members, not ranks of
         its group: no two ranks of one group may share a GPU."""
         eligible = self.eligible()
@@ -197,6 +227,7 @@ class Membership:
             or members != self.epoch.members
             or ipc != self.epoch.ipc_members
             or trainer_device != self.epoch.trainer_device
+            or publisher_id != self.epoch.publisher_id
             or self.epoch.number == 0
         ):
             number = self.epoch.number + 1
@@ -207,6 +238,7 @@ class Membership:
                 secrets.token_hex(16),
                 ipc,
                 trainer_device,
+                publisher_id,
             )
             self.stale = False
             return self.epoch, True

@@ -5,8 +5,9 @@ Invariants:
   that has not FAILED (any version >= 1 when the registry is empty), so a failed version may be
   re-published with the same number and nothing ever goes backwards.
 - The schema (model name, tensor names, shapes, dtypes, order) is registered by the first version
-  that COMMITS, i.e. that a worker verified. A publish that fails (bogus sizes, nobody could receive
-  it) leaves no trace but its FAILED record, so the next valid publish succeeds. Once registered,
+  that a worker verified. A publish that fails (bogus sizes, nobody could receive it) leaves no trace
+  but its FAILED record, and one that commits to an epoch without workers (no byte moved, nothing
+  verified) binds nothing either, so the next valid publish succeeds. Once registered,
   every publish must match the schema exactly, or it is rejected before any byte moves.
 - States only move forward: RECEIVING -> COMMITTED (a worker verified every checksum, or the epoch
   had no worker) -> DISTRIBUTED (every worker of the epoch acked), or RECEIVING -> FAILED.
@@ -54,6 +55,7 @@ class VersionRecord:
     base_version: int = 0
     delta_metas: list[common_pb2.TensorMeta] | None = None
     delta_bytes: int = 0
+    to_workers: bool = True  # False: its epoch had no worker, no byte of it moves anywhere
 
     def plan(self, rendezvous: common_pb2.Rendezvous, whole: bool = False) -> common_pb2.TransferPlan:
         """The plan that moves this version's bytes through the group `rendezvous` describes: the
@@ -201,8 +203,11 @@ class VersionRegistry:
             detail = f"missing {missing[:5]}" if missing else "same names in a different order"
             raise invalid("tensors", f"must list every tensor of the model in registered order ({detail})")
 
-    def begin(self, request: pb.PublishVersionRequest, bucket_bytes: int, epoch: int) -> VersionRecord:
-        """Accept a validated publish: record it as RECEIVING (nothing is allocated here)."""
+    def begin(
+        self, request: pb.PublishVersionRequest, bucket_bytes: int, epoch: int, to_workers: bool = True
+    ) -> VersionRecord:
+        """Accept a validated publish: record it as RECEIVING (nothing is allocated here).
+        `to_workers` False (an epoch without workers): it commits without binding the schema."""
         metas = list(request.tensors)
         record = VersionRecord(
             version=request.version,
@@ -211,6 +216,7 @@ class VersionRegistry:
             layout=Layout.of(metas),
             bucket_bytes=bucket_bytes,
             epoch=epoch,
+            to_workers=to_workers,
         )
         self.records.pop(request.version, None)  # a failed attempt at this number is replaced
         self.records[request.version] = record
@@ -221,10 +227,11 @@ class VersionRegistry:
 
     # -- transitions ----------------------------------------------------------------------------
     def commit(self, record: VersionRecord, receive_seconds: float) -> None:
-        """A worker verified `record` (or there was nobody to send it to): it is the model's now."""
+        """A worker verified `record` (or there was nobody to send it to). The first version a
+        worker verified registers the schema; one that went to nobody proves nothing about it."""
         if record.state != State.VERSION_STATE_RECEIVING:
             return
-        if not self.schema:
+        if not self.schema and record.to_workers:
             self.model = record.model
             self.schema = [(m.name, tuple(m.shape), m.dtype) for m in record.metas]
         record.receive_seconds = receive_seconds

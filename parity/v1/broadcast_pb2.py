@@ -25,61 +25,61 @@ _sym_db = _symbol_database.Default()
 from parity.v1 import common_pb2 as parity_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19parity/v1/broadcast.proto\x12\tparity.v1\x1a\x16parity/v1/common.proto\"R\n\x15OfferIpcBufferRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x06handle\x18\x02 \x01(\x0b\x32\x18.parity.v1.CudaIpcHandle\"-\n\x16OfferIpcBufferResponse\x12\x13\n\x0bipc_workers\x18\x01 \x01(\x05\"\xc4\x01\n\x15PublishVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.parity.v1.TensorMeta\x12\x38\n\x12\x63hecksum_algorithm\x18\x04 \x01(\x0e\x32\x1c.parity.v1.ChecksumAlgorithm\x12\x14\n\x0c\x62ucket_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\x06 \x01(\t\"T\n\x16PublishVersionResponse\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.parity.v1.TransferPlan\x12\x13\n\x0bipc_workers\x18\x02 \x01(\x05\">\n\x13\x41waitCatchUpRequest\x12\x14\n\x0chave_version\x18\x01 \x01(\x03\x12\x11\n\ttimeout_s\x18\x02 \x01(\x02\"R\n\x14\x41waitCatchUpResponse\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.parity.v1.TransferPlan\x12\x13\n\x0bipc_workers\x18\x02 \x01(\x05\"`\n\x12WaitVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.parity.v1.VersionState\x12\x11\n\ttimeout_s\x18\x03 \x01(\x02\"O\n\x13WaitVersionResponse\x12\'\n\x07version\x18\x01 \x01(\x0b\x32\x16.parity.v1.VersionInfo\x12\x0f\n\x07reached\x18\x02 \x01(\x08\"\xc2\x01\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.parity.v1.VersionState\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x05 \x01(\x05\x12\x17\n\x0freceive_seconds\x18\x06 \x01(\x01\x12\x19\n\x11published_at_unix\x18\x07 \x01(\x01\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"\xe1\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12%\n\x05state\x18\x04 \x01(\x0e\x32\x16.parity.v1.WorkerState\x12\x12\n\nlast_error\x18\x05 \x01(\t\x12\x1b\n\x13last_heartbeat_unix\x18\x06 \x01(\x01\x12\x17\n\x0fupdates_applied\x18\x07 \x01(\x03\x12\x16\n\x0eupdates_failed\x18\x08 \x01(\x03\x12\x1b\n\x13last_update_seconds\x18\t \x01(\x01\x12\x1b\n\x13last_paused_seconds\x18\n \x01(\x01\x12\x1e\n\x16last_attempted_version\x18\x0b \x01(\x03\x12\x10\n\x08verified\x18\x0c \x01(\x08\x12\r\n\x05\x65poch\x18\r \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\x0e \x01(\t\"h\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\t\"N\n\x16RegisterWorkerResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x02\"=\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"+\n\x11HeartbeatResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\",\n\x17UnregisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18UnregisterWorkerResponse\"(\n&WeightBroadcastServiceGetStatusRequest\"\xe8\x01\n\'WeightBroadcastServiceGetStatusResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12(\n\x08versions\x18\x02 \x03(\x0b\x32\x16.parity.v1.VersionInfo\x12&\n\x07workers\x18\x03 \x03(\x0b\x32\x15.parity.v1.WorkerInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x1c\n\x14updates_failed_total\x18\x05 \x01(\x03\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x15\n\repoch_members\x18\x07 \x03(\t\"\x81\x01\n\x14WatchVersionsRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x03\x12*\n\x05kinds\x18\x02 \x03(\x0e\x32\x1b.parity.v1.VersionEventKind\x12\x11\n\tafter_seq\x18\x03 \x01(\x03\x12\x13\n\x0breplay_only\x18\x04 \x01(\x08\"\x8a\x01\n\x0cVersionEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.parity.v1.VersionEventKind\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07\x61t_unix\x18\x05 \x01(\x01\x12\x0b\n\x03seq\x18\x06 \x01(\x03\"?\n\x15WatchVersionsResponse\x12&\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x17.parity.v1.VersionEvent*\xbe\x01\n\x0cVersionState\x12\x1d\n\x19VERSION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17VERSION_STATE_RECEIVING\x10\x01\x12\x1b\n\x17VERSION_STATE_COMMITTED\x10\x02\x12\x1d\n\x19VERSION_STATE_DISTRIBUTED\x10\x03\x12\x18\n\x14VERSION_STATE_FAILED\x10\x04\x12\x1c\n\x18VERSION_STATE_SUPERSEDED\x10\x05*\x93\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_SERVING\x10\x01\x12\x19\n\x15WORKER_STATE_UPDATING\x10\x02\x12\x17\n\x13WORKER_STATE_FAILED\x10\x03\x12\x18\n\x14WORKER_STATE_DROPPED\x10\x04*\xa0\x03\n\x10VersionEventKind\x12\"\n\x1eVERSION_EVENT_KIND_UNSPECIFIED\x10\x00\x12 \n\x1cVERSION_EVENT_KIND_PUBLISHED\x10\x01\x12 \n\x1cVERSION_EVENT_KIND_COMMITTED\x10\x02\x12%\n!VERSION_EVENT_KIND_WORKER_UPDATED\x10\x03\x12$\n VERSION_EVENT_KIND_WORKER_FAILED\x10\x04\x12\"\n\x1eVERSION_EVENT_KIND_DISTRIBUTED\x10\x05\x12\x1d\n\x19VERSION_EVENT_KIND_FAILED\x10\x06\x12!\n\x1dVERSION_EVENT_KIND_SUPERSEDED\x10\x07\x12$\n VERSION_EVENT_KIND_WORKER_JOINED\x10\x08\x12%\n!VERSION_EVENT_KIND_WORKER_DROPPED\x10\t\x12$\n VERSION_EVENT_KIND_EPOCH_STARTED\x10\n2\xab\x06\n\x16WeightBroadcastService\x12U\n\x0ePublishVersion\x12 .parity.v1.PublishVersionRequest\x1a!.parity.v1.PublishVersionResponse\x12O\n\x0c\x41waitCatchUp\x12\x1e.parity.v1.AwaitCatchUpRequest\x1a\x1f.parity.v1.AwaitCatchUpResponse\x12L\n\x0bWaitVersion\x12\x1d.parity.v1.WaitVersionRequest\x1a\x1e.parity.v1.WaitVersionResponse\x12U\n\x0eRegisterWorker\x12 .parity.v1.RegisterWorkerRequest\x1a!.parity.v1.RegisterWorkerResponse\x12\x46\n\tHeartbeat\x12\x1b.parity.v1.HeartbeatRequest\x1a\x1c.parity.v1.HeartbeatResponse\x12[\n\x10UnregisterWorker\x12\".parity.v1.UnregisterWorkerRequest\x1a#.parity.v1.UnregisterWorkerResponse\x12r\n\tGetStatus\x12\x31.parity.v1.WeightBroadcastServiceGetStatusRequest\x1a\x32.parity.v1.WeightBroadcastServiceGetStatusResponse\x12T\n\rWatchVersions\x12\x1f.parity.v1.WatchVersionsRequest\x1a .parity.v1.WatchVersionsResponse0\x01\x12U\n\x0eOfferIpcBuffer\x12 .parity.v1.OfferIpcBufferRequest\x1a!.parity.v1.OfferIpcBufferResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19parity/v1/broadcast.proto\x12\tparity.v1\x1a\x16parity/v1/common.proto\"R\n\x15OfferIpcBufferRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x06handle\x18\x02 \x01(\x0b\x32\x18.parity.v1.CudaIpcHandle\"-\n\x16OfferIpcBufferResponse\x12\x13\n\x0bipc_workers\x18\x01 \x01(\x05\"\xda\x01\n\x15PublishVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.parity.v1.TensorMeta\x12\x38\n\x12\x63hecksum_algorithm\x18\x04 \x01(\x0e\x32\x1c.parity.v1.ChecksumAlgorithm\x12\x14\n\x0c\x62ucket_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\x06 \x01(\t\x12\x14\n\x0cpublisher_id\x18\x07 \x01(\t\"T\n\x16PublishVersionResponse\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.parity.v1.TransferPlan\x12\x13\n\x0bipc_workers\x18\x02 \x01(\x05\">\n\x13\x41waitCatchUpRequest\x12\x14\n\x0chave_version\x18\x01 \x01(\x03\x12\x11\n\ttimeout_s\x18\x02 \x01(\x02\"R\n\x14\x41waitCatchUpResponse\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.parity.v1.TransferPlan\x12\x13\n\x0bipc_workers\x18\x02 \x01(\x05\"`\n\x12WaitVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.parity.v1.VersionState\x12\x11\n\ttimeout_s\x18\x03 \x01(\x02\"O\n\x13WaitVersionResponse\x12\'\n\x07version\x18\x01 \x01(\x0b\x32\x16.parity.v1.VersionInfo\x12\x0f\n\x07reached\x18\x02 \x01(\x08\"\xc2\x01\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.parity.v1.VersionState\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x05 \x01(\x05\x12\x17\n\x0freceive_seconds\x18\x06 \x01(\x01\x12\x19\n\x11published_at_unix\x18\x07 \x01(\x01\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"\xe1\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12%\n\x05state\x18\x04 \x01(\x0e\x32\x16.parity.v1.WorkerState\x12\x12\n\nlast_error\x18\x05 \x01(\t\x12\x1b\n\x13last_heartbeat_unix\x18\x06 \x01(\x01\x12\x17\n\x0fupdates_applied\x18\x07 \x01(\x03\x12\x16\n\x0eupdates_failed\x18\x08 \x01(\x03\x12\x1b\n\x13last_update_seconds\x18\t \x01(\x01\x12\x1b\n\x13last_paused_seconds\x18\n \x01(\x01\x12\x1e\n\x16last_attempted_version\x18\x0b \x01(\x03\x12\x10\n\x08verified\x18\x0c \x01(\x08\x12\r\n\x05\x65poch\x18\r \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\x0e \x01(\t\"\x88\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\t\x12\x1e\n\x16receive_capacity_bytes\x18\x05 \x01(\x03\"N\n\x16RegisterWorkerResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x02\"=\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"+\n\x11HeartbeatResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\",\n\x17UnregisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18UnregisterWorkerResponse\"(\n&WeightBroadcastServiceGetStatusRequest\"\xe8\x01\n\'WeightBroadcastServiceGetStatusResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12(\n\x08versions\x18\x02 \x03(\x0b\x32\x16.parity.v1.VersionInfo\x12&\n\x07workers\x18\x03 \x03(\x0b\x32\x15.parity.v1.WorkerInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x1c\n\x14updates_failed_total\x18\x05 \x01(\x03\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x15\n\repoch_members\x18\x07 \x03(\t\"\x81\x01\n\x14WatchVersionsRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x03\x12*\n\x05kinds\x18\x02 \x03(\x0e\x32\x1b.parity.v1.VersionEventKind\x12\x11\n\tafter_seq\x18\x03 \x01(\x03\x12\x13\n\x0breplay_only\x18\x04 \x01(\x08\"\x8a\x01\n\x0cVersionEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.parity.v1.VersionEventKind\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07\x61t_unix\x18\x05 \x01(\x01\x12\x0b\n\x03seq\x18\x06 \x01(\x03\"?\n\x15WatchVersionsResponse\x12&\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x17.parity.v1.VersionEvent*\xbe\x01\n\x0cVersionState\x12\x1d\n\x19VERSION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17VERSION_STATE_RECEIVING\x10\x01\x12\x1b\n\x17VERSION_STATE_COMMITTED\x10\x02\x12\x1d\n\x19VERSION_STATE_DISTRIBUTED\x10\x03\x12\x18\n\x14VERSION_STATE_FAILED\x10\x04\x12\x1c\n\x18VERSION_STATE_SUPERSEDED\x10\x05*\x93\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_SERVING\x10\x01\x12\x19\n\x15WORKER_STATE_UPDATING\x10\x02\x12\x17\n\x13WORKER_STATE_FAILED\x10\x03\x12\x18\n\x14WORKER_STATE_DROPPED\x10\x04*\xa0\x03\n\x10VersionEventKind\x12\"\n\x1eVERSION_EVENT_KIND_UNSPECIFIED\x10\x00\x12 \n\x1cVERSION_EVENT_KIND_PUBLISHED\x10\x01\x12 \n\x1cVERSION_EVENT_KIND_COMMITTED\x10\x02\x12%\n!VERSION_EVENT_KIND_WORKER_UPDATED\x10\x03\x12$\n VERSION_EVENT_KIND_WORKER_FAILED\x10\x04\x12\"\n\x1eVERSION_EVENT_KIND_DISTRIBUTED\x10\x05\x12\x1d\n\x19VERSION_EVENT_KIND_FAILED\x10\x06\x12!\n\x1dVERSION_EVENT_KIND_SUPERSEDED\x10\x07\x12$\n VERSION_EVENT_KIND_WORKER_JOINED\x10\x08\x12%\n!VERSION_EVENT_KIND_WORKER_DROPPED\x10\t\x12$\n VERSION_EVENT_KIND_EPOCH_STARTED\x10\n2\xab\x06\n\x16WeightBroadcastService\x12U\n\x0ePublishVersion\x12 .parity.v1.PublishVersionRequest\x1a!.parity.v1.PublishVersionResponse\x12O\n\x0c\x41waitCatchUp\x12\x1e.parity.v1.AwaitCatchUpRequest\x1a\x1f.parity.v1.AwaitCatchUpResponse\x12L\n\x0bWaitVersion\x12\x1d.parity.v1.WaitVersionRequest\x1a\x1e.parity.v1.WaitVersionResponse\x12U\n\x0eRegisterWorker\x12 .parity.v1.RegisterWorkerRequest\x1a!.parity.v1.RegisterWorkerResponse\x12\x46\n\tHeartbeat\x12\x1b.parity.v1.HeartbeatRequest\x1a\x1c.parity.v1.HeartbeatResponse\x12[\n\x10UnregisterWorker\x12\".parity.v1.UnregisterWorkerRequest\x1a#.parity.v1.UnregisterWorkerResponse\x12r\n\tGetStatus\x12\x31.parity.v1.WeightBroadcastServiceGetStatusRequest\x1a\x32.parity.v1.WeightBroadcastServiceGetStatusResponse\x12T\n\rWatchVersions\x12\x1f.parity.v1.WatchVersionsRequest\x1a .parity.v1.WatchVersionsResponse0\x01\x12U\n\x0eOfferIpcBuffer\x12 .parity.v1.OfferIpcBufferRequest\x1a!.parity.v1.OfferIpcBufferResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'parity.v1.broadcast_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERSIONSTATE']._serialized_start=2344
-  _globals['_VERSIONSTATE']._serialized_end=2534
-  _globals['_WORKERSTATE']._serialized_start=2537
-  _globals['_WORKERSTATE']._serialized_end=2684
-  _globals['_VERSIONEVENTKIND']._serialized_start=2687
-  _globals['_VERSIONEVENTKIND']._serialized_end=3103
+  _globals['_VERSIONSTATE']._serialized_start=2399
+  _globals['_VERSIONSTATE']._serialized_end=2589
+  _globals['_WORKERSTATE']._serialized_start=2592
+  _globals['_WORKERSTATE']._serialized_end=2739
+  _globals['_VERSIONEVENTKIND']._serialized_start=2742
+  _globals['_VERSIONEVENTKIND']._serialized_end=3158
   _globals['_OFFERIPCBUFFERREQUEST']._serialized_start=64
   _globals['_OFFERIPCBUFFERREQUEST']._serialized_end=146
   _globals['_OFFERIPCBUFFERRESPONSE']._serialized_start=148
   _globals['_OFFERIPCBUFFERRESPONSE']._serialized_end=193
   _globals['_PUBLISHVERSIONREQUEST']._serialized_start=196
-  _globals['_PUBLISHVERSIONREQUEST']._serialized_end=392
-  _globals['_PUBLISHVERSIONRESPONSE']._serialized_start=394
-  _globals['_PUBLISHVERSIONRESPONSE']._serialized_end=478
-  _globals['_AWAITCATCHUPREQUEST']._serialized_start=480
-  _globals['_AWAITCATCHUPREQUEST']._serialized_end=542
-  _globals['_AWAITCATCHUPRESPONSE']._serialized_start=544
-  _globals['_AWAITCATCHUPRESPONSE']._serialized_end=626
-  _globals['_WAITVERSIONREQUEST']._serialized_start=628
-  _globals['_WAITVERSIONREQUEST']._serialized_end=724
-  _globals['_WAITVERSIONRESPONSE']._serialized_start=726
-  _globals['_WAITVERSIONRESPONSE']._serialized_end=805
-  _globals['_VERSIONINFO']._serialized_start=808
-  _globals['_VERSIONINFO']._serialized_end=1002
-  _globals['_WORKERINFO']._serialized_start=1005
-  _globals['_WORKERINFO']._serialized_end=1358
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1360
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1464
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1466
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1544
-  _globals['_HEARTBEATREQUEST']._serialized_start=1546
-  _globals['_HEARTBEATREQUEST']._serialized_end=1607
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1609
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1652
-  _globals['_UNREGISTERWORKERREQUEST']._serialized_start=1654
-  _globals['_UNREGISTERWORKERREQUEST']._serialized_end=1698
-  _globals['_UNREGISTERWORKERRESPONSE']._serialized_start=1700
-  _globals['_UNREGISTERWORKERRESPONSE']._serialized_end=1726
-  _globals['_WEIGHTBROADCASTSERVICEGETSTATUSREQUEST']._serialized_start=1728
-  _globals['_WEIGHTBROADCASTSERVICEGETSTATUSREQUEST']._serialized_end=1768
-  _globals['_WEIGHTBROADCASTSERVICEGETSTATUSRESPONSE']._serialized_start=1771
-  _globals['_WEIGHTBROADCASTSERVICEGETSTATUSRESPONSE']._serialized_end=2003
-  _globals['_WATCHVERSIONSREQUEST']._serialized_start=2006
-  _globals['_WATCHVERSIONSREQUEST']._serialized_end=2135
-  _globals['_VERSIONEVENT']._serialized_start=2138
-  _globals['_VERSIONEVENT']._serialized_end=2276
-  _globals['_WATCHVERSIONSRESPONSE']._serialized_start=2278
-  _globals['_WATCHVERSIONSRESPONSE']._serialized_end=2341
-  _globals['_WEIGHTBROADCASTSERVICE']._serialized_start=3106
-  _globals['_WEIGHTBROADCASTSERVICE']._serialized_end=3917
+  _globals['_PUBLISHVERSIONREQUEST']._serialized_end=414
+  _globals['_PUBLISHVERSIONRESPONSE']._serialized_start=416
+  _globals['_PUBLISHVERSIONRESPONSE']._serialized_end=500
+  _globals['_AWAITCATCHUPREQUEST']._serialized_start=502
+  _globals['_AWAITCATCHUPREQUEST']._serialized_end=564
+  _globals['_AWAITCATCHUPRESPONSE']._serialized_start=566
+  _globals['_AWAITCATCHUPRESPONSE']._serialized_end=648
+  _globals['_WAITVERSIONREQUEST']._serialized_start=650
+  _globals['_WAITVERSIONREQUEST']._serialized_end=746
+  _globals['_WAITVERSIONRESPONSE']._serialized_start=748
+  _globals['_WAITVERSIONRESPONSE']._serialized_end=827
+  _globals['_VERSIONINFO']._serialized_start=830
+  _globals['_VERSIONINFO']._serialized_end=1024
+  _globals['_WORKERINFO']._serialized_start=1027
+  _globals['_WORKERINFO']._serialized_end=1380
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1383
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1519
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1521
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1599
+  _globals['_HEARTBEATREQUEST']._serialized_start=1601
+  _globals['_HEARTBEATREQUEST']._serialized_end=1662
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1664
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1707
+  _globals['_UNREGISTERWORKERREQUEST']._serialized_start=1709
+  _globals['_UNREGISTERWORKERREQUEST']._serialized_end=1753
+  _globals['_UNREGISTERWORKERRESPONSE']._serialized_start=1755
+  _globals['_UNREGISTERWORKERRESPONSE']._serialized_end=1781
+  _globals['_WEIGHTBROADCASTSERVICEGETSTATUSREQUEST']._serialized_start=1783
+  _globals['_WEIGHTBROADCASTSERVICEGETSTATUSREQUEST']._serialized_end=1823
+  _globals['_WEIGHTBROADCASTSERVICEGETSTATUSRESPONSE']._serialized_start=1826
+  _globals['_WEIGHTBROADCASTSERVICEGETSTATUSRESPONSE']._serialized_end=2058
+  _globals['_WATCHVERSIONSREQUEST']._serialized_start=2061
+  _globals['_WATCHVERSIONSREQUEST']._serialized_end=2190
+  _globals['_VERSIONEVENT']._serialized_start=2193
+  _globals['_VERSIONEVENT']._serialized_end=2331
+  _globals['_WATCHVERSIONSRESPONSE']._serialized_start=2333
+  _globals['_WATCHVERSIONSRESPONSE']._serialized_end=2396
+  _globals['_WEIGHTBROADCASTSERVICE']._serialized_start=3161
+  _globals['_WEIGHTBROADCASTSERVICE']._serialized_end=3972
 # @@protoc_insertion_point(module_scope)

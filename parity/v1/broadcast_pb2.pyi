@@ -76,20 +76,22 @@ class OfferIpcBufferResponse(_message.Message):
     def __init__(self, ipc_workers: _Optional[int] = ...) -> None: ...
 
 class PublishVersionRequest(_message.Message):
-    __slots__ = ("version", "model", "tensors", "checksum_algorithm", "bucket_bytes", "device_uuid")
+    __slots__ = ("version", "model", "tensors", "checksum_algorithm", "bucket_bytes", "device_uuid", "publisher_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     model: str
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorMeta]
     checksum_algorithm: _common_pb2.ChecksumAlgorithm
     bucket_bytes: int
     device_uuid: str
-    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorMeta, _Mapping]]] = ..., checksum_algorithm: _Optional[_Union[_common_pb2.ChecksumAlgorithm, str]] = ..., bucket_bytes: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    publisher_id: str
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_common_pb2.TensorMeta, _Mapping]]] = ..., checksum_algorithm: _Optional[_Union[_common_pb2.ChecksumAlgorithm, str]] = ..., bucket_bytes: _Optional[int] = ..., device_uuid: _Optional[str] = ..., publisher_id: _Optional[str] = ...) -> None: ...
 
 class PublishVersionResponse(_message.Message):
     __slots__ = ("plan", "ipc_workers")
@@ -186,16 +188,18 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_error: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., updates_applied: _Optional[int] = ..., updates_failed: _Optional[int] = ..., last_update_seconds: _Optional[float] = ..., last_paused_seconds: _Optional[float] = ..., last_attempted_version: _Optional[int] = ..., verified: _Optional[bool] = ..., epoch: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "weight_version", "device_uuid")
+    __slots__ = ("worker_id", "address", "weight_version", "device_uuid", "receive_capacity_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     weight_version: int
     device_uuid: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    receive_capacity_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., device_uuid: _Optional[str] = ..., receive_capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("latest_version", "heartbeat_interval_s")

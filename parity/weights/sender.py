@@ -12,6 +12,11 @@ the service names a new group when membership changes or a transfer fails, and t
 tears the old one down and joins the new. A failed send waits until the service has settled the
 version (FAILED), so the caller may publish the same number again at once.
 
+Restarts: each Publisher has its own `publisher_id` (a random UUID), sent with every
+PublishVersion. The service starts a new epoch for a new publisher, so a restarted trainer joins a
+fresh group with the workers instead of the one its dead predecessor held (which it would wait on
+until the rendezvous timed out).
+
 Catch-up: after each publish the trainer keeps a host copy of the version it sent (the snapshot)
 and a background thread long-polls `AwaitCatchUp`. A worker that joined late, or whose update
 failed, gets the snapshot through a one-shot group of the trainer and the workers behind; the epoch
@@ -36,6 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -114,6 +120,7 @@ class Publisher:
         self.rpc_timeout_s = rpc_timeout_s
         self.keep_snapshot = keep_snapshot
         self._snapshots = snapshots
+        self.publisher_id = uuid.uuid4().hex  # new per process: a restart starts a new epoch
         self._channel = (
             tracing.instrument_channel(grpc.insecure_channel(broadcast_address, options=GRPC_OPTIONS))
             if broadcast_address
@@ -206,6 +213,7 @@ class Publisher:
                 checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64,
                 bucket_bytes=self.bucket_bytes,
                 device_uuid=device_uuid,
+                publisher_id=self.publisher_id,
             )
             try:
                 reply = self._stub.PublishVersion(request, timeout=self.rpc_timeout_s, metadata=self.metadata)

@@ -5,6 +5,9 @@ Invariants:
   RESOURCE_EXHAUSTED with details naming the field; a bad request never changes state.
 - Every RPC that changes state needs the token when one is set: PublishVersion, AwaitCatchUp,
   RegisterWorker, UnregisterWorker and Heartbeat (GrpcServer's protected methods).
+- PublishVersion refuses, before any state changes, a version larger than every registered worker
+  reports it can receive into (RESOURCE_EXHAUSTED naming `tensors`): nobody could hold it.
+- A publish from a new `publisher_id` (a restarted trainer) starts a new membership epoch.
 - PublishVersion returns the plan at once (the epoch's group, rank 0); the coordinator tells the
   workers. The service moves no tensor bytes: it hosts the TCPStore and keeps the books.
 - State is mutated only on the event loop.
@@ -23,7 +26,7 @@ import grpc
 from broadcast import delta, telemetry
 from broadcast.coordinator import Coordinator
 from broadcast.events import EventLog, Kind
-from broadcast.membership import DEVICE_UUID, Epoch, Membership, WorkerState
+from broadcast.membership import DEVICE_UUID, PUBLISHER_ID, Epoch, Membership, WorkerState
 from broadcast.registry import VersionRecord, VersionRegistry, is_final_for, reached
 from parity import tracing
 from parity.config.broadcast import BroadcastConfig
@@ -31,6 +34,7 @@ from parity.errors import RequestError, invalid
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc
 from parity.weights.cuda_ipc import handle_problem
+from parity.weights.layout import Layout
 
 log = logging.getLogger(__name__)
 SERVICE = "parity.v1.WeightBroadcastService"
@@ -99,9 +103,14 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
                 self.registry.validate(request)
                 if not DEVICE_UUID.match(request.device_uuid):
                     raise invalid("device_uuid", "empty (CPU) or a GPU UUID of 1-128 characters [A-Za-z0-9-]")
+                if not PUBLISHER_ID.match(request.publisher_id):
+                    raise invalid("publisher_id", "empty or 1-128 characters from [A-Za-z0-9._:-]")
+                problem = self.membership.capacity_problem(Layout.of(request.tensors).total_bytes)
+                if problem:
+                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "tensors", problem)
             except RequestError as exc:
                 await context.abort(exc.code, exc.details)
-            epoch, new = self.membership.current_epoch(request.device_uuid)
+            epoch, new = self.membership.current_epoch(request.device_uuid, request.publisher_id)
             if new:
                 self.events.emit(Kind.VERSION_EVENT_KIND_EPOCH_STARTED, epoch.number)
                 log.info(
@@ -114,7 +123,8 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
                     else "",
                 )
             bucket_bytes = request.bucket_bytes or self.config.bucket_bytes
-            record = self.registry.begin(request, bucket_bytes, epoch.number)
+            to_workers = bool(epoch.members or epoch.ipc_members)
+            record = self.registry.begin(request, bucket_bytes, epoch.number, to_workers)
             record.traceparent = tracing.current_traceparent()
             if self.config.delta_updates:
                 self._plan_delta(record, epoch)
