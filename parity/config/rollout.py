@@ -139,11 +139,20 @@ class RolloutConfig(ServiceConfig):
         False, description="Allow UpdateWeightsRequest.fault_corrupt_tensor (tests only)."
     )
     shutdown_grace_s: float = Field(5.0, ge=0, description="Seconds in-flight RPCs get at shutdown.")
+    engine_restart_attempts: int = Field(
+        8,
+        ge=1,
+        description="Engine failures in a row (deaths of the engine-core process, failed restarts) before "
+        "the rollout service gives up and exits 1; an engine that served 5 minutes starts a fresh count.",
+    )
 
     # Actor loop (runs inside the service process when --actor true).
     actor: bool = Field(False, description="Run the actor loop (generate, score, publish) in this process.")
     concurrency: int = Field(8, ge=1, le=256, description="Groups the actor generates concurrently.")
     max_groups: int = Field(0, ge=0, description="Stop the actor after this many groups (0 = no limit).")
+    actor_restart_attempts: int = Field(
+        8, ge=1, description="Actor-loop crashes in a row before the rollout service gives up and exits 1."
+    )
     skip_zero_variance: bool = Field(
         True,
         description="Dynamic sampling: do not publish a group whose rewards are all equal (no GRPO signal); "

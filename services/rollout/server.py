@@ -4,8 +4,9 @@ around one engine, the membership link to the broadcast service, and the actor l
 Startup: the gRPC port binds NOT_SERVING, the engine loads, the worker registers with the broadcast
 service (when configured) and serves once caught up; SIGTERM/SIGINT drains in-flight requests for
 `shutdown_grace_s`. A crashed actor loop restarts after a capped backoff, NOT_SERVING meanwhile,
-up to `ACTOR_RESTART_ATTEMPTS` crashes in a row; then the service logs one line naming the actor and
-the last cause, stops and exits 1.
+up to `rollout.actor_restart_attempts` crashes in a row; a dead engine likewise, up to
+`rollout.engine_restart_attempts` failures in a row (services/rollout/service.py). When either budget
+is used up the service logs one line naming the component and the last cause, stops and exits 1.
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ from services.rollout.service import PROTECTED_METHODS, SERVICE_NAME, RolloutSer
 log = logging.getLogger("parity.rollout")
 
 ACTOR_RESTART_START_S = 1.0
-ACTOR_RESTART_CAP_S = 30.0
-ACTOR_RESTART_ATTEMPTS = 8  # crashes in a row (a loop that ran 10 x the cap starts a fresh count)
+ACTOR_RESTART_CAP_S = 30.0  # a loop that ran 10 x the cap starts a fresh count of crashes in a row
 
 
 async def supervise_actor(
     actor,
     servicer: RolloutServicer,
-    attempts: int = ACTOR_RESTART_ATTEMPTS,
+    attempts: int,
     start_s: float = ACTOR_RESTART_START_S,
     cap_s: float = ACTOR_RESTART_CAP_S,
 ) -> str:
@@ -103,12 +103,15 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     port = await server.start()  # NOT_SERVING until the engine is loaded and caught up
     background: list[asyncio.Task] = []
     stopped = asyncio.Event()
-    gave_up: list[asyncio.Future] = []  # a recovery loop gave up: its shutdown; the service exits 1
+    gave_up: list[str] = []  # a recovery loop gave up (its one-line error): the service exits 1
+    stopping: list[asyncio.Future] = []  # the shutdown a give-up started, held: not collected mid-run
     openai_server = None  # services/rollout/openai_api.py, when rollout.openai_port is not -1
 
     async def shutdown() -> None:
         # New RPCs get UNAVAILABLE ("shutting down") from here on; in-flight groups get the grace
-        # period to finish before the server stops.
+        # period to finish before the server stops. Once only (a signal and a give-up may both ask).
+        if servicer.shutting_down:
+            return
         servicer.shutting_down = True
         await servicer.refresh_serving()
         await server.set_serving(False)
@@ -122,6 +125,14 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
         await server.stop(0.5)
         stopped.set()
 
+    def give_up(message: str) -> None:
+        """A recovery budget is used up: one line naming the component and the last cause, then stop."""
+        log.error("%s", message)
+        gave_up.append(message)
+        if not servicer.shutting_down and not stopping:
+            stopping.append(asyncio.ensure_future(shutdown()))
+
+    servicer.on_give_up = give_up
     install_shutdown_handlers(shutdown)
     procs.children_die_with_this_process()  # vLLM's engine core, when forked (parity.procs)
     started = time.monotonic()
@@ -170,13 +181,14 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     if config.actor:
         from rollout.actor import Actor
 
-        supervised = asyncio.create_task(supervise_actor(Actor(run_config, servicer), servicer))
+        supervised = asyncio.create_task(
+            supervise_actor(Actor(run_config, servicer), servicer, config.actor_restart_attempts)
+        )
         background.append(supervised)
 
         def actor_done(task: asyncio.Task) -> None:
             if not task.cancelled() and task.exception() is None and task.result():
-                log.error("%s", task.result())
-                gave_up.append(asyncio.ensure_future(shutdown()))  # held: not collected mid-run
+                give_up(task.result())
 
         supervised.add_done_callback(actor_done)
     await stopped.wait()

@@ -23,7 +23,10 @@ Invariants:
     worker at version 0, so the trainer's catch-up sends it the current version; without one it
     waits for an UpdateWeights to that version. Then SERVING again. Counted in
     `parity_rollout_engine_restarts_total` and GetStatus `engine_restarts_total`; a failed restart
-    is retried with capped backoff.
+    is retried with capped backoff. Recovery has a budget: after `engine_restart_attempts` failures
+    in a row (deaths and failed restarts; an engine that served 10 x the backoff cap starts a fresh
+    count) the service logs one line naming the engine and the last cause, stops and exits 1
+    (services/rollout/server.py), NOT_SERVING until it is gone.
   - Generate/GenerateStream RPCs are admitted up to `max_inflight_requests` and
     `max_inflight_tokens` (rollout.admission); the rest get RESOURCE_EXHAUSTED with a retry hint.
   - Every parity-relevant engine setting is logged at startup and returned by GetStatus.
@@ -35,6 +38,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -129,6 +133,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.engine_restarts = 0
         self.membership = None  # MembershipClient when a broadcast service is configured
         self._recovery: asyncio.Task | None = None
+        self._engine_failures = 0  # deaths and failed restarts in a row (the recovery budget)
+        self._engine_started_at = time.monotonic()
+        self.engine_gave_up = ""  # the one-line error once the recovery budget is used up
+        # called with that line (services/rollout/server.py stops the service, which exits 1)
+        self.on_give_up: Callable[[str], None] | None = None
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -391,35 +400,75 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if (
             self.engine.dead()
             and not self.shutting_down
+            and not self.engine_gave_up
             and (self._recovery is None or self._recovery.done())
         ):
             self._recovery = asyncio.create_task(self.recover_engine())
 
-    async def recover_engine(self) -> None:
+    def _engine_failed(self, cause: str) -> bool:
+        """Count one failure against the budget; True (after reporting it) once it is used up."""
+        attempts = self.config.engine_restart_attempts
+        self._engine_failures += 1
+        if self._engine_failures < attempts:
+            return False
+        self.engine_gave_up = (
+            f"rollout engine: gave up after {self._engine_failures} failures in a row "
+            f"(restart budget {attempts}); last cause: {cause}"
+        )
+        if self.on_give_up is not None:
+            self.on_give_up(self.engine_gave_up)
+        else:
+            log.error("%s", self.engine_gave_up)
+        return True
+
+    async def recover_engine(
+        self, start_s: float = ENGINE_RESTART_START_S, cap_s: float = ENGINE_RESTART_CAP_S
+    ) -> str:
         """NOT_SERVING, a fresh engine, then serving again at the version served before (module
-        docstring)."""
+        docstring). Returns "" once recovered (or shutting down), or the one-line error when the
+        budget is used up (the engine stays down: NOT_SERVING until the service stops)."""
         lost_version = self.engine.weight_version
         self.engine_down = True
         self.required_version = max(self.required_version, lost_version)
         self.engine_restarts += 1
         metrics.ENGINE_RESTARTS.inc()
-        log.error(
-            "engine died while serving v%d (requests in flight on it answer UNAVAILABLE); restarting it",
-            lost_version,
-        )
         await self.refresh_serving()
-        delay_s = ENGINE_RESTART_START_S
-        while not self.shutting_down:
+        if time.monotonic() - self._engine_started_at > 10 * cap_s:
+            self._engine_failures = 0  # it served a long while: a fresh fault
+        if self._engine_failed(f"the engine died while serving v{lost_version}"):
+            return self.engine_gave_up
+        log.error(
+            "engine died while serving v%d (requests in flight on it answer UNAVAILABLE); restarting it "
+            "(failure %d of %d in a row)",
+            lost_version,
+            self._engine_failures,
+            self.config.engine_restart_attempts,
+        )
+        restarted = False
+        while not restarted and not self.shutting_down:
+            if self._engine_failures > 1:  # not the first failure in a row: back off first
+                await asyncio.sleep(min(cap_s, start_s * 2 ** (self._engine_failures - 2)))
+                if self.shutting_down:
+                    break
             started = time.monotonic()
             try:
                 await self.engine.restart()
-                break
+                restarted = True
             except Exception as exc:
-                log.error("engine restart failed (%r); retrying in %.0fs", exc, delay_s)
-                await asyncio.sleep(delay_s)
-                delay_s = min(ENGINE_RESTART_CAP_S, 2 * delay_s)
-        else:
-            return
+                if self.shutting_down:
+                    break  # the service stopped it while it started: not a failure
+                if self._engine_failed(f"restart failed: {type(exc).__name__}: {exc}"):
+                    return self.engine_gave_up
+                log.error(
+                    "engine restart failed (%r); retrying in %.1fs (failure %d of %d in a row)",
+                    exc,
+                    min(cap_s, start_s * 2 ** (self._engine_failures - 2)),
+                    self._engine_failures,
+                    self.config.engine_restart_attempts,
+                )
+        if not restarted:
+            return ""  # shutting down
+        self._engine_started_at = time.monotonic()
         if self.paused:  # a client's PauseGeneration does not survive the engine it paused
             log.warning("the engine restarted unpaused; the client's PauseGeneration is void")
             self.paused = False
@@ -437,3 +486,4 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self.registered = False
             await self.membership.register()
         await self.refresh_serving()
+        return ""
