@@ -22,6 +22,13 @@ from commands.run.supervisor import MARKER_ENV, ChildDied, MetricsFollower, Supe
 from parity.config import ConfigError, load
 
 TINY_STEPS = 4
+# Rollout-vs-trainer mismatch at fp32 (vLLM fp32 with processed logprobs and an fp32 head against the
+# fp32 trainer; lag 0 and own version alike). Measured per step: tiny, 3 steps, k3 <= 1.8e-11 and
+# max |delta| <= 3.4e-5; SmolLM2-135M, 4 runs x 16 steps (docs/run/*/metrics.jsonl, docs/benchmarks.md),
+# k3 <= 8.4e-10 and max |delta| <= 1.3e-4. The bounds leave >= 100x on k3 and ~8x on max |delta| over
+# the largest of these, while a bf16 head (k3 ~5e-4) or stale weights (k3 >= 1e-2) fail them.
+MISMATCH_K3_BOUND = 1e-7
+MISMATCH_MAX_ABS_BOUND = 1e-3
 # The trainer's per-step metrics (CONTRACTS.md, trainer section).
 METRIC_FIELDS = [
     "step", "weight_version", "reward_mean", "reward_std", "clip_rate", "kl_new_old", "entropy",
@@ -197,15 +204,13 @@ def test_later_steps_train_on_later_rollout_versions(tiny_run: dict) -> None:
 @pytest.mark.slow
 def test_lag0_mismatch_is_small(tiny_run: dict) -> None:
     assert tiny_run["rc"] == 0, tiny_run["output"][-4000:]
-    # fp32 vLLM with processed logprobs and an fp32 head against the fp32 trainer: the numerical
-    # paths differ only in kernel order, so per-token |Δlogprob| stays well below 1e-2 nats and the
-    # k3 KL below 1e-4 (a bf16 head or raw logprobs at temperature 1 already exceed these).
+    # fp32 on both sides: the numerical paths differ only in kernel order (MISMATCH_K3_BOUND).
     for row in tiny_run["rows"]:
         if row["mismatch_tokens"] == 0:  # every lag-0 token was mixed-context (or none): not measured
             assert row["mismatch_k3"] is None and row["mismatch_max_abs"] is None, row
     for row in rows_with_clean_lag0(tiny_run["rows"]):
-        assert 0 <= row["mismatch_k3"] < 1e-4, row
-        assert row["mismatch_max_abs"] < 1e-2, row
+        assert 0 <= row["mismatch_k3"] < MISMATCH_K3_BOUND, row
+        assert row["mismatch_max_abs"] < MISMATCH_MAX_ABS_BOUND, row
 
 
 @pytest.mark.slow
@@ -215,8 +220,10 @@ def test_own_version_mismatch_is_measured_on_every_step(tiny_run: dict) -> None:
     assert tiny_run["rc"] == 0, tiny_run["output"][-4000:]
     for row in tiny_run["rows"]:
         k3 = row["mismatch_k3_own_version"]
-        assert k3 is not None and 0 <= k3 < 1e-4, row
-        assert row["own_version_tokens"] > 0 and row["mismatch_max_abs_own_version"] < 1e-2, row
+        assert k3 is not None and 0 <= k3 < MISMATCH_K3_BOUND, row
+        assert (
+            row["own_version_tokens"] > 0 and row["mismatch_max_abs_own_version"] < MISMATCH_MAX_ABS_BOUND
+        ), row
 
 
 def rows_with_clean_lag0(rows: list[dict]) -> list[dict]:

@@ -253,7 +253,8 @@ def test_stale_kv_after_update(services, scorer: HfScorer, tiny_model: Path, nam
 def _inflight_update(
     served: Served, scorer: HfScorer, tiny_model: Path, mode: int, seed: int, settle_s: float
 ) -> int:
-    """Start a long group, pause after `settle_s`, update, resume; check every completion.
+    """Start a long group (480 tokens each, EOS ignored), pause `settle_s` after the engine took it,
+    update, resume; check every completion.
 
     Returns how many completions switched versions mid-generation. A completion can also end before
     the update, or not have been prefilled yet when the pause lands: those are checked too, against
@@ -267,13 +268,26 @@ def _inflight_update(
 
     def run() -> None:
         try:
-            replies.append(generate(served.stub, prompt, 1.0, 0, 1.0, n=4, max_tokens=480))
+            request = rollout_pb2.GenerateRequest(
+                prompt_token_ids=prompt,
+                sampling=common_pb2.SamplingParams(
+                    temperature=1.0, top_k=0, top_p=1.0, max_tokens=480, n=4, seed=7, ignore_eos=True
+                ),
+            )
+            replies.append(served.stub.Generate(request, timeout=120))
         except BaseException as exc:
             errors.append(exc)
 
     worker = threading.Thread(target=run)
     worker.start()
-    time.sleep(settle_s)
+    deadline = time.monotonic() + 60
+    while worker.is_alive():  # until the engine holds the group (or it is already done)
+        status = served.stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
+        if status.num_running_requests > 0:
+            break
+        assert time.monotonic() < deadline, "the group never reached the engine"
+        time.sleep(0.005)
+    time.sleep(settle_s)  # where the pause lands; the caller checks that some attempt switched
     # Freeze the group (if still running) so that the update lands between two decode steps.
     served.stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode=mode), metadata=AUTH)
     update = served.update(new_state, update_mode=mode)  # swaps; stays paused until ResumeGeneration
@@ -316,13 +330,18 @@ def test_inflight_update_labels_match_logprobs_over_grpc(
     and ResumeGeneration arrive. Every completion must switch versions at most once, forward, and its
     logprobs must equal the old weights before the switch and the new weights (over the old KV) after.
 
-    Where the update lands is a race here (the tiny model decodes a group in ~0.7 s; a loaded
-    service answers RPCs late), so this test does not require a mid-generation switch; a completion
-    wholly before or after the update is checked the same way. The switch itself is pinned down
-    deterministically, in both modes, in tests/test_rollout_inflight.py."""
+    Where the update lands is a race over gRPC (a loaded service answers RPCs late), so each attempt
+    pauses a little after the engine took a group of 4 x 480 tokens (EOS ignored) and checks every
+    completion, switched or not; attempts go on until one completion switched mid-generation, and
+    at least one must (6 attempts; the switch is also pinned down deterministically, in both
+    modes, in tests/test_rollout_inflight.py)."""
     mode = common_pb2.UPDATE_MODE_KEEP
-    for attempt, settle_s in enumerate((0.0, 0.05, 0.1)):
-        _inflight_update(services["guarded"], scorer, tiny_model, mode, 60 + attempt, settle_s)
+    switched, attempts = 0, (0.05, 0.02, 0.1, 0.2, 0.0, 0.3)
+    for attempt, settle_s in enumerate(attempts):
+        switched += _inflight_update(services["guarded"], scorer, tiny_model, mode, 60 + attempt, settle_s)
+        if switched:
+            break
+    assert switched >= 1, f"none of {len(attempts)} updates landed while a completion was generating"
 
 
 def test_corrupted_transfer_fails_and_old_weights_keep_serving(

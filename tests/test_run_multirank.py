@@ -29,6 +29,10 @@ import pytest
 from commands.run.supervisor import MARKER_ENV, marked_pids
 
 STEPS = 3
+# fp32 rollout-vs-trainer mismatch bounds, as tests/test_launcher.py's (measured per step on fp32 runs:
+# k3 <= 8.4e-10, max |delta| <= 1.3e-4; >= 100x and ~8x margin).
+MISMATCH_K3_BOUND = 1e-7
+MISMATCH_MAX_ABS_BOUND = 1e-3
 OWN_VERSION_KEYS = ("mismatch_k1_own_version", "mismatch_k3_own_version", "mismatch_max_abs_own_version")
 
 
@@ -72,12 +76,14 @@ def test_parity_run_with_a_two_rank_trainer(tmp_path: Path, tiny_model: Path) ->
     for row in rows:
         assert row["lag_max"] == 0, row  # sync: sampled at the version being trained
         # Sync: every token is lag 0, so own-version mismatch is measured on all of them.
-        assert all(row[key] is not None for key in OWN_VERSION_KEYS) and row["mismatch_k3_own_version"] < 1e-4
+        assert all(row[key] is not None for key in OWN_VERSION_KEYS), row
+        assert row["mismatch_k3_own_version"] < MISMATCH_K3_BOUND, row
+        assert row["mismatch_max_abs_own_version"] < MISMATCH_MAX_ABS_BOUND, row
         assert row["own_version_tokens"] == row["num_tokens"] > 0 and row["own_version_rescored_tokens"] == 0
         # Versions >= 1 were published by rank 0 from the gathered shards; the engine that sampled
         # them agrees with the trainer (fp32 on both sides; tests/test_launcher.py's bound).
-        assert row["mismatch_k3"] is not None and 0 <= row["mismatch_k3"] < 1e-4, row
-        assert row["mismatch_max_abs"] < 1e-2, row
+        assert row["mismatch_k3"] is not None and 0 <= row["mismatch_k3"] < MISMATCH_K3_BOUND, row
+        assert row["mismatch_max_abs"] < MISMATCH_MAX_ABS_BOUND, row
 
     config = json.loads((out / "config.json").read_text())
     state = json.loads((out / "checkpoints" / "step_00000003" / "state.json").read_text())
