@@ -245,6 +245,7 @@ def _flags(out: Path) -> list[str]:
     return ["--skip_preflight", "--model", "tiny", "--steps", str(STEPS), "--groups_per_step", "2",
         "--group_size", "4", "--max_tokens", "8", "--eval_size", "0", "--max_model_len", "256",
         "--startup_timeout_s", "300", "--trainer.checkpoint_every", "1", "--out", str(out),
+        "--rollout.engine", "reference",
     ]  # fmt: skip
 
 
