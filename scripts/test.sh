@@ -9,12 +9,13 @@ bash scripts/setup.sh
 .venv/bin/ruff format --check .
 # Layer contracts (pyproject [tool.importlinter]): core <- domain <- services <- commands, tests never imported.
 .venv/bin/lint-imports
-# Three workers (PARITY_TEST_WORKERS, 0 = one process), each running whole test files, so a module's
-# services are started once: most of the suite waits on vLLM start-up, subprocesses and timeouts, so
-# on 2 cores two workers kept them only ~1.2 busy on average; three took the suite from 18m08s to
-# 15m22s on the 2-core dev box (2026-11-26). Files start in tests/conftest.py LONGEST_FILES_FIRST
-# order (xdist would otherwise start the files with the most tests first).
-workers=${PARITY_TEST_WORKERS:-3}
+# Four workers (PARITY_TEST_WORKERS, 0 = one process), each running whole test files, so a module's
+# services are started once. Most of the suite waits on vLLM start-up, subprocesses and timeouts:
+# with four workers on the 2-core box the suite used 128% CPU (user + sys over wall) and pytest took
+# 19m20s (`PARITY_TEST_WORKERS=4 /usr/bin/time -v bash .ci/run` on a fresh clone). Files start in
+# tests/conftest.py LONGEST_FILES_FIRST order (xdist would otherwise start the files with the most
+# tests first).
+workers=${PARITY_TEST_WORKERS:-4}
 parallel=()
 if [ "$workers" != 0 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 set +e

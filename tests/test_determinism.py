@@ -1,6 +1,7 @@
 """Reproducible mode (issue 17): `parity run --mode sync --seed S` twice gives the same run.
 
-End to end: two short tiny-model runs, one after the other, each with its own Redis stream. In sync
+End to end: two short tiny-model runs at the same time, each with its own Redis stream (at once, so
+their timings differ the more: the result must not depend on them). In sync
 mode every step's batch is exactly the groups generated at the trainer's version, published in
 prompt-draw order, and every group's sampling seed is a function of the run seed and the prompt's
 draw index (rollout/actor.py), never of timing. So the streams' prompts, tokens, rewards and versions
@@ -55,34 +56,42 @@ def _stream(redis_url: str, out: Path) -> list[tuple]:
     return entries
 
 
-def _run(out: Path, redis_url: str) -> list[dict]:
+def _start(out: Path, redis_url: str) -> subprocess.Popen:
     flags = [
         "--skip_preflight", "--mode", "sync", "--seed", "7", "--model", "tiny", "--steps", str(STEPS),
         "--groups_per_step", "2", "--group_size", "4", "--max_tokens", "8", "--eval_size", "8",
         "--temperature", "1.0", "--skip_zero_variance", "false", "--kl_coef", "0.05",
         "--redis_url", redis_url, "--out", str(out), "--max_model_len", "256", "--startup_timeout_s", "300",
     ]  # fmt: skip
-    log_path = out.parent / f"{out.name}.log"
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(
+    with open(out.parent / f"{out.name}.log", "wb") as log_file:
+        return subprocess.Popen(
             [sys.executable, "-m", "commands.main", "run", *flags],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "PARITY_RUN_MARKER": uuid.uuid4().hex},
         )
+
+
+def _runs(outs: list[Path], redis_url: str) -> list[list[dict]]:
+    """Runs at `outs`, all at once; each one's metrics rows."""
+    procs = [_start(out, redis_url) for out in outs]
     try:
-        rc = proc.wait(timeout=420)
+        codes = [proc.wait(timeout=480) for proc in procs]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(60)
-    assert rc == 0, log_path.read_text()[-4000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(60)
+    for out, rc in zip(outs, codes, strict=True):
+        assert rc == 0, (out.parent / f"{out.name}.log").read_text()[-4000:]
+    return [
+        [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        for out in outs
+    ]
 
 
 def test_sync_mode_with_one_seed_is_reproducible_bit_for_bit(redis_server: str, tmp_path: Path) -> None:
-    first = _run(tmp_path / "first", redis_server)
-    second = _run(tmp_path / "second", redis_server)
+    first, second = _runs([tmp_path / "first", tmp_path / "second"], redis_server)
     assert len(first) == len(second) == STEPS
     for a, b in zip(first, second, strict=True):
         assert a["weight_version"] == b["weight_version"] and a["lag_max"] == b["lag_max"] == 0
