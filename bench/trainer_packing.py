@@ -5,7 +5,9 @@
         --repeats 3 --threads 2 --device auto --precision fp32]
 
 Three `trainer.loop.Trainer`s on one model directory, identical but for the micro-batching:
-- `packed`: `trainer.packing=true` (the default): each micro-batch is one row, no padding;
+- `packed`: `trainer.packing=true` (the default): each micro-batch is one row, no padding, and a
+  group's prompt written once per micro-batch (`trainer.share_prompts=true`, the default);
+- `packed_unshared`: the same with `share_prompts=false`: each sample carries its own prompt copy;
 - `padded_grouped`: `packing=false` with the same token budget (sequences sorted by length, a
   micro-batch holds at most `micro_batch_tokens` padded tokens);
 - `padded`: `packing=false`, `micro_batch_tokens=0`: `micro_batch_size` sequences in arrival order.
@@ -13,7 +15,8 @@ Each round builds one batch of GRPO groups whose completion lengths are drawn un
 `--completion_len LO,HI` (RL completions vary widely in length) and times `Trainer.update`
 (forward with the fp32 head and replayed transform, loss, backward, clip, AdamW) of each variant on
 it, the order rotating per round. Tokens/s counts completion tokens (what the step trains on); the
-ratios are packed / padded (> 1: packing is faster). Also reports the padding each padded variant
+ratios are packed / padded (> 1: packing is faster) and packed / packed_unshared (what sharing the
+prompt gives). Also reports the padding each padded variant
 put through the model. The last line is one JSON object.
 """
 
@@ -31,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("packed", "padded_grouped", "padded")
+VARIANTS = ("packed", "packed_unshared", "padded_grouped", "padded")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     model_dir = models.resolve(args.model)
     run_root = Path(tempfile.mkdtemp(prefix="bench-packing-"))
-    budgets = {"packed": args.micro_batch_tokens, "padded_grouped": args.micro_batch_tokens, "padded": 0}
+    budgets = {name: args.micro_batch_tokens for name in VARIANTS} | {"padded": 0}
     trainers = {}
     try:
         for name in VARIANTS:
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                         "run_dir": str(run_root / name),
                         "micro_batch_size": args.micro_batch_size,
                         "micro_batch_tokens": budgets[name],
-                        "packing": name == "packed",
+                        "packing": name.startswith("packed"),
+                        "share_prompts": name == "packed",
                         "lr": 1e-6,
                         "device": args.device,
                         "precision": args.precision,
@@ -127,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         for round_index in range(args.repeats + 1):
             batch = make_batch(round_index)
             line = []
-            order = VARIANTS[round_index % 3 :] + VARIANTS[: round_index % 3]
+            turn = round_index % len(VARIANTS)
+            order = VARIANTS[turn:] + VARIANTS[:turn]
             for name in order:
                 trainer = trainers[name]
                 sequences = prepare(batch, trainer.config).sequences
@@ -135,8 +140,11 @@ def main(argv: list[str] | None = None) -> int:
                 chunks = split_micro_batches(
                     [s for s in sequences if s.trainable], trainer.config, trainer.device, distributed=False
                 )
-                count = packed_tokens if name == "packed" else padded_tokens
-                through_model[name] = sum(count([s.inputs for s in c]) for c in chunks)
+                inputs = [[s.inputs for s in c] for c in chunks]
+                if name.startswith("packed"):
+                    through_model[name] = sum(packed_tokens(c, name == "packed") for c in inputs)
+                else:
+                    through_model[name] = sum(padded_tokens(c) for c in inputs)
                 synchronize(trainer.device)
                 start = time.perf_counter()
                 trainer.update(sequences)
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             label = "warmup" if round_index == 0 else f"round {round_index}/{args.repeats}"
             print(f"{label}: {tokens} completion tokens; " + ", ".join(line), flush=True)
         median = {name: statistics.median(values) for name, values in wall.items()}
-        real = through_model["packed"]
+        unshared = through_model["packed_unshared"]  # real tokens, each prompt copy counted
         summary = {
             "bench": "trainer_packing",
             "model": args.model,
@@ -164,19 +172,28 @@ def main(argv: list[str] | None = None) -> int:
             **{f"{name}_tokens_per_s": round(value, 1) for name, value in median.items()},
             "packed_vs_padded_grouped": round(median["packed"] / median["padded_grouped"], 3),
             "packed_vs_padded": round(median["packed"] / median["padded"], 3),
+            "shared_vs_unshared": round(median["packed"] / median["packed_unshared"], 3),
+            "shared_vs_unshared_per_round": [
+                round(a / b, 3) for a, b in zip(wall["packed"], wall["packed_unshared"], strict=True)
+            ],
+            "tokens_through_model_shared_over_unshared": round(
+                through_model["packed"] / through_model["packed_unshared"], 3
+            ),
             "packed_vs_padded_grouped_per_round": [
                 round(a / b, 3) for a, b in zip(wall["packed"], wall["padded_grouped"], strict=True)
             ],
             "packed_vs_padded_per_round": [
                 round(a / b, 3) for a, b in zip(wall["packed"], wall["padded"], strict=True)
             ],
-            "padding_fraction_padded_grouped": round(1 - real / through_model["padded_grouped"], 3),
-            "padding_fraction_padded": round(1 - real / through_model["padded"], 3),
+            "padding_fraction_padded_grouped": round(1 - unshared / through_model["padded_grouped"], 3),
+            "padding_fraction_padded": round(1 - unshared / through_model["padded"], 3),
         }
         print(
             f"packed {median['packed']:.0f} tok/s; x{summary['packed_vs_padded_grouped']:.2f} vs padded+grouped "
             f"({100 * summary['padding_fraction_padded_grouped']:.0f}% padding), "
-            f"x{summary['packed_vs_padded']:.2f} vs padded ({100 * summary['padding_fraction_padded']:.0f}% padding)",
+            f"x{summary['packed_vs_padded']:.2f} vs padded ({100 * summary['padding_fraction_padded']:.0f}% padding), "
+            f"x{summary['shared_vs_unshared']:.2f} vs packed without shared prompts "
+            f"({summary['tokens_through_model_shared_over_unshared']:.2f} of its tokens)",
             flush=True,
         )
         print(json.dumps(summary), flush=True)

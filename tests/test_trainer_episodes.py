@@ -74,7 +74,11 @@ def test_the_gradient_of_an_episode_comes_from_its_model_tokens_only(tmp_path) -
     want = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
     assert got.keys() == want.keys() and got
     for name, grad in got.items():
-        assert torch.allclose(grad, want[name], rtol=1e-4, atol=1e-7), name
+        # float32 sums in another order (the trainer writes the group's prompt once, the sum by hand
+        # runs each sequence alone): measured 1.8e-5 of the largest entry; a token too many in the
+        # loss moves the gradient by about 1/N of it (N ~ 100 tokens here)
+        worst, scale = float((grad - want[name]).abs().max()), float(want[name].abs().max())
+        assert scale > 0 and worst <= 1e-4 * scale, (name, worst, scale)
 
 
 def test_an_episode_in_the_old_layout_is_malformed(tmp_path) -> None:

@@ -58,7 +58,7 @@ def build_models(config: TrainerConfig, seed: int, model_name: str) -> TrainingM
     if distributed:
         fsdp.init_process_group(device, cfg.dist_timeout_s)
     model_dir = models.resolve(model_name)
-    model = load_model(model_dir, cfg.dtype, device, packing=cfg.packing)
+    model = load_model(model_dir, cfg.dtype, device, packing=cfg.packing, share_prompts=cfg.share_prompts)
     freeze_parameters(model, cfg.freeze)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -80,7 +80,7 @@ def build_models(config: TrainerConfig, seed: int, model_name: str) -> TrainingM
     )
 
     def frozen_copy(shard: bool):
-        copy = load_model(model_dir, cfg.dtype, device, packing=cfg.packing)
+        copy = load_model(model_dir, cfg.dtype, device, packing=cfg.packing, share_prompts=cfg.share_prompts)
         copy.eval()
         for param in copy.parameters():
             param.requires_grad_(False)

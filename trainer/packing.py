@@ -18,6 +18,19 @@ Invariants:
   N, never a padded B x L. Sequences of one length are run as [S, L] rows (nothing to pad, one
   batched SDPA call instead of S).
 
+Shared prompts (`trainer.share_prompts`, on by default): a GRPO group's samples share one prompt,
+so a micro-batch holding several of them writes the prompt once and each sample's continuation after
+it (`SharedSegments`):
+
+    input_ids [1, N] = P ‖ c_1 ‖ c_2 ‖ ... ‖ Q ‖ d_1 ‖ ...        c_i = completion_i[:-1]
+    position_ids      = 0..p-1 ‖ p..p+|c_1|-1 ‖ p..p+|c_2|-1 ‖ ...
+
+  P attends causally to itself; each continuation attends to all of P and causally to itself, never
+  to a sibling. The token that predicts completion_i[0] is P's last, shared by the group. So every
+  completion token's logits are those of prompt + completion alone (float64: ~1e-15), the prompt's
+  tokens go through the model once per micro-batch instead of once per sample, and the gradient into
+  the prompt's hidden states is the sum over the samples (the same as over copies).
+
 The model must be loaded with `attn_implementation=ATTENTION` (policy.load_model(packing=True));
 GPU note: this loop of SDPA calls is exact on CUDA too; a fused varlen kernel (flash-attn's
 `cu_seqlens`) would be faster and is not wired here.
@@ -49,7 +62,14 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     cu_seq_lens = kwargs.get("cu_seq_lens")
     if attention_mask is not None:
         raise ValueError("parity_varlen attention takes packed sequences (cu_seq_lens), not a padding mask")
-    if cu_seq_lens is None:
+    if isinstance(cu_seq_lens, SharedSegments):
+        if query.shape[0] != 1:
+            raise ValueError(f"packed attention needs one row, got batch {query.shape[0]}")
+        out = torch.cat(
+            [_segment_attention(query, key, value, segment, scaling, dropout) for segment in cu_seq_lens],
+            dim=2,
+        )
+    elif cu_seq_lens is None:
         out = F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scaling, dropout_p=dropout
         )
@@ -74,6 +94,39 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2).contiguous(), None
 
 
+class SharedSegments(tuple):
+    """The packed row's segments when prompts are shared: (prefix_start, prefix_end, start, end)
+    each, in row order, covering [0, N). Positions [start, end) attend causally to themselves and
+    to all of [prefix_start, prefix_end) (empty for a prompt, or a sequence alone)."""
+
+
+def _segment_attention(query, key, value, segment, scaling, dropout):
+    import torch
+    import torch.nn.functional as F
+
+    prefix_start, prefix_end, start, end = segment
+    if prefix_start == prefix_end:
+        return F.scaled_dot_product_attention(
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            is_causal=True,
+            scale=scaling,
+            dropout_p=dropout,
+        )
+    prefix, length = prefix_end - prefix_start, end - start
+    allowed = torch.ones(length, prefix + length, dtype=torch.bool, device=query.device)
+    allowed[:, prefix:] = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    return F.scaled_dot_product_attention(
+        query[:, :, start:end],
+        torch.cat([key[:, :, prefix_start:prefix_end], key[:, :, start:end]], dim=2),
+        torch.cat([value[:, :, prefix_start:prefix_end], value[:, :, start:end]], dim=2),
+        attn_mask=allowed,
+        scale=scaling,
+        dropout_p=dropout,
+    )
+
+
 def register() -> str:
     """Make `parity_varlen` known to transformers (idempotent); returns its name."""
     global _REGISTERED
@@ -90,22 +143,37 @@ def is_packed(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) == ATTENTION
 
 
+def shares_prompts(model) -> bool:
+    """Whether `model`'s packed micro-batches write a shared prompt once (policy.load_model)."""
+    return is_packed(model) and bool(getattr(model, "parity_share_prompts", False))
+
+
+def _shared(sequences: Sequence[Any]) -> bool:
+    """Whether two of `sequences` have the same prompt (so sharing saves tokens)."""
+    prompts = [s.prompt_ids for s in sequences]
+    return len(set(prompts)) < len(prompts)
+
+
 def scored_length(prompt_len: int, completion_len: int) -> int:
     """Tokens a sequence puts through the model: prompt + completion minus the last token."""
     return prompt_len + completion_len - 1
 
 
-def pack_batch(sequences: Sequence[Any]):
+def pack_batch(sequences: Sequence[Any], share_prompts: bool = False):
     """One packed micro-batch of SequenceInputs: host tensors input_ids [1, N], position_ids [1, N],
     the bounds tuple cu_seq_lens (S+1 ints), and rows [T], cols [T], targets [T]; rows/cols index the
     hidden state that predicts each completion token (rows are all 0).
 
     Sequences of one length need no packing to avoid padding: they come as S rows of [S, L] and
-    cu_seq_lens None (plain causal attention per row, one batched SDPA instead of S calls)."""
+    cu_seq_lens None (plain causal attention per row, one batched SDPA instead of S calls).
+    `share_prompts` and two sequences with one prompt: the row writes each prompt once and the
+    bounds are SharedSegments (module docstring)."""
     import torch
 
     if any(len(s.prompt_ids) == 0 or len(s.completion_ids) == 0 for s in sequences):
         raise ValueError("every sequence needs a non-empty prompt and completion")
+    if share_prompts and _shared(sequences):
+        return _pack_shared(sequences)
     lengths = {scored_length(len(s.prompt_ids), len(s.completion_ids)) for s in sequences}
     if len(lengths) == 1 and len(sequences) > 1:
         return _rows_of_one_length(sequences, lengths.pop())
@@ -134,6 +202,57 @@ def pack_batch(sequences: Sequence[Any]):
     )
 
 
+def _pack_shared(sequences: Sequence[Any]):
+    import torch
+
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for index, seq in enumerate(sequences):
+        by_prompt.setdefault(tuple(seq.prompt_ids), []).append(index)
+    ids: list[int] = []
+    positions: list[int] = []
+    segments: list[tuple[int, int, int, int]] = []
+    first_col: dict[int, int] = {}  # sequence index -> the row position that predicts completion[0]
+    next_col: dict[int, int] = {}  # sequence index -> where its continuation c_i starts in the row
+    for prompt, members in by_prompt.items():
+        prompt_start = len(ids)
+        if len(members) == 1:  # alone: one plain segment, as without sharing
+            seq = sequences[members[0]]
+            length = scored_length(len(prompt), len(seq.completion_ids))
+            ids.extend((tuple(prompt) + tuple(seq.completion_ids))[:length])
+            positions.extend(range(length))
+            segments.append((prompt_start, prompt_start, prompt_start, len(ids)))
+            first_col[members[0]] = prompt_start + len(prompt) - 1
+            next_col[members[0]] = prompt_start + len(prompt)
+            continue
+        ids.extend(prompt)
+        positions.extend(range(len(prompt)))
+        prompt_end = len(ids)
+        segments.append((prompt_start, prompt_start, prompt_start, prompt_end))
+        for index in members:
+            continuation = tuple(sequences[index].completion_ids)[:-1]
+            first_col[index] = prompt_end - 1
+            next_col[index] = len(ids)
+            if continuation:  # a one-token completion needs only the prompt's last position
+                ids.extend(continuation)
+                positions.extend(range(len(prompt), len(prompt) + len(continuation)))
+                segments.append((prompt_start, prompt_end, next_col[index], len(ids)))
+    cols: list[int] = []
+    targets: list[int] = []
+    for index, seq in enumerate(sequences):
+        cols.append(first_col[index])
+        cols.extend(range(next_col[index], next_col[index] + len(seq.completion_ids) - 1))
+        targets.extend(seq.completion_ids)
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    return (
+        as_long(ids).unsqueeze(0),
+        as_long(positions).unsqueeze(0),
+        SharedSegments(segments),
+        torch.zeros(len(cols), dtype=torch.long),
+        as_long(cols),
+        as_long(targets),
+    )
+
+
 def _rows_of_one_length(sequences: Sequence[Any], length: int):
     import torch
 
@@ -151,30 +270,57 @@ def _rows_of_one_length(sequences: Sequence[Any], length: int):
     return input_ids, positions, None, as_long(rows), as_long(cols), as_long(targets)
 
 
-def packed_tokens(sequences: Sequence[Any]) -> int:
-    """N of the packed row (what its forward costs; no padding)."""
-    return sum(scored_length(len(s.prompt_ids), len(s.completion_ids)) for s in sequences)
+def packed_tokens(sequences: Sequence[Any], share_prompts: bool = False) -> int:
+    """N of the packed row (what its forward costs; no padding); with `share_prompts`, each distinct
+    prompt counts once."""
+    total = sum(scored_length(len(s.prompt_ids), len(s.completion_ids)) for s in sequences)
+    if share_prompts and _shared(sequences):
+        total -= sum(len(s.prompt_ids) for s in sequences)
+        total += sum(len(prompt) for prompt in {tuple(s.prompt_ids) for s in sequences})
+    return total
 
 
-def pack_micro_batches(items: Sequence[Any], key, max_sequences: int, max_tokens: int) -> list[list[Any]]:
+def pack_micro_batches(
+    items: Sequence[Any], key, max_sequences: int, max_tokens: int, share_prompts: bool = False
+) -> list[list[Any]]:
     """Split into micro-batches of at most `max_sequences` sequences and at most `max_tokens` packed
     tokens when `max_tokens` > 0 (a longer single sequence goes alone). Longest first, each into
-    the first micro-batch with room (first-fit decreasing: few, full micro-batches)."""
+    the first micro-batch with room (first-fit decreasing: few, full micro-batches).
+
+    `share_prompts`: a sequence first goes to a micro-batch that already holds its prompt, where it
+    costs only its continuation; so a group's samples stay together, and the budget counts what the
+    shared row really holds."""
     length = lambda item: scored_length(len(key(item).prompt_ids), len(key(item).completion_ids))  # noqa: E731
-    if max_tokens <= 0:
+    if max_tokens <= 0 and not share_prompts:
         return [list(items[i : i + max_sequences]) for i in range(0, len(items), max_sequences)]
+    budget = max_tokens if max_tokens > 0 else float("inf")
     batches: list[list[Any]] = []
     loads: list[int] = []
-    for item in sorted(items, key=length, reverse=True):
-        size = length(item)
-        for index, batch in enumerate(batches):
-            if len(batch) < max_sequences and loads[index] + size <= max_tokens:
-                batch.append(item)
+    prompts: list[set[tuple[int, ...]]] = []
+    order = sorted(items, key=length, reverse=True)
+    if share_prompts:  # group by group (the group with the longest sequence first): siblings arrive together
+        groups: dict[tuple[int, ...], list[Any]] = {}
+        for item in order:
+            groups.setdefault(tuple(key(item).prompt_ids), []).append(item)
+        order = [item for group in groups.values() for item in group]
+    for item in order:
+        prompt = tuple(key(item).prompt_ids)
+        full = length(item)
+        shared = full - len(prompt)
+        candidates = range(len(batches))
+        if share_prompts:  # micro-batches that hold this prompt first, then the rest in order
+            candidates = sorted(candidates, key=lambda index: prompt not in prompts[index])
+        for index in candidates:
+            size = shared if share_prompts and prompt in prompts[index] else full
+            if len(batches[index]) < max_sequences and loads[index] + size <= budget:
+                batches[index].append(item)
                 loads[index] += size
+                prompts[index].add(prompt)
                 break
         else:
             batches.append([item])
-            loads.append(size)
+            loads.append(full)
+            prompts.append({prompt})
     return batches
 
 

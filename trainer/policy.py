@@ -44,9 +44,16 @@ class SequenceInput:
     transform: SamplingTransform
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", device: Any = "cpu", packing: bool = False):
+def load_model(
+    model_dir: str | Path,
+    dtype: str = "float32",
+    device: Any = "cpu",
+    packing: bool = False,
+    share_prompts: bool = True,
+):
     """AutoModelForCausalLM from a local directory (no hub), on `device`, in train mode without dropout.
-    `packing`: attention over packed sequences (trainer/packing.py) instead of padded SDPA."""
+    `packing`: attention over packed sequences (trainer/packing.py) instead of padded SDPA; with
+    `share_prompts`, a micro-batch writes each prompt once (trainer/packing.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -57,6 +64,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: Any = "cpu
         str(model_dir), dtype=getattr(torch, dtype), attn_implementation=attention
     )
     model.config.use_cache = False
+    model.parity_share_prompts = packing and share_prompts
     model.to(device)
     model.train()
     return model
@@ -146,17 +154,23 @@ def padded_tokens(sequences: Sequence[SequenceInput]) -> int:
 
 
 def token_budget_batches(
-    sequences: Sequence[Any], key, max_sequences: int, max_tokens: int = 0, packed: bool = False
+    sequences: Sequence[Any],
+    key,
+    max_sequences: int,
+    max_tokens: int = 0,
+    packed: bool = False,
+    share_prompts: bool = False,
 ) -> list[list[Any]]:
     """Split into micro-batches of at most `max_sequences` sequences and, when `max_tokens` > 0, at
     most `max_tokens` tokens through the model (a longer single sequence goes alone); `key(item)`
     gives an item's SequenceInput. Padded (`packed=False`): the budget counts B x L padded tokens,
     and sequences are grouped by length (stable sort) so that each micro-batch pads little.
-    Packed: the budget counts real tokens (trainer/packing.pack_micro_batches)."""
+    Packed: the budget counts real tokens (trainer/packing.pack_micro_batches), a shared prompt once
+    with `share_prompts`."""
     if packed:
         from trainer.packing import pack_micro_batches
 
-        return pack_micro_batches(sequences, key, max_sequences, max_tokens)
+        return pack_micro_batches(sequences, key, max_sequences, max_tokens, share_prompts)
     if max_tokens <= 0:
         return [list(sequences[i : i + max_sequences]) for i in range(0, len(sequences), max_sequences)]
     length = lambda item: len(key(item).prompt_ids) + len(key(item).completion_ids) - 1  # noqa: E731
@@ -207,7 +221,7 @@ def _all_token_logprobs(model, sequences: Sequence[SequenceInput], with_entropy:
     device = next(scorer.parameters()).device
     if packing.is_packed(scorer.lm):
         ids_1N, positions_1N, bounds, rows_T, cols_T, targets_T = packing.to_tensors(
-            packing.pack_batch(sequences), device
+            packing.pack_batch(sequences, packing.shares_prompts(scorer.lm)), device
         )
         logits_TV = scorer(ids_1N, None, rows_T, cols_T, positions_1N, bounds)
     else:

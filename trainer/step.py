@@ -64,6 +64,7 @@ def split_micro_batches(
         config.micro_batch_size,
         config.micro_batch_tokens,
         packed=config.packing,
+        share_prompts=config.packing and config.share_prompts,
     )
     # Ranks of a sharded model run equally many micro-batches (empty ones idle).
     return fsdp.align_micro_batches(chunks, device) if distributed else chunks

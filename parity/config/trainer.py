@@ -56,6 +56,12 @@ class TrainerConfig(ServiceConfig):
         description="Pack each micro-batch's sequences into one row (position ids restart per sequence, "
         "attention stays inside each): no padding. false = right-padded micro-batches.",
     )
+    share_prompts: bool = Field(
+        True,
+        description="With packing: a micro-batch writes a prompt its sequences share (a GRPO group's) once, "
+        "and each sequence's completion attends to it; the prompt goes through the model once instead of "
+        "once per sample. Logprobs equal each sequence alone's.",
+    )
     micro_batch_tokens: int = Field(
         0,
         ge=0,
