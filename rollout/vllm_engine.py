@@ -103,6 +103,7 @@ class VllmEngine(RolloutEngine):
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
             **unchunked_prefill_on_cpu(cfg.max_model_len),
+            **gpu_memory_on_gpu(cfg.gpu_memory_utilization),
         )
 
     async def start(self) -> None:
@@ -468,6 +469,17 @@ def unchunked_prefill_on_cpu(max_model_len: int) -> dict[str, object]:
         "enable_chunked_prefill": False,
         "max_num_batched_tokens": max(max_model_len, _STEP_TOKEN_BUDGET),
     }
+
+
+def gpu_memory_on_gpu(fraction: float) -> dict[str, object]:
+    """vLLM's `gpu_memory_utilization` off CPU only. vLLM's CPU worker reads the same field as the
+    fraction of the host's memory to reserve, and refuses to start when that much is not free; on
+    CPU the KV cache is sized by `rollout.kv_cache_gib` instead, so the key is not passed there."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return {}
+    return {"gpu_memory_utilization": fraction}
 
 
 def encode_prompt(tokenizer, text: str, use_chat_template: bool) -> list[int]:

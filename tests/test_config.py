@@ -310,3 +310,12 @@ def test_the_examples_cover_cpu_one_gpu_eight_gpus_and_a_custom_task() -> None:
     custom = load(["--config", str(ROOT / "examples" / "custom_task.toml")], environ={}).config
     task_file = custom.task.name.removeprefix("jsonl:")
     assert custom.task.name.startswith("jsonl:") and (ROOT / task_file).exists()
+
+
+@pytest.mark.parametrize(("value", "bound"), [("0", "greater than 0"), ("1.5", "less than or equal to 1")])
+def test_gpu_memory_utilization_is_a_fraction_named_when_refused(value: str, bound: str) -> None:
+    assert load([], home="run", environ={}).config.rollout.gpu_memory_utilization == 0.9
+    half = load(["--rollout.gpu_memory_utilization", "0.5"], home="run", environ={}).config
+    assert half.rollout.gpu_memory_utilization == 0.5
+    with pytest.raises(ConfigError, match=rf"^rollout\.gpu_memory_utilization: .*{bound}"):
+        load(["--rollout.gpu_memory_utilization", value], home="run", environ={})

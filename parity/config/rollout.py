@@ -75,6 +75,13 @@ class RolloutConfig(ServiceConfig):
         "(100x slower steps) on shared CPUs.",
     )
     max_num_seqs: int = Field(64, gt=0, description="Most sequences the engine batches at once.")
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="vLLM's fraction of GPU memory (weights, activations and KV cache) on CUDA; lower it "
+        "when the trainer shares the GPU. Ignored on CPU (the KV cache is kv_cache_gib there).",
+    )
     engine_core_nap_us: int = Field(
         20,
         ge=0,
