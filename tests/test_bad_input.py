@@ -357,9 +357,17 @@ def test_health_answers_while_large_prompts_tokenise(running) -> None:
         thread.join()
     waiting = sum(latencies) / (time.monotonic() - began)
     worst_s = max(latencies)
-    print(f"health: {100 * waiting:.0f}% of the time waiting, worst {worst_s:.3f}s, {len(latencies)} probes")
+    median_s = sorted(latencies)[len(latencies) // 2]
+    print(
+        f"health: {100 * waiting:.0f}% of the time waiting, median {median_s:.3f}s, worst {worst_s:.3f}s, "
+        f"{len(latencies)} probes"
+    )
     assert len(latencies) >= 5, "the prompts finished too fast to say anything about the loop"
-    assert waiting < 0.5, f"health probes waited {100 * waiting:.0f}% of the time while prompts tokenised"
+    # The typical probe, not the share of time spent waiting: a few slow probes on a loaded box (the
+    # suite's four workers on 2 cores: 65% of the time waiting, worst 1.3 s, in a healthy service)
+    # move the mean, not the median; a loop that tokenised itself holds most probes for the rest of
+    # a prompt's tokenising.
+    assert median_s < 0.25, f"the median health probe took {median_s:.2f}s while prompts tokenised"
     assert worst_s < 5.0, f"health took {worst_s:.2f}s while prompts tokenised"
     assert sorted(c.name for c in codes).count("INVALID_ARGUMENT") >= 1
     assert set(codes) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
