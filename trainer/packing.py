@@ -168,7 +168,6 @@ def pack_batch(sequences: Sequence[Any], share_prompts: bool = False):
     cu_seq_lens None (plain causal attention per row, one batched SDPA instead of S calls).
     `share_prompts` and two sequences with one prompt: the row writes each prompt once and the
     bounds are SharedSegments (module docstring)."""
-    import torch
 
     if any(len(s.prompt_ids) == 0 or len(s.completion_ids) == 0 for s in sequences):
         raise ValueError("every sequence needs a non-empty prompt and completion")
@@ -191,11 +190,18 @@ def pack_batch(sequences: Sequence[Any], share_prompts: bool = False):
         first = start + len(seq.prompt_ids) - 1  # the prompt's last token predicts completion[0]
         cols.extend(range(first, first + len(seq.completion_ids)))
         targets.extend(seq.completion_ids)
+    return _one_row(ids, positions, tuple(bounds), cols, targets)
+
+
+def _one_row(ids: list[int], positions: list[int], bounds, cols: list[int], targets: list[int]):
+    """pack_batch's host tensors for one packed row (every hidden-state row index is 0)."""
+    import torch
+
     as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
     return (
         as_long(ids).unsqueeze(0),
         as_long(positions).unsqueeze(0),
-        tuple(bounds),
+        bounds,
         torch.zeros(len(cols), dtype=torch.long),
         as_long(cols),
         as_long(targets),
@@ -203,7 +209,6 @@ def pack_batch(sequences: Sequence[Any], share_prompts: bool = False):
 
 
 def _pack_shared(sequences: Sequence[Any]):
-    import torch
 
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for index, seq in enumerate(sequences):
@@ -242,15 +247,7 @@ def _pack_shared(sequences: Sequence[Any]):
         cols.append(first_col[index])
         cols.extend(range(next_col[index], next_col[index] + len(seq.completion_ids) - 1))
         targets.extend(seq.completion_ids)
-    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-    return (
-        as_long(ids).unsqueeze(0),
-        as_long(positions).unsqueeze(0),
-        SharedSegments(segments),
-        torch.zeros(len(cols), dtype=torch.long),
-        as_long(cols),
-        as_long(targets),
-    )
+    return _one_row(ids, positions, SharedSegments(segments), cols, targets)
 
 
 def _rows_of_one_length(sequences: Sequence[Any], length: int):
