@@ -20,6 +20,13 @@ Invariants:
     advantage; it is counted and not published, and another prompt takes its place (in sync mode,
     within the same version). After `4 * groups_per_step` such drops in a row the next group is
     published anyway, so a task the model always fails (or always solves) still trains and reports.
+  - Sync mode draws a round of consecutive prompts at a time and publishes, in draw order, the first
+    groups that survive dynamic sampling until the step has `groups_per_step`. A round holds more
+    prompts than the step still needs when most groups have been dropped so far (the run's kept
+    share, at most `concurrency` groups), so one batch replaces several small ones. Groups after
+    the step's last published one (surplus) go back to the stream: the next version generates them
+    again with the same seeds. Which groups a step publishes is therefore the same for any round
+    size, and a `--resume` run continues exactly where the uninterrupted run would.
   - Nothing is generated while the service is not caught up with the broadcast service.
   - A group lost with a dead engine (its generation failed UNAVAILABLE `engine: ...`) is generated
     again, same prompt and seed, once the restarted engine serves the current version; it is
@@ -42,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 import uuid
 
@@ -104,6 +112,9 @@ class Actor:
         self.regenerated_groups = 0
         self.zero_variance_dropped = 0
         self._dropped_in_a_row = 0
+        self.surplus_groups = 0
+        self._kept, self._offered = 0, 0  # sync mode: groups published / groups offered so far
+        self._returned: list[tuple[Prompt, int, int]] = []  # surplus draws, generated again next
         self.backpressure_wait_s = 0.0
         self.queue = None
         self._group_traceparents: dict[str, str] = {}  # group_id -> its rollout_group span
@@ -169,9 +180,17 @@ class Actor:
 
     def _next_prompt(self) -> tuple[Prompt, int, int]:
         """The next training prompt, its group's sampling seed (see __init__) and its draw index."""
+        if self._returned:
+            return self._returned.pop(0)
         draw = next(self._draws)
         seed = (self._seed_base * 1_000_003 + draw) % (2**63 - 1)
         return next(self._prompts), seed, draw
+
+    def _round_size(self, need: int) -> int:
+        """Prompts to draw for a sync round that still needs `need` groups: `need` divided by the
+        share of offered groups kept so far (1 at the start), between `need` and `concurrency`."""
+        share = (self._kept + 1) / (self._offered + 1)
+        return max(need, min(self.config.concurrency, math.ceil(need / share)))
 
     @property
     def producer(self) -> str:
@@ -407,6 +426,16 @@ class Actor:
         self.groups_published += 1
         return entry_id
 
+    def _return_surplus(self, drawn: list, groups: list) -> None:
+        """Put a sync round's draws after the step's last published group back on the stream."""
+        for group in groups:
+            if group is not None:
+                self._group_traceparents.pop(group.group_id, None)
+                self._group_draws.pop(group.group_id, None)
+        self._returned = list(drawn) + self._returned
+        self.surplus_groups += len(drawn)
+        metrics.SURPLUS_GROUPS.inc(len(drawn))
+
     async def offer(self, group: rollouts_pb2.RolloutGroup) -> bool:
         """Publish `group` unless dynamic sampling drops it; True when it was published."""
         rewards = [s.reward for s in group.samples]
@@ -454,16 +483,26 @@ class Actor:
             version = self.engine.weight_version
             published = 0
             while published < self.groups_per_step and not self.servicer.shutting_down:
-                need = self.groups_per_step - published
-                groups = await asyncio.gather(*(bounded(*self._next_prompt()) for _ in range(need)))
-                for group in groups:
+                drawn = [
+                    self._next_prompt() for _ in range(self._round_size(self.groups_per_step - published))
+                ]
+                groups = await asyncio.gather(*(bounded(*d) for d in drawn))
+                for index, group in enumerate(groups):
+                    if published >= self.groups_per_step:
+                        self._return_surplus(drawn[index:], groups[index:])
+                        break
                     if group is not None:
-                        published += await self.offer(group)
+                        kept = await self.offer(group)
+                        published += kept
+                        self._kept += kept
+                        self._offered += 1
             log.info(
-                "sync step at v%d: published %d groups (%d dropped for zero variance so far); waiting for v%d",
+                "sync step at v%d: published %d groups (%d dropped for zero variance so far, %d surplus "
+                "returned to the stream); waiting for v%d",
                 version,
                 published,
                 self.zero_variance_dropped,
+                self.surplus_groups,
                 version + 1,
             )
             start = time.monotonic()

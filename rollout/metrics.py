@@ -53,6 +53,11 @@ WEIGHT_VERSION = Gauge("parity_rollout_weight_version", "Weight version this ser
 BACKPRESSURE_SECONDS = Counter(
     "parity_rollout_backpressure_wait_seconds", "Seconds the actor waited for the trainer (max_lag)."
 )
+SURPLUS_GROUPS = Counter(
+    "parity_rollout_surplus_groups",
+    "Sync mode: groups generated past the step's last published one, returned to the prompt stream "
+    "and generated again at the next version.",
+)
 ZERO_VARIANCE_DROPPED = Counter(
     "parity_rollout_zero_variance_dropped_groups",
     "Groups not published because every sample had the same reward (--skip_zero_variance).",

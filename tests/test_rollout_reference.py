@@ -292,6 +292,83 @@ def test_dynamic_sampling_drops_flat_groups_and_never_starves_the_trainer() -> N
     assert asyncio.run(actor.offer(group("flat-off", 0, 0))) and published[-1] == "flat-off"
 
 
+def _sync_actor_stand_in(concurrency: int, groups_per_step: int, versions: int, useful):
+    """An `Actor` running only its sync loop: generation is replaced by a stand-in whose group is
+    flat unless `useful(draw)`, and publishing by a list; the trainer's next version arrives when
+    a step is complete. Returns (actor, published (version, draw) pairs, generated draws, rounds)."""
+    import itertools
+    from types import SimpleNamespace
+
+    from rollout.actor import Actor
+
+    actor = Actor.__new__(Actor)
+    actor.config = SimpleNamespace(skip_zero_variance=True, concurrency=concurrency, max_groups=0)
+    actor.groups_per_step, actor.groups_published, actor.backpressure_wait_s = groups_per_step, 0, 0.0
+    actor.zero_variance_dropped, actor._dropped_in_a_row, actor.surplus_groups = 0, 0, 0
+    actor._group_traceparents, actor._group_draws, actor._returned = {}, {}, []
+    actor._kept, actor._offered, actor._seed_base = 0, 0, 0
+    actor._draws, actor._prompts = itertools.count(), itertools.repeat(None)
+    actor.servicer = SimpleNamespace(caught_up=True, shutting_down=False)
+    actor.engine = SimpleNamespace(weight_version=0)
+    published: list[tuple[int, int]] = []
+    generated: list[int] = []
+    rounds: list[int] = []
+
+    async def one_group(prompt, seed, draw):
+        generated.append(draw)
+        actor._group_draws[f"d{draw}"] = draw
+        reward = [0.0, 1.0] if useful(draw) else [0.0, 0.0]
+        return rollouts_pb2.RolloutGroup(
+            group_id=f"d{draw}", samples=[rollouts_pb2.RolloutSample(reward=r) for r in reward]
+        )
+
+    async def publish(group) -> str:
+        version = actor.engine.weight_version
+        published.append((version, actor._group_draws.pop(group.group_id)))
+        if sum(v == version for v, _ in published) == groups_per_step:
+            actor.engine.weight_version += 1  # the trainer's step
+            actor.servicer.shutting_down = actor.engine.weight_version == versions
+        return group.group_id
+
+    round_size = actor._round_size
+
+    def recorded_round_size(need: int) -> int:
+        rounds.append(round_size(need))
+        return rounds[-1]
+
+    actor.one_group, actor.publish, actor._round_size = one_group, publish, recorded_round_size
+    return actor, published, generated, rounds
+
+
+def test_sync_rounds_publish_the_same_groups_at_any_round_size() -> None:
+    """Sync mode draws bigger rounds as groups get dropped, and returns the surplus after a step's
+    last published group to the stream: the groups each version publishes are those that drawing
+    one step's need at a time publishes, and a surplus prompt is generated again at the next version."""
+    import asyncio
+
+    def useful(draw: int) -> bool:
+        return draw % 5 in (0, 3)  # 2 of every 5 groups have reward variance
+
+    one_at_a_time = _sync_actor_stand_in(1, 2, 6, useful)
+    rounds_of_up_to_8 = _sync_actor_stand_in(8, 2, 6, useful)
+    for actor, *_ in (one_at_a_time, rounds_of_up_to_8):
+        asyncio.run(asyncio.wait_for(actor._sync_loop(), 30))
+
+    (_, published_1, generated_1, rounds_1), (actor_8, published_8, generated_8, rounds_8) = (
+        one_at_a_time,
+        rounds_of_up_to_8,
+    )
+    useful_draws = [0, 3, 5, 8, 10, 13, 15, 18, 20, 23, 25, 28]
+    assert published_1 == [(i // 2, draw) for i, draw in enumerate(useful_draws)]  # 2 per version
+    assert published_8 == published_1
+    assert max(rounds_1) == 2 and max(rounds_8) > 2 and len(rounds_8) < len(rounds_1)
+    assert max(rounds_8) <= 8
+    # Surplus: drawn after a step's last published group, generated again at the next version.
+    assert actor_8.surplus_groups > 0
+    assert len(generated_8) > len(set(generated_8))  # a returned prompt was generated twice
+    assert len(generated_1) == len(set(generated_1))
+
+
 @pytest.mark.slow
 def test_sync_actor_with_dynamic_sampling_still_publishes_each_step(
     start_services, tiny_model: Path, redis_url: str
@@ -311,7 +388,9 @@ def test_sync_actor_with_dynamic_sampling_still_publishes_each_step(
     time.sleep(1.0)
     assert queue.redis.xlen(queue.stream) == 1
     assert (
-        "published 1 groups (4 dropped for zero variance so far); waiting for v1"
+        # Rounds grow as groups are dropped (1, 2, 4 prompts): the 4th flat group is dropped, the 5th
+        # published anyway, and the round's last two prompts go back to the stream.
+        "published 1 groups (4 dropped for zero variance so far, 2 surplus returned to the stream); waiting for v1"
         in service.log_path.read_text()
     )
     group = rollouts_pb2.RolloutGroup.FromString(queue.redis.xrange(queue.stream)[0][1][b"group"])

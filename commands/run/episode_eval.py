@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -34,6 +35,7 @@ def evaluate_episodes(
     system_prompt: str,
     max_turns: int,
     max_episode_tokens: int,
+    concurrency: int = 32,
     timeout_s: float = 600.0,
 ) -> EvalResult:
     from transformers import AutoTokenizer
@@ -49,6 +51,11 @@ def evaluate_episodes(
     greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, n=1)
 
     async def play_all():
+        # Each Generate call blocks a thread; the default executor (cpu count + 4 threads) would let
+        # only a handful of the episodes' turns reach the engine's batch at once.
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(prompts))))
+        )
         with grpc.insecure_channel(address) as chan:
             stub = rollout_pb2_grpc.RolloutServiceStub(chan)
 
