@@ -25,7 +25,14 @@ def episode_run(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> 
     marker = uuid.uuid4().hex
     log_path = out.parent / "launcher.log"
     flags = [*_tiny_flags(out, redis_server, STEPS), "--task", "env:guess_number", "--max_turns", "3"]
-    proc = _launch([*flags, "--max_tokens", "6", "--eval_size", "6"], marker, log_path)
+    # A model turn cut at max_tokens ends the episode (context_length), and the tiny model ends a
+    # turn by chance: with 6 tokens most episodes had one turn, and samples.jsonl (the first sample
+    # of up to 4 groups per step) held no multi-turn episode in one of three runs. With 32 tokens
+    # (room for three such turns after the 169-token prompt) half the samples had several turns;
+    # 4 groups per step give samples.jsonl 16 of them.
+    flags[flags.index("--max_model_len") + 1] = "512"
+    flags[flags.index("--groups_per_step") + 1] = "4"
+    proc = _launch([*flags, "--max_tokens", "32", "--eval_size", "6"], marker, log_path)
     try:
         rc = proc.wait(timeout=420)
     finally:
