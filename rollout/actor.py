@@ -113,7 +113,6 @@ class Actor:
         self.zero_variance_dropped = 0
         self._dropped_in_a_row = 0
         self.surplus_groups = 0
-        self._kept, self._offered = 0, 0  # sync mode: groups published / groups offered so far
         self._returned: list[tuple[Prompt, int, int]] = []  # surplus draws, generated again next
         self.backpressure_wait_s = 0.0
         self.queue = None
@@ -189,7 +188,7 @@ class Actor:
     def _round_size(self, need: int) -> int:
         """Prompts to draw for a sync round that still needs `need` groups: `need` divided by the
         share of offered groups kept so far (1 at the start), between `need` and `concurrency`."""
-        share = (self._kept + 1) / (self._offered + 1)
+        share = (self.groups_published + 1) / (self.groups_published + self.zero_variance_dropped + 1)
         return max(need, min(self.config.concurrency, math.ceil(need / share)))
 
     @property
@@ -492,10 +491,7 @@ class Actor:
                         self._return_surplus(drawn[index:], groups[index:])
                         break
                     if group is not None:
-                        kept = await self.offer(group)
-                        published += kept
-                        self._kept += kept
-                        self._offered += 1
+                        published += await self.offer(group)
             log.info(
                 "sync step at v%d: published %d groups (%d dropped for zero variance so far, %d surplus "
                 "returned to the stream); waiting for v%d",

@@ -306,7 +306,7 @@ def _sync_actor_stand_in(concurrency: int, groups_per_step: int, versions: int, 
     actor.groups_per_step, actor.groups_published, actor.backpressure_wait_s = groups_per_step, 0, 0.0
     actor.zero_variance_dropped, actor._dropped_in_a_row, actor.surplus_groups = 0, 0, 0
     actor._group_traceparents, actor._group_draws, actor._returned = {}, {}, []
-    actor._kept, actor._offered, actor._seed_base = 0, 0, 0
+    actor._seed_base = 0
     actor._draws, actor._prompts = itertools.count(), itertools.repeat(None)
     actor.servicer = SimpleNamespace(caught_up=True, shutting_down=False)
     actor.engine = SimpleNamespace(weight_version=0)
@@ -325,6 +325,7 @@ def _sync_actor_stand_in(concurrency: int, groups_per_step: int, versions: int, 
     async def publish(group) -> str:
         version = actor.engine.weight_version
         published.append((version, actor._group_draws.pop(group.group_id)))
+        actor.groups_published += 1
         if sum(v == version for v, _ in published) == groups_per_step:
             actor.engine.weight_version += 1  # the trainer's step
             actor.servicer.shutting_down = actor.engine.weight_version == versions
