@@ -21,6 +21,7 @@ from trainer import precision as numerics
 from trainer.device import resolve_device
 from trainer.flat_params import flatten_parameters
 from trainer.freeze import freeze_parameters
+from trainer.head import HeadOptions
 from trainer.policy import load_model, scorer_for
 
 if TYPE_CHECKING:
@@ -64,7 +65,8 @@ def build_models(config: TrainerConfig, seed: int, model_name: str) -> TrainingM
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not distributed:
         flatten_parameters(model)
-    scorer = scorer_for(model, cfg.precision)
+    head = head_options(cfg, device)
+    scorer = scorer_for(model, cfg.precision, head=head)
     if distributed:
         fsdp.shard_scorer(scorer, cfg.precision)
     optimizer = torch.optim.AdamW(
@@ -84,7 +86,7 @@ def build_models(config: TrainerConfig, seed: int, model_name: str) -> TrainingM
         copy.eval()
         for param in copy.parameters():
             param.requires_grad_(False)
-        copy_scorer = scorer_for(copy, cfg.precision)
+        copy_scorer = scorer_for(copy, cfg.precision, head=head)
         if distributed and shard:
             fsdp.shard_scorer(copy_scorer, cfg.precision)
         return copy_scorer
@@ -106,3 +108,11 @@ def build_models(config: TrainerConfig, seed: int, model_name: str) -> TrainingM
         ref_model,
         old_model,
     )
+
+
+def head_options(cfg: TrainerConfig, device) -> HeadOptions:
+    """The head's chunking and backward dtype (`auto`: bf16 GEMMs only for bf16 runs on CUDA)."""
+    grad_dtype = cfg.head_grad_dtype
+    if grad_dtype == "auto":
+        grad_dtype = "bfloat16" if cfg.precision == "bf16" and device.type == "cuda" else "float32"
+    return HeadOptions(chunk_tokens=cfg.head_chunk_tokens, grad_dtype=grad_dtype)

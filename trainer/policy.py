@@ -1,8 +1,9 @@
 """The policy: an HF causal LM whose lm_head runs in float32, scored under each rollout's transform.
 
 Invariants:
-- Logits are computed only at completion positions, as float32 `hidden.float() @ W_head.float()ᵀ`
-  whatever the parameter dtype (a bf16 head is a known source of train-inference mismatch).
+- Logits are computed only at the scored completion positions, as float32
+  `hidden.float() @ W_head.float()ᵀ` whatever the parameter dtype (a bf16 head is a known source of
+  train-inference mismatch), chunk by chunk (trainer/head.py): no [T, V] logits are kept for backward.
 - Each sequence's logprobs come from `parity.sampling.processed_logprobs` under *its own* recorded
   transform (temperature, then top-k/top-p mask, renormalised) — the distribution vLLM sampled from
   with `logprobs_mode=processed_logprobs` — so they are directly comparable with rollout logprobs.
@@ -27,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from parity.sampling import SamplingTransform, processed_logprobs
+from parity.sampling import SamplingTransform
 from trainer import precision as numerics
 from trainer.device import to_device
+from trainer.head import HeadOptions, TokenGroup, score_tokens
 
 if TYPE_CHECKING:
     import torch
@@ -82,14 +84,28 @@ def _scorer_base():
         """The HF model + how it is scored: decoder (maybe bf16), then a float32 head at the
         completion positions only. `lm` is the HF model (its parameter names are the checkpoint's)."""
 
-        def __init__(self, lm, precision: str = "fp32", sharded: bool = False) -> None:
+        def __init__(
+            self, lm, precision: str = "fp32", sharded: bool = False, head: HeadOptions | None = None
+        ) -> None:
             super().__init__()
             self.lm = lm
             self.precision = precision
             self.sharded = sharded
+            self.head = head or HeadOptions()
 
-        def forward(self, input_ids_BL, mask_BL, rows_T, cols_T, position_ids_BL=None, cu_seq_lens=None):
-            """Padded: `mask_BL`. Packed: no mask, `position_ids_BL` and `cu_seq_lens` (host)."""
+        def forward(
+            self,
+            input_ids_BL,
+            mask_BL,
+            rows_T,
+            cols_T,
+            position_ids_BL=None,
+            cu_seq_lens=None,
+            scoring: HeadScoring | None = None,
+        ):
+            """Padded: `mask_BL`. Packed: no mask, `position_ids_BL` and `cu_seq_lens` (host).
+            Without `scoring`: float32 logits [T, V]. With it: (logprob [T], entropy [T]) of its
+            targets, scored in chunks by trainer/head.py (no [T, V] kept for backward)."""
             import torch.nn.functional as F
 
             device = input_ids_BL.device
@@ -104,6 +120,16 @@ def _scorer_base():
             hidden_TH = hidden_BLH[rows_T, cols_T]
             with numerics.fp32_region(device):
                 weight_VH, bias_V = head_weight(self.lm)
+                if scoring is not None:
+                    return score_tokens(
+                        hidden_TH,
+                        weight_VH,
+                        bias_V,
+                        scoring.targets_T,
+                        scoring.groups,
+                        scoring.with_entropy,
+                        self.head,
+                    )
                 bias = None if bias_V is None else bias_V.float()
                 return F.linear(hidden_TH.float(), weight_VH.float(), bias)
 
@@ -113,14 +139,14 @@ def _scorer_base():
 _SCORER_CLASS = None
 
 
-def scorer_for(model, precision: str = "fp32", sharded: bool = False):
+def scorer_for(model, precision: str = "fp32", sharded: bool = False, head: HeadOptions | None = None):
     """The CompletionScorer of `model` (itself when it already is one)."""
     global _SCORER_CLASS
     if _SCORER_CLASS is None:
         _SCORER_CLASS = _scorer_base()
     if isinstance(model, _SCORER_CLASS):
         return model
-    return _SCORER_CLASS(model, precision, sharded)
+    return _SCORER_CLASS(model, precision, sharded, head)
 
 
 def pad_batch(sequences: Sequence[SequenceInput]):
@@ -197,24 +223,9 @@ def token_logprobs(
 
     `model` is an HF causal LM or its CompletionScorer. Tokens are in sequence order, then position
     order. Gradient flows into the logprobs when the caller has grad enabled; entropy never carries
-    gradient. `keep` (one flag per completion token): only those tokens are returned (an episode's
-    model tokens; its environment tokens are context, never scored).
+    gradient. `keep` (one flag per completion token): only those tokens are scored and returned (an
+    episode's model tokens; its environment tokens are context, never scored).
     """
-    logprobs_T, entropy_T = _all_token_logprobs(model, sequences, with_entropy)
-    if keep is None:
-        return logprobs_T, entropy_T
-    keep_T = to_device(torch_bool(keep), logprobs_T.device)
-    return logprobs_T[keep_T], entropy_T[keep_T]
-
-
-def torch_bool(values: Sequence[bool]):
-    import torch
-
-    return torch.tensor(list(values), dtype=torch.bool)
-
-
-def _all_token_logprobs(model, sequences: Sequence[SequenceInput], with_entropy: bool):
-
     from trainer import packing
 
     scorer = scorer_for(model)
@@ -223,42 +234,48 @@ def _all_token_logprobs(model, sequences: Sequence[SequenceInput], with_entropy:
         ids_1N, positions_1N, bounds, rows_T, cols_T, targets_T = packing.to_tensors(
             packing.pack_batch(sequences, packing.shares_prompts(scorer.lm)), device
         )
-        logits_TV = scorer(ids_1N, None, rows_T, cols_T, positions_1N, bounds)
+        model_inputs = (ids_1N, None)
+        packed = {"position_ids_BL": positions_1N, "cu_seq_lens": bounds}
     else:
         input_ids_BL, mask_BL, rows_T, cols_T, targets_T = (
             to_device(t, device) for t in pad_batch(sequences)
         )
-        logits_TV = scorer(input_ids_BL, mask_BL, rows_T, cols_T)
-    with numerics.fp32_region(device):
-        return _transformed_logprobs(logits_TV, targets_T, sequences, with_entropy)
+        model_inputs = (input_ids_BL, mask_BL)
+        packed = {}
+    transforms = [seq.transform for seq in sequences for _ in seq.completion_ids]
+    if keep is not None:
+        keep_T = to_device(torch_bool(keep), device)
+        rows_T, cols_T, targets_T = rows_T[keep_T], cols_T[keep_T], targets_T[keep_T]
+        transforms = [t for t, kept in zip(transforms, keep, strict=True) if kept]
+    scoring = HeadScoring(targets_T, _token_groups(transforms, device), with_entropy)
+    return scorer(*model_inputs, rows_T, cols_T, **packed, scoring=scoring)
 
 
-def _transformed_logprobs(logits_TV, targets_T, sequences, with_entropy: bool):
+def torch_bool(values: Sequence[bool]):
     import torch
 
-    device = logits_TV.device
-    # One processed_logprobs call per distinct transform (usually one per micro-batch).
-    token_ranges: dict[SamplingTransform, list[int]] = defaultdict(list)
-    offset = 0
-    for seq in sequences:
-        token_ranges[seq.transform].extend(range(offset, offset + len(seq.completion_ids)))
-        offset += len(seq.completion_ids)
-    entropy_T = torch.zeros(offset, dtype=torch.float32, device=device)
-    indices, values = [], []
-    for transform, index in token_ranges.items():
-        index_t = torch.tensor(index, dtype=torch.long).to(device)
-        # One transform for the whole micro-batch (the usual case): no gather, whose backward is a
-        # [T, V] scatter-add.
-        lp_tV = processed_logprobs(logits_TV if len(token_ranges) == 1 else logits_TV[index_t], transform)
-        indices.append(index_t)
-        values.append(lp_tV.gather(-1, targets_T[index_t].unsqueeze(-1)).squeeze(-1))
-        if with_entropy:
-            with torch.no_grad():
-                lp = lp_tV.detach()
-                p = lp.exp()
-                entropy_T[index_t] = -(p * torch.where(p > 0, lp, torch.zeros_like(lp))).sum(-1)
-    if len(values) == 1:
-        return values[0], entropy_T  # one transform: tokens are already in order
-    # Put the per-transform pieces back in token order (differentiable gather by inverse permutation).
-    order_T = torch.cat(indices)
-    return torch.cat(values)[torch.argsort(order_T)], entropy_T
+    return torch.tensor(list(values), dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class HeadScoring:
+    """What the scorer's head scores: the target of each token, the tokens of each transform."""
+
+    targets_T: torch.Tensor
+    groups: tuple[TokenGroup, ...]
+    with_entropy: bool
+
+
+def _token_groups(transforms: Sequence[SamplingTransform], device) -> tuple[TokenGroup, ...]:
+    """One group per distinct transform (usually one per micro-batch: no index, no gather)."""
+    import torch
+
+    if len(set(transforms)) <= 1:
+        return (TokenGroup(transforms[0] if transforms else SamplingTransform(), None),)
+    positions: dict[SamplingTransform, list[int]] = defaultdict(list)
+    for position, transform in enumerate(transforms):
+        positions[transform].append(position)
+    return tuple(
+        TokenGroup(transform, torch.tensor(index, dtype=torch.long).to(device))
+        for transform, index in positions.items()
+    )

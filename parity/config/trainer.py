@@ -69,6 +69,17 @@ class TrainerConfig(ServiceConfig):
         "longest) otherwise; 0 = micro_batch_size alone decides. Unpacked, sequences are grouped by "
         "length so that micro-batches pad little.",
     )
+    head_chunk_tokens: int = Field(
+        1024,
+        ge=0,
+        description="Tokens whose float32 head logits are alive at once: the head scores the sampled "
+        "tokens chunk by chunk and keeps no [tokens, vocab] logits for backward; 0 = a micro-batch at once.",
+    )
+    head_grad_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Dtype of the head's backward GEMMs (never of the logprobs, which are float32): "
+        "auto = bfloat16 with precision bf16 on CUDA (tensor cores), else float32.",
+    )
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer's activations in backward (less memory)."
     )
