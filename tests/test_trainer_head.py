@@ -141,3 +141,24 @@ def test_bfloat16_backward_keeps_the_logprobs_and_the_gradient_direction(tiny_mo
     for name, grad in grads32.items():
         cosine = torch.nn.functional.cosine_similarity(grad.flatten(), grads16[name].flatten(), dim=0)
         assert float(cosine) > 0.999, name
+
+
+def test_the_head_bench_keeps_less_for_backward_and_the_same_logprobs() -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "head_logprobs.py"), "--vocab", "4096", "--hidden", "64"]
+        + ["--tokens", "64", "--chunk_tokens", "16", "--repeats", "1", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["max_abs_logprob_diff"] <= 5e-6
+    # whole: the [T, V] log_softmax output and the top-p mask; ours: one [T, V] gradient factor.
+    assert summary["saved_ratio"] > 1.5, summary
+    assert summary["whole_peak_gib"] is None  # no CUDA: absent, not 0.0

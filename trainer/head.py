@@ -113,15 +113,15 @@ def _autograd_function():
                     del probs_cV
             ctx.mark_non_differentiable(entropy_T)
             if keep_grad:
-                ctx.save_for_backward(hidden_TH, weight_VH)
-                ctx.saved_d = saved
+                ctx.save_for_backward(hidden_TH, weight_VH, *(d_cV for _, d_cV in saved))
+                ctx.rows = [rows for rows, _ in saved]
                 ctx.has_bias = bias_V is not None
                 ctx.grad_dtype = grad_dtype
             return logprobs_T, entropy_T
 
         @staticmethod
         def backward(ctx, grad_logprobs_T, _grad_entropy):
-            hidden_TH, weight_VH = ctx.saved_tensors
+            hidden_TH, weight_VH, *d_chunks = ctx.saved_tensors
             needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
             dtype = ctx.grad_dtype
             weight = weight_VH.to(dtype)
@@ -132,7 +132,7 @@ def _autograd_function():
                 if ctx.has_bias
                 else None
             )
-            for rows, d_cV in ctx.saved_d:
+            for rows, d_cV in zip(ctx.rows, d_chunks, strict=True):
                 dlogits_cV = d_cV * grad_logprobs_T[rows].to(dtype).unsqueeze(-1)
                 if needs_hidden:
                     grad_hidden[rows] = (dlogits_cV @ weight).to(hidden_TH.dtype)
@@ -140,7 +140,6 @@ def _autograd_function():
                     grad_weight += (dlogits_cV.t() @ hidden_TH[rows].to(dtype)).float()
                 if grad_bias is not None and needs_bias:
                     grad_bias += dlogits_cV.float().sum(0)
-            ctx.saved_d = None
             return (
                 grad_hidden,
                 grad_weight.to(weight_VH.dtype) if needs_weight else None,
