@@ -4,6 +4,8 @@ It is the baseline A/B runs compare vLLM against. Every token is sampled from
 `parity.sampling.processed_logprobs(logits, transform)` (temperature -> top-k -> top-p,
 renormalised, float32), the same function the trainer replays, so processed logprobs here are by
 construction the trainer's. Logits come from the lm_head in float32 when `head_dtype=float32`.
+It runs on `rollout.device` (cpu or cuda); sampling draws from a CPU generator either way, so a
+seed gives the same tokens on both when the logits agree.
 
 Invariants:
   - One forward step at a time holds the model lock; a weight update takes the same lock, so a
@@ -48,6 +50,7 @@ class ReferenceEngine(RolloutEngine):
         self._recompute_epoch = 0
         self._staged: StagedWeights | None = None  # verified, waiting for _swap
         self._eos_ids: set[int] = set()
+        self.device = "cpu"
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -57,9 +60,16 @@ class ReferenceEngine(RolloutEngine):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(self.config.reference_threads)
+        if self.config.device == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("rollout.device: cuda requested but torch sees no CUDA device")
+            # float32 matmuls in full float32, as the trainer computes them (TF32 keeps 10 bits).
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.set_float32_matmul_precision("highest")
+            self.device = f"cuda:{torch.cuda.current_device()}"
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         dtype = torch.float32 if self.config.dtype == "float32" else torch.bfloat16
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval().to(self.device)
         self.vocab_size = int(self.model.config.vocab_size)
         eos = self.model.config.eos_token_id
         self._eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -91,7 +101,7 @@ class ReferenceEngine(RolloutEngine):
         generator = torch.Generator()
         generator.manual_seed(spec.seed if spec.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         n = spec.n
-        prompt = torch.tensor([spec.prompt_token_ids] * n, dtype=torch.long)
+        prompt = torch.tensor([spec.prompt_token_ids] * n, dtype=torch.long, device=self.device)
         generated: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         versions: list[list[int]] = [[] for _ in range(n)]
@@ -117,12 +127,14 @@ class ReferenceEngine(RolloutEngine):
             if transform.greedy:
                 tokens_n = sampling_nv.argmax(dim=-1)
             else:
-                tokens_n = torch.multinomial(sampling_nv.exp(), 1, generator=generator).squeeze(-1)
-            chosen_n = logprobs_nv.gather(-1, tokens_n.unsqueeze(-1)).squeeze(-1)
+                probs_nv = sampling_nv.exp().cpu()  # the CPU generator: the same draws on any device
+                tokens_n = torch.multinomial(probs_nv, 1, generator=generator).squeeze(-1).to(self.device)
+            chosen_n = logprobs_nv.gather(-1, tokens_n.unsqueeze(-1)).squeeze(-1).cpu()
+            tokens_n_host = tokens_n.cpu()
             for i in range(n):
                 if finished[i] is not None:
                     continue
-                tok = int(tokens_n[i])
+                tok = int(tokens_n_host[i])
                 generated[i].append(tok)
                 logprobs[i].append(float(chosen_n[i]))
                 versions[i].append(version)
@@ -183,7 +195,7 @@ class ReferenceEngine(RolloutEngine):
         self._unpaused.set()
 
     async def _stage(self, plan, fault_corrupt_tensor: str) -> dict:
-        staged = await asyncio.to_thread(receive_and_verify, plan, "cpu", fault_corrupt_tensor)
+        staged = await asyncio.to_thread(receive_and_verify, plan, self.device, fault_corrupt_tensor)
         report = staged.report()
         if not staged.error:
             params = self.model.state_dict()
@@ -205,6 +217,13 @@ class ReferenceEngine(RolloutEngine):
             self.model.load_state_dict(dict(staged.named()), strict=False)
             self.weight_version = version
         return "", time.perf_counter() - start
+
+    async def device_uuid(self) -> str:
+        if not self.device.startswith("cuda"):
+            return ""
+        from parity.weights.devices import cuda_device_uuid
+
+        return cuda_device_uuid(self.device)
 
     async def shutdown(self) -> None:
         self._unpaused.set()

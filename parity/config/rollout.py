@@ -32,6 +32,11 @@ class RolloutConfig(ServiceConfig):
 
     # Engine and parity-relevant settings.
     engine: EngineName = Field("vllm", description="vllm (AsyncLLM, fast) or reference (HF, exact, slow).")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="The reference engine's device (cuda: the current GPU; on the trainer's GPU, weight "
+        "updates come by CUDA IPC). vLLM runs on the platform its wheel was built for.",
+    )
     dtype: DtypeName = Field(
         "float32",
         description="Rollout weights/activations dtype. float32 by default: on CPU bf16 is not faster "
@@ -202,6 +207,8 @@ class RolloutConfig(ServiceConfig):
             raise ValueError(f"max_tokens_limit: must be < max_model_len={self.max_model_len}")
         if self.engine == "reference" and self.prefix_caching:
             raise ValueError("prefix_caching: the reference engine has no prefix cache")
+        if self.engine != "reference" and self.device != "cpu":
+            raise ValueError("device: only the reference engine takes a device; vLLM uses its platform's")
         return self
 
     @property
