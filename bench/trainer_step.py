@@ -1,7 +1,8 @@
-"""Tokens/s of one trainer step on SmolLM2-135M: Parity's step vs the same step in plain torch.
+"""Tokens/s of one trainer step: Parity's step vs the same step in plain torch, per micro-batch size.
 
-    python bench/trainer_step.py [--groups 2 --group_size 4 --prompt_len 16 --completion_len 48
-                                  --repeats 3 --micro_batch_size 8 --model smollm2-135m
+    python bench/trainer_step.py [--model smollm2-135m | --shape qwen2.5-1.5b [--num_layers N]]
+                                 [--groups 2 --group_size 4 --prompt_len 16 --completion_len 48
+                                  --repeats 3 --micro_batch_size 8[,16...]
                                   --device auto|cpu|cuda --precision fp32|bf16]
 
 "ours" is the real `trainer.loop.Trainer` step: XREADGROUP from a private redis-server, dedupe and
@@ -14,11 +15,22 @@ precision (bf16: autocast over the whole forward, fp32 weights and AdamW). Both 
 share one model and optimizer; the runs alternate so that machine load hits both alike. The ratio
 plain_tps / ours_tps is our overhead (>1 means we are slower). Prints progress lines; the last
 line is one JSON object.
+
+`--shape` benches a randomly initialised model of a real architecture (bench/shapes.py), written
+once into `--shape_dir` without the network. `--micro_batch_size 4,8` runs both sides at each size
+in turn; `per_micro_batch` in the JSON has one entry per size (its `ratio` is ours/plain tokens/s),
+and the top-level figures are the first size's. A side that runs out of memory at a size is
+recorded as "oom" for that size (its figures null) and the bench goes on with the next size.
+MFU counts the same model FLOPs for both sides — the trainer's 6 × non-embedding parameters per
+token, over every sequence's prompt and completion — over each side's wall time and the device's
+dense peak (trainer/device.py); null where the peak is unknown (CPU). Peak memory is CUDA's
+allocator peak during each side's step, null on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import statistics
@@ -26,7 +38,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -97,36 +115,215 @@ def plain_step(
     optimizer.step()
 
 
+Status = Literal["ok", "oom"]
+
+
+@dataclass(frozen=True)
+class SideRun:
+    """One side's step: "ok" with its times and CUDA peak memory (None on CPU), or "oom"."""
+
+    status: Status
+    wall_s: float | None = None
+    cpu_s: float | None = None
+    peak_memory_gib: float | None = None
+
+
+@dataclass
+class SideResults:
+    """One side's measured rounds at one micro-batch size (the warm-up round is not recorded)."""
+
+    status: Status = "ok"
+    wall_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
+    peak_memory_gib: list[float] = field(default_factory=list)
+
+
+def micro_batch_sizes(text: str) -> list[int]:
+    """`8` or `4,8,16` -> [4, 8, 16] (argparse type)."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"micro-batch sizes must be positive integers (got {text!r})")
+    return sizes
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    )
+
+
+def free_memory(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Drop gradients and cached blocks after an out-of-memory step."""
+    import torch
+
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_side(
+    step: Callable[[], None],
+    device: torch.device,
+    optimizer: torch.optim.Optimizer,
+    after_oom: Callable[[], None] | None = None,
+) -> SideRun:
+    """Time `step` on `device`. Out of memory is a result ("oom"), after `after_oom` and
+    `free_memory`; any other error propagates."""
+    import torch
+
+    from trainer.device import reset_peak_memory, synchronize
+
+    synchronize(device)
+    reset_peak_memory(device)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    out_of_memory = False
+    try:
+        step()
+        synchronize(device)
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one
+        if not is_out_of_memory(exc):
+            raise
+        out_of_memory = True
+    if out_of_memory:
+        # Freed outside the except block: by now the traceback, and the activations its frames held,
+        # are gone.
+        if after_oom is not None:
+            after_oom()
+        free_memory(optimizer, device)
+        return SideRun("oom")
+    wall_s, cpu_s = time.perf_counter() - wall0, time.process_time() - cpu0
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return SideRun("ok", wall_s, cpu_s, peak)
+
+
+def model_flops_utilization(
+    flops: float, seconds: float, device: torch.device, precision: str
+) -> float | None:
+    """`flops` done in `seconds` over the device's dense peak (trainer/device.py); None when unknown."""
+    from trainer.device import peak_flops
+
+    peak = peak_flops(device, precision)
+    return flops / (seconds * peak) if peak is not None and seconds > 0 else None
+
+
+def _tokens_per_s(side: SideResults, tokens_per_step: int, clock: Literal["wall", "cpu"]) -> float | None:
+    """Median tokens/s over the measured rounds; None when the side ran out of memory."""
+    seconds = side.wall_s if clock == "wall" else side.cpu_s
+    if side.status != "ok" or not seconds:
+        return None
+    return statistics.median(tokens_per_step / t for t in seconds)
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _progress(timing: SideRun | None, tokens_per_step: int) -> str:
+    if timing is None:
+        return "skipped (oom)"
+    if timing.status == "oom":
+        return "oom"
+    return (
+        f"{timing.wall_s:.2f}s wall / {timing.cpu_s:.2f}s cpu ({tokens_per_step / timing.wall_s:.1f} tok/s)"
+    )
+
+
+def size_summary(
+    micro_batch_size: int,
+    sides: dict[str, SideResults],
+    tokens_per_step: int,
+    flops_per_step: float,
+    device: torch.device,
+    precision: str,
+) -> dict[str, Any]:
+    """One `per_micro_batch` entry."""
+    entry: dict[str, Any] = {"micro_batch_size": micro_batch_size}
+    tps: dict[str, float | None] = {}
+    for name, side in sides.items():
+        tps[name] = _tokens_per_s(side, tokens_per_step, "wall")
+        wall = statistics.median(side.wall_s) if tps[name] else None
+        mfu = model_flops_utilization(flops_per_step, wall, device, precision) if wall else None
+        entry[f"{name}_tokens_per_s"] = _round(tps[name], 1)
+        entry[f"{name}_mfu"] = mfu
+        peak = side.peak_memory_gib if tps[name] else []
+        entry[f"{name}_peak_memory_gib"] = max(peak) if peak else None
+        entry[f"{name}_status"] = side.status
+    ours, plain = tps["ours"], tps["plain"]
+    entry["ratio"] = round(ours / plain, 3) if ours and plain else None
+    return entry
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="model.name (default smollm2-135m)")
+    source.add_argument(
+        "--shape", default=None, help="a named architecture from bench/shapes.py, randomly initialised"
+    )
+    parser.add_argument(
+        "--shape_dir",
+        default=None,
+        help="where --shape is written or reused (default $PARITY_HOME/shapes/NAME[-Nlayers], "
+        "PARITY_HOME defaulting to ~/.cache/parity)",
+    )
+    parser.add_argument(
+        "--num_layers",
+        type=int,
+        default=None,
+        help="with --shape: override its depth (for quick tests; no longer the real shape)",
+    )
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--group_size", type=int, default=4)
     parser.add_argument("--prompt_len", type=int, default=16)
     parser.add_argument("--completion_len", type=int, default=48)
-    parser.add_argument("--micro_batch_size", type=int, default=8)
+    parser.add_argument(
+        "--micro_batch_size",
+        type=micro_batch_sizes,
+        default=[8],
+        help="sequences per micro-batch; a comma list (4,8) benches each size in turn",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps the default")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     args = parser.parse_args(argv)
+    if args.num_layers is not None and args.shape is None:
+        parser.error("--num_layers needs --shape")
+    if args.shape_dir is not None and args.shape is None:
+        parser.error("--shape_dir needs --shape")
 
     import torch
 
+    from bench import shapes
     from parity import models
     from parity.config import ParityConfig
     from parity.rollout_queue import RolloutQueue
     from tests.fakes.synthetic_rollouts import make_group
-    from trainer.device import synchronize
     from trainer.loop import Trainer
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = models.resolve(args.model)
+    if args.shape is not None:
+        try:
+            shapes.get_shape(args.shape)
+        except shapes.ShapeError as exc:
+            parser.error(str(exc))
+        shape_dir = args.shape_dir or shapes.default_dir(args.shape, args.num_layers)
+        model_dir = shapes.write_shape(args.shape, shape_dir, num_layers=args.num_layers)
+        model_label = args.shape
+    else:
+        model_label = args.model or "smollm2-135m"
+        model_dir = models.resolve(model_label)
     redis_proc, redis_url, redis_dir = start_redis()
     run_dir = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
     try:
-        print(f"loading {args.model} ({model_dir})", flush=True)
+        print(f"loading {model_label} ({model_dir})", flush=True)
         config = ParityConfig.model_validate(
             {
                 "model": {"name": str(model_dir)},
@@ -139,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "trainer": {
                     "run_dir": str(run_dir),
-                    "micro_batch_size": args.micro_batch_size,
+                    "micro_batch_size": args.micro_batch_size[0],
                     "lr": 1e-6,
                     "read_block_ms": 100,
                     "device": args.device,
@@ -152,15 +349,17 @@ def main(argv: list[str] | None = None) -> int:
         # The plain step updates the same model with the same optimizer (one copy in memory; at
         # lr 1e-6 the drift between the two variants' weights is irrelevant to timing).
         plain_model, plain_opt = trainer.model, trainer.optimizer
+        device = trainer.device
         queue = RolloutQueue(redis_url, stream="bench:rollouts")
         gen = torch.Generator().manual_seed(0)
         reward_patterns = [(1.0, 0.0, 0.0, 1.0), (0.0, 1.0, 0.0, 0.0), (1.0, 1.0, 0.0, 1.0)]
 
-        def make_batch(round_index: int) -> list:
+        def make_batch(batch_id: str) -> list:
+            # Rollout ids are unique over the whole bench: the trainer skips ids it has trained on.
             return [
                 make_group(
                     trainer.model,
-                    f"r{round_index}-g{g}",
+                    f"{batch_id}-g{g}",
                     [reward_patterns[(g + k) % 3][k % 4] for k in range(args.group_size)],
                     prompt_len=args.prompt_len,
                     completion_len=args.completion_len,
@@ -170,64 +369,98 @@ def main(argv: list[str] | None = None) -> int:
                 for g in range(args.groups)
             ]
 
-        tokens_per_step = args.groups * args.group_size * args.completion_len
-        results: dict[str, list[float]] = {"ours": [], "plain": [], "ours_cpu": [], "plain_cpu": []}
-        for round_index in range(args.repeats + 1):
-            groups = make_batch(round_index)
-            for group in groups:
-                queue.publish(group)
+        sequences_per_step = args.groups * args.group_size
+        tokens_per_step = sequences_per_step * args.completion_len
+        flops_per_step = (
+            trainer.flops_per_token * sequences_per_step * (args.prompt_len + args.completion_len)
+        )
+        per_size: list[dict[str, Any]] = []
+        first_size_results: dict[str, SideResults] = {}
+        first_size_metrics: dict[str, Any] = {}
+        taken: list = []  # the batch ours collected, until its step finishes
 
-            def run_ours() -> None:
-                batch = trainer.consumer.collect(
-                    args.groups, trainer.state.weight_version, config.run.max_lag
+        def run_ours() -> None:
+            batch = trainer.consumer.collect(args.groups, trainer.state.weight_version, config.run.max_lag)
+            taken.append(batch)
+            trainer.train_step(batch)
+            taken.clear()
+
+        def ack_taken() -> None:
+            # An out-of-memory step never acked its batch: ack it now, so that no later read
+            # (XAUTOCLAIM of pending entries) hands the next size this size's rollouts.
+            for batch in taken:
+                trainer.queue.ack(batch.all_entry_ids())
+            taken.clear()
+
+        for size_index, size in enumerate(args.micro_batch_size):
+            trainer.config = trainer.config.model_copy(update={"micro_batch_size": size})
+            sides = {"ours": SideResults(), "plain": SideResults()}
+            for round_index in range(args.repeats + 1):
+                groups = make_batch(f"s{size_index}-mb{size}-r{round_index}")
+                if sides["ours"].status == "ok":
+                    for group in groups:
+                        queue.publish(group)
+
+                def run_plain(groups: list = groups, size: int = size) -> None:
+                    plain_step(plain_model, plain_opt, groups, size, device, args.precision)
+
+                # Alternate which goes first, so that neither always meets the same load.
+                order = [("ours", run_ours, ack_taken), ("plain", run_plain, None)]
+                timings: dict[str, SideRun | None] = {}
+                for name, fn, after_oom in order if round_index % 2 == 0 else order[::-1]:
+                    side = sides[name]
+                    if side.status == "oom":
+                        timings[name] = None
+                        continue
+                    timings[name] = timing = run_side(fn, device, trainer.optimizer, after_oom)
+                    if timing.status == "oom":
+                        side.status = "oom"
+                    elif round_index > 0:
+                        side.wall_s.append(timing.wall_s)
+                        side.cpu_s.append(timing.cpu_s)
+                        if timing.peak_memory_gib is not None:
+                            side.peak_memory_gib.append(timing.peak_memory_gib)
+                label = "warmup" if round_index == 0 else f"round {round_index}/{args.repeats}"
+                print(
+                    f"mb {size} {label}: ours {_progress(timings['ours'], tokens_per_step)}, "
+                    f"plain {_progress(timings['plain'], tokens_per_step)}",
+                    flush=True,
                 )
-                trainer.train_step(batch)
-
-            def run_plain(groups: list = groups) -> None:
-                plain_step(
-                    plain_model, plain_opt, groups, args.micro_batch_size, trainer.device, args.precision
-                )
-
-            # Alternate which goes first, so that neither always meets the same load.
-            order = [("ours", run_ours), ("plain", run_plain)]
-            timings: dict[str, tuple[float, float]] = {}
-            for name, fn in order if round_index % 2 == 0 else order[::-1]:
-                synchronize(trainer.device)
-                wall0, cpu0 = time.perf_counter(), time.process_time()
-                fn()
-                synchronize(trainer.device)
-                timings[name] = (time.perf_counter() - wall0, time.process_time() - cpu0)
-            label = "warmup" if round_index == 0 else f"round {round_index}/{args.repeats}"
-            print(
-                f"{label}: ours {timings['ours'][0]:.2f}s wall / {timings['ours'][1]:.2f}s cpu "
-                f"({tokens_per_step / timings['ours'][0]:.1f} tok/s), plain {timings['plain'][0]:.2f}s wall / "
-                f"{timings['plain'][1]:.2f}s cpu ({tokens_per_step / timings['plain'][0]:.1f} tok/s)",
-                flush=True,
+                if all(side.status == "oom" for side in sides.values()):
+                    break
+            per_size.append(
+                size_summary(size, sides, tokens_per_step, flops_per_step, device, args.precision)
             )
-            if round_index > 0:
-                for name in ("ours", "plain"):
-                    results[name].append(tokens_per_step / timings[name][0])
-                    results[f"{name}_cpu"].append(tokens_per_step / timings[name][1])
-        ours_tps = statistics.median(results["ours"])
-        plain_tps = statistics.median(results["plain"])
-        metrics = trainer.last_metrics
+            if size_index == 0:
+                first_size_results = sides
+                first_size_metrics = dict(trainer.last_metrics) if sides["ours"].status == "ok" else {}
+
+        first = first_size_results
+        ours_tps = _tokens_per_s(first["ours"], tokens_per_step, "wall")
+        plain_tps = _tokens_per_s(first["plain"], tokens_per_step, "wall")
+        ours_cpu = _tokens_per_s(first["ours"], tokens_per_step, "cpu")
+        plain_cpu = _tokens_per_s(first["plain"], tokens_per_step, "cpu")
+        metrics = first_size_metrics
         summary = {
             "bench": "trainer_step",
-            "model": args.model,
+            "model": model_label,
+            **(
+                {"shape": args.shape, "num_layers": trainer.model.config.num_hidden_layers}
+                if args.shape
+                else {}
+            ),
             "tokens_per_step": tokens_per_step,
-            "sequences_per_step": args.groups * args.group_size,
+            "sequences_per_step": sequences_per_step,
             "prompt_len": args.prompt_len,
             "completion_len": args.completion_len,
-            "ours_tokens_per_s": round(ours_tps, 1),
-            "plain_tokens_per_s": round(plain_tps, 1),
-            "overhead_ratio": round(plain_tps / ours_tps, 3),
+            "ours_tokens_per_s": _round(ours_tps, 1),
+            "plain_tokens_per_s": _round(plain_tps, 1),
+            "overhead_ratio": round(plain_tps / ours_tps, 3) if ours_tps and plain_tps else None,
             # CPU seconds of this process: far less sensitive to other jobs on a shared machine.
-            "ours_tokens_per_cpu_s": round(statistics.median(results["ours_cpu"]), 1),
-            "plain_tokens_per_cpu_s": round(statistics.median(results["plain_cpu"]), 1),
-            "overhead_ratio_cpu": round(
-                statistics.median(results["plain_cpu"]) / statistics.median(results["ours_cpu"]), 3
-            ),
-            "device": str(trainer.device),
+            "ours_tokens_per_cpu_s": _round(ours_cpu, 1),
+            "plain_tokens_per_cpu_s": _round(plain_cpu, 1),
+            "overhead_ratio_cpu": round(plain_cpu / ours_cpu, 3) if ours_cpu and plain_cpu else None,
+            "device": str(device),
             "precision": args.precision,
             "peak_memory_gib": metrics.get("peak_memory_gib"),
             "mfu": metrics.get("mfu"),
@@ -235,10 +468,19 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "lag0_mismatch_k3": metrics.get("mismatch_k3"),
             "lag0_mismatch_max_abs": metrics.get("mismatch_max_abs"),
+            "per_micro_batch": per_size,
         }
+        for entry in per_size:
+            ours, plain = (
+                f"{entry[f'{name}_tokens_per_s']} tok/s" if entry[f"{name}_status"] == "ok" else "oom"
+                for name in ("ours", "plain")
+            )
+            print(
+                f"mb {entry['micro_batch_size']}: ours {ours} vs plain {plain} (ours/plain {entry['ratio']})"
+            )
         print(
-            f"ours {ours_tps:.0f} tok/s vs plain {plain_tps:.0f} tok/s: overhead ratio "
-            f"{summary['overhead_ratio']:.3f} (plain/ours; by CPU time {summary['overhead_ratio_cpu']:.3f})",
+            f"overhead ratio (plain/ours, first size) {summary['overhead_ratio']} "
+            f"(by CPU time {summary['overhead_ratio_cpu']})",
             flush=True,
         )
         print(json.dumps(summary), flush=True)

@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$out/host.log"
 # The one-pass checksum kernel is not carried (a build output): build it here, or warn and use numpy.
 python3 -m parity.weights.wsum_kernel 2>&1 | tee "$out/wsum_kernel.log"
-timeout 270 python3 -m pytest -m gpu -v -s -o timeout=150 tests/test_weight_sync_gpu.py tests/test_trainer_gpu.py 2>&1 | tee "$out/gpu_tests.log"
+timeout 270 python3 -m pytest -m gpu -v -s -o timeout=150 tests/test_weight_sync_gpu.py tests/test_trainer_gpu.py tests/test_rollout_device.py 2>&1 | tee "$out/gpu_tests.log"
 echo "gpu tests exit ${PIPESTATUS[0]}"
 timeout 90 python3 bench/cuda_ipc.py --mb 1024 --repeats 3 2>&1 | tee "$out/cuda_ipc.log"
 echo "cuda_ipc bench exit ${PIPESTATUS[0]}"
@@ -18,3 +18,25 @@ timeout 150 python3 bench/ipc_update.py --mb 1024 --repeats 3 2>&1 | tee "$out/i
 echo "ipc_update bench exit ${PIPESTATUS[0]}"
 timeout 90 python3 bench/trainer_step.py --model tiny --device cuda --repeats 3 2>&1 | tee "$out/trainer_step_tiny.log"
 echo "trainer_step bench exit ${PIPESTATUS[0]}"
+# The float32 head alone: chunked (ours) vs the whole [T, V] under autograd, fp32 and bf16 backward GEMMs.
+for grad in float32 bfloat16; do
+  timeout 90 python3 bench/head_logprobs.py --device cuda --tokens 4096 --grad_dtype $grad --repeats 3 2>&1 | tee "$out/head_$grad.log"
+  echo "head_logprobs bench ($grad) exit ${PIPESTATUS[0]}"
+done
+# A real-size step: Qwen2.5-1.5B's shape, randomly initialised (no download), ours vs plain per micro-batch.
+timeout 300 python3 bench/trainer_step.py --shape qwen2.5-1.5b --device cuda --precision bf16 --groups 8 --group_size 8 \
+  --prompt_len 128 --completion_len 896 --micro_batch_size 4,8 --repeats 3 2>&1 | tee "$out/trainer_step_1.5b.log"
+echo "trainer_step 1.5b bench exit ${PIPESTATUS[0]}"
+# The whole pipeline on this one GPU: reference engine and trainer on CUDA, weights by CUDA IPC, bf16.
+timeout 240 python3 -m commands.main run --model tiny --steps 4 --rollout.engine reference --rollout.device cuda \
+  --trainer.device cuda --precision bf16 --rollout.dtype bfloat16 --skip_preflight --eval_size 8 \
+  --groups_per_step 2 --group_size 4 --out "$out/pipeline_run" 2>&1 | tee "$out/pipeline_run.log"
+echo "one-GPU pipeline run exit ${PIPESTATUS[0]}"
+python3 - "$out/pipeline_run" <<'PY' 2>&1 | tee "$out/pipeline_k3.log"
+import json, sys
+from pathlib import Path
+for line in (Path(sys.argv[1]) / "metrics.jsonl").read_text().splitlines():
+    row = json.loads(line)
+    print("step", row.get("step"), "own-version k3", row.get("mismatch_k3_own_version"), "max", row.get("mismatch_max_abs"))
+PY
+
