@@ -248,6 +248,7 @@ class RolloutQueue:
             entry_id = self.redis.xadd(self.stream, fields)
         else:
             producer, draw = position
+            fields[b"draw"] = f"{producer}:{int(draw)}".encode()  # audits: each draw published once
             pairs = [item for pair in fields.items() for item in pair]
             entry_id = self.redis.eval(
                 _PUBLISH_AT_POSITION, 2, self.stream, self.position_key(), producer, int(draw), *pairs
