@@ -172,10 +172,12 @@ class Trainer:
                 self.state.lost_versions or "none",
             )
             self._publish()
-        elif self.old_model is not None:  # stale tokens of the current version are scored under it
-            self._record_history(
-                self.state.weight_version, full_weights(self.model, cfg.bucket_bytes, self.announce_gather)
-            )
+        elif self._history_wanted:  # stale tokens of the current version are scored under it
+            named = full_weights(self.model, cfg.bucket_bytes, self.announce_gather)
+            self._record_history(self.state.weight_version, named)
+            # workers behind (a rollout service restarted too) need it before the first step can
+            # have rollouts: this process has not published it, so catch-ups start from here
+            self.publisher.serve_catch_up(self.state.weight_version, named)
         self.ready = True
 
     def _make_publisher(self) -> Publisher:

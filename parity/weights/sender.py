@@ -20,7 +20,8 @@ until the rendezvous timed out).
 Catch-up: after each publish the trainer keeps a host copy of the version it sent (the snapshot)
 and a background thread long-polls `AwaitCatchUp`. A worker that joined late, or whose update
 failed, gets the snapshot through a one-shot group of the trainer and the workers behind; the epoch
-group and the training loop are not involved.
+group and the training loop are not involved. A trainer restarted at the broadcast's latest version
+serves that version from the start (`serve_catch_up`), before it has published anything.
 
 Same GPU: workers registered on the trainer's GPU are never ranks of a group (NCCL refuses two ranks
 on one GPU). When PublishVersion (or AwaitCatchUp) answers `ipc_workers > 0`, the trainer packs the
@@ -317,6 +318,15 @@ class Publisher:
         return reply.version
 
     # -- catch-up -------------------------------------------------------------------------------
+    def serve_catch_up(self, version: int, named: NamedTensors) -> None:
+        """Serve catch-ups of `version`, committed before this publisher existed: a trainer restarted
+        at the broadcast's latest version publishes nothing until it has trained a step, and a worker
+        behind (a rollout service restarted meanwhile) generates nothing until it is caught up, so
+        without this neither would ever move. `named` are that version's tensors (with a `snapshots`
+        source, only their names are kept)."""
+        if self._stub is not None and version > 0:
+            self._keep(version, tuple(name for name, _ in named), dict(named))
+
     def _keep(self, version: int, names: tuple, by_name: dict) -> None:
         if self._snapshots is not None:
             snapshot = Snapshot(version, (), names)
