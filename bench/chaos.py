@@ -200,7 +200,7 @@ def soak(out: Path, kills: list[Kill], steps: int, mode: str, engine: str, seed:
     final_rc = None
     if checkpoint_step(out) < steps:
         marker = uuid.uuid4().hex
-        proc = launch(["--resume", str(out), "--tracker", "none"], marker, log_path)
+        proc = launch(args, marker, log_path)  # a resume, or the first launch when nothing was killed
         launches += 1
         try:
             final_rc = proc.wait(LAUNCH_TIMEOUT_S)

@@ -257,6 +257,51 @@ class RolloutQueue:
             self.trim()
         return _text(entry_id)
 
+    def latest_version(self, floor: str) -> int:
+        """The highest weight version any entry >= `floor` carries (0 when none)."""
+        return max(
+            (int(fields.get(b"max_version", 0)) for _, fields in self.redis.xrange(self.stream, min=floor)),
+            default=0,
+        )
+
+    def redraw_unusable(
+        self, floor: str, lost_versions: list[list[int]], stale_below: int, applied_groups: set[str]
+    ) -> dict[str, int]:
+        """Remove the entries >= `floor` that the trainer could not train (a token of a lost
+        version, or an oldest token below `stale_below`) and that it has not trained, and move each
+        producer's recorded position back to just before its first such draw, so that an actor
+        started afterwards draws those prompts again, with the same seeds, under the restored
+        weights. This is a sync-mode resume: the run then trains what an uninterrupted run would
+        have. Entries without a recorded draw are left to the consumer, which drops them. Returns
+        {producer: the first draw it will draw again}."""
+        doomed: list[str] = []
+        first: dict[str, int] = {}
+        for entry_id, fields in self.redis.xrange(self.stream, min=floor):
+            low, high = int(fields.get(b"min_version", -1)), int(fields.get(b"max_version", -1))
+            draw = _text(fields.get(b"draw", b""))
+            lost = any(a <= high and low <= b for a, b in lost_versions)
+            if (
+                not draw
+                or _text(fields.get(b"group_id", b"")) in applied_groups
+                or not (lost or low < stale_below)
+            ):
+                continue
+            producer, _, index = draw.rpartition(":")
+            doomed.append(_text(entry_id))
+            first[producer] = min(first.get(producer, int(index)), int(index))
+        if not doomed:
+            return {}
+        self.ack(doomed)
+        self.redis.xdel(self.stream, *doomed)
+        for producer, index in first.items():
+            current = self.producer_position(producer)
+            if current is None or current >= index:
+                if index == 0:
+                    self.redis.hdel(self.position_key(), producer)
+                else:
+                    self.redis.hset(self.position_key(), producer, index - 1)
+        return first
+
     def producer_position(self, producer: str) -> int | None:
         """The highest draw index `producer` has published (None: nothing yet)."""
         value = self.redis.hget(self.position_key(), producer)

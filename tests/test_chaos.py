@@ -29,3 +29,43 @@ def test_three_random_kills_lose_nothing_and_train_nothing_twice(tmp_path: Path)
     assert sum(k["what"].startswith("killed") for k in ran["kills"]) >= 2, ran["kills"]
     result = chaos.audit(tmp_path / "run", steps, 4, 2, len(ran["kills"]), in_flight=2)
     assert result["passed"], result["checks"]
+
+
+@pytest.mark.slow
+def test_sync_resume_after_lost_versions_trains_the_uninterrupted_runs_prompts(tmp_path: Path) -> None:
+    """The trainer is killed after it published versions that no checkpoint holds (no checkpoint
+    before the end; killed after step 3): those versions are lost, and the groups sampled from
+    them, or from the restored version renumbered beyond max_lag, would be dropped. A sync resume
+    removes them and draws their prompts again: the trained draws equal an uninterrupted run's."""
+    import signal
+    import time
+    import uuid
+
+    def flags(out: Path) -> list[str]:
+        args = chaos.run_flags(out, 10, "sync", "reference", 7)
+        args[args.index("--trainer.checkpoint_every") + 1] = "0"  # only at the end
+        return args
+
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    marker = uuid.uuid4().hex
+    proc = chaos.launch(flags(out), marker, log)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.02)
+    os.kill(chaos.find_part(marker, "serve trainer"), signal.SIGKILL)
+    assert proc.wait(120) == 1 and chaos.wait_gone(marker) == []
+    marker = uuid.uuid4().hex
+    assert chaos.launch(["--resume", str(out), "--tracker", "none"], marker, log).wait(600) == 0, (
+        log.read_text()[-3000:]
+    )
+    assert chaos.wait_gone(marker) == []
+    trainer_log = (out / "logs" / "trainer.log").read_text()
+    assert "sync resume: rollouts the restored weights cannot train were removed" in trainer_log
+    straight = chaos.soak(tmp_path / "straight", [], 10, "sync", "reference", 7)
+    assert straight["final_exit"] == 0
+    resumed = chaos.audit(out, 10, 4, 2, 1, in_flight=2)
+    uninterrupted = chaos.audit(tmp_path / "straight", 10, 4, 2, 0, in_flight=0)
+    assert resumed["passed"] and uninterrupted["passed"], (resumed["checks"], uninterrupted["checks"])
+    assert resumed["trained_draws"] == uninterrupted["trained_draws"]

@@ -106,6 +106,27 @@ def test_prompt_position_is_recorded_with_the_entry(redis_url: str) -> None:
     assert [f[b"group_id"] for _, f in queue.redis.xrange(queue.stream)] == [b"a", b"b", b"c", b"d"]
 
 
+def test_sync_resume_draws_the_prompts_of_lost_versions_again(redis_url: str) -> None:
+    """Entries the restored weights cannot train (lost versions, too stale) leave the stream and
+    each producer's position moves back to just before its first such draw; trained entries,
+    entries of kept versions and those below the floor stay."""
+    queue = RolloutQueue(redis_url, stream="test:redraw")
+    queue.ensure_group()
+    published = [("w0", 0, [0]), ("w0", 1, [0]), ("w1", 0, [0]), ("w0", 2, [1]), ("w1", 1, [1, 2]),
+                 ("w0", 3, [2]), ("w1", 2, [3])]  # fmt: skip
+    ids = [queue.publish(_group(f"{p}-{d}", v), position=(p, d)) for p, d, v in published]
+    first = queue.redraw_unusable(ids[1], [[2, 3]], stale_below=0, applied_groups=set())
+    assert first == {"w1": 1, "w0": 3}
+    left = [f[b"group_id"].decode() for _, f in queue.redis.xrange(queue.stream)]
+    assert left == ["w0-0", "w0-1", "w1-0", "w0-2"]
+    assert queue.producer_position("w0") == 2 and queue.producer_position("w1") == 0
+    assert queue.redraw_unusable(ids[1], [[2, 3]], 0, set()) == {}  # nothing left to remove
+    # too stale for the renumbered version, but already trained (w0-1) or below the floor (w0-0): kept
+    assert queue.redraw_unusable(ids[1], [], stale_below=1, applied_groups={"w0-1"}) == {"w1": 0}
+    assert [f[b"group_id"].decode() for _, f in queue.redis.xrange(queue.stream)] == ["w0-0", "w0-1", "w0-2"]
+    assert queue.producer_position("w1") is None  # draws again from its first draw
+
+
 def test_actor_continues_the_prompt_stream_where_it_stopped() -> None:
     from rollout.actor import Actor
 
@@ -143,6 +164,26 @@ def test_rollouts_of_lost_versions_are_dropped_and_counted(redis_url: str, tmp_p
     assert trained == ["kept/0"]
     state = json.loads(next((tmp_path / "checkpoints").glob("step_*/state.json")).read_text())
     assert state["lost_versions"] == [[1, 3]] and state["dropped_future_version_total"] == 1
+    trainer.close()
+
+
+def test_a_version_only_the_stream_saw_counts_as_published(redis_url: str, tmp_path: Path) -> None:
+    """A trainer killed mid-publish: the workers got version 3 and sampled from it, but no record
+    says 3 was published (file 2). The restarted trainer must not reuse 3 for its restored weights,
+    or those rollouts would pass for on-policy: 3 is lost too, and the group is dropped."""
+    from tests.fakes.trainer_helpers import STREAM, make_trainer, metrics
+
+    (tmp_path / "published_version").write_text("2")
+    queue = RolloutQueue(redis_url, stream=STREAM)
+    queue.publish(_group("foreign", [3, 3]))
+    queue.publish(_group("kept", [0, 0]))
+    trainer = make_trainer(redis_url, tmp_path, max_lag=10)
+    assert trainer.state.lost_versions == [[1, 3]]
+    assert trainer.state.weight_version == 4
+    trainer.run()
+    (row,) = metrics(tmp_path)
+    assert row["dropped_future_version"] == 1
+    assert json.loads((tmp_path / "trained_rollouts.jsonl").read_text())["rollout_ids"] == ["kept/0"]
     trainer.close()
 
 

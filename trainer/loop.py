@@ -149,10 +149,26 @@ class Trainer:
             read_published_version(self.run_dir),
             broadcast_latest,
             bool(cfg.broadcast_address),
+            self.queue.latest_version(self.state.replay_floor),
         )
         self.state.published_version = plan.published
         if plan.lost:
             self.state.lost_versions.append(list(plan.lost))
+        if plan.republish and schedule.mode == "sync":
+            # Rollouts the re-published version could not train (lost or, renumbered, too stale)
+            # leave the stream and their prompts are drawn again: what an uninterrupted run trains.
+            redrawn = self.queue.redraw_unusable(
+                self.state.replay_floor,
+                self.state.lost_versions,
+                plan.published + 1 - schedule.max_lag,
+                {rollout_id.rsplit("/", 1)[0] for rollout_id in self.applied_ids},
+            )
+            if redrawn:
+                log.warning(
+                    "sync resume: rollouts the restored weights cannot train were removed from the "
+                    "stream; their prompts are drawn again (first draw per worker %s)",
+                    redrawn,
+                )
         log.info(
             "trainer ready: step %d, version %d (highest published %d), floor %s, %d rollouts applied%s",
             self.state.step,

@@ -7,7 +7,8 @@ the checkpoint are recognised by rollout id and skipped (`bound_dedupe` keeps ex
 rewind can still meet).
 
 Versions continue above the highest version ever published (checkpoint, the run directory's
-`published_version` file, the broadcast service's latest). If that is above the checkpoint's
+`published_version` file, the broadcast service's latest, the newest version a rollout in the
+stream carries). If that is above the checkpoint's
 version, or the broadcast service holds less than it (a restarted service, as after
 `parity run --resume`), the restored weights are re-published at once as the next number, so that
 rollout workers stop sampling from weights the trainer no longer has. The versions between the
@@ -44,8 +45,12 @@ def plan_resume(
     file_published: int,
     broadcast_latest: int,
     has_broadcast: bool,
+    stream_latest: int = 0,
 ) -> ResumePlan:
-    published = max(checkpoint_published, file_published, broadcast_latest)
+    """`stream_latest`: the highest version a rollout in the stream carries. A trainer killed
+    mid-publish may have delivered a version to the workers before it recorded it anywhere;
+    its rollouts must not pass for the next version's, so that number counts as published."""
+    published = max(checkpoint_published, file_published, broadcast_latest, stream_latest)
     lost = (weight_version + 1, published) if published > weight_version else None
     reseed = has_broadcast and broadcast_latest < weight_version
     return ResumePlan(published, lost, lost is not None or reseed)
