@@ -153,7 +153,7 @@ def _autograd_function():
     return ScoredHead
 
 
-class _Lazy:
+class _ScoredHead:
     """The autograd Function, built on first use (torch is imported lazily by the trainer)."""
 
     _fn = None
@@ -163,6 +163,3 @@ class _Lazy:
         if cls._fn is None:
             cls._fn = _autograd_function()
         return cls._fn.apply(*args)
-
-
-_ScoredHead = _Lazy
