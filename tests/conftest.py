@@ -22,6 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The longest files (minutes each: whole `parity run`s, several vLLM engines), started first when
 # the suite runs on several workers (scripts/test.sh), so no worker is left with one of them at the end.
 LONGEST_FILES_FIRST = (
+    "test_chaos.py",
     "test_resume.py",
     "test_determinism.py",
     "test_broadcast_rollout.py",

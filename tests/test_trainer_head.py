@@ -150,8 +150,12 @@ def test_the_head_bench_keeps_less_for_backward_and_the_same_logprobs() -> None:
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, str(root / "bench" / "head_logprobs.py"), "--vocab", "4096", "--hidden", "64"]
-        + ["--tokens", "64", "--chunk_tokens", "16", "--repeats", "1", "--threads", "1"],
+        [
+            sys.executable,
+            str(root / "bench" / "head_logprobs.py"),
+            *("--vocab", "4096", "--hidden", "64", "--tokens", "64"),
+            *("--chunk_tokens", "16", "--repeats", "1", "--threads", "1"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
