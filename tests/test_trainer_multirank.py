@@ -134,7 +134,9 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
         assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [1, 2]
         for two, ref in zip(rows_two, rows_one, strict=True):
             print(f"step {ref['step']}: loss 1 rank {ref['loss']!r}, 2 ranks {two['loss']!r}")
-            assert abs(two["loss"] - ref["loss"]) <= 1e-6
+            # float32 summation order differs between one and two ranks (the head's chunks too):
+            # measured up to 1.01e-6 on a loss of 0.0131 on a loaded box; 1e-4 of it is the bound
+            assert abs(two["loss"] - ref["loss"]) <= 1e-4 * abs(ref["loss"]) + 1e-7
             assert abs(two["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"]
             # Metrics of the whole batch, measured on two ranks and gathered on rank 0.
             for key in ("num_tokens", "trainable_tokens", "zero_variance_groups", "lag_hist"):
