@@ -135,8 +135,9 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
         for two, ref in zip(rows_two, rows_one, strict=True):
             print(f"step {ref['step']}: loss 1 rank {ref['loss']!r}, 2 ranks {two['loss']!r}")
             # float32 summation order differs between one and two ranks (the head's chunks too):
-            # measured up to 1.01e-6 on a loss of 0.0131 on a loaded box; 1e-4 of it is the bound
-            assert abs(two["loss"] - ref["loss"]) <= 1e-4 * abs(ref["loss"]) + 1e-7
+            # measured 1.01e-6 on a loss of 0.0131, and 3.7e-7 on a loss of 2.2e-7 (GRPO's loss is
+            # a sum of terms that cancel, so it can sit near 0 while its terms do not)
+            assert math.isclose(two["loss"], ref["loss"], rel_tol=1e-4, abs_tol=2e-6), "loss"
             assert abs(two["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"]
             # Metrics of the whole batch, measured on two ranks and gathered on rank 0.
             for key in ("num_tokens", "trainable_tokens", "zero_variance_groups", "lag_hist"):

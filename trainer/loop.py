@@ -143,13 +143,17 @@ class Trainer:
         )
         self.publisher = self._make_publisher()
         broadcast_latest = self.publisher.latest_version()
+        file_published = read_published_version(self.run_dir)
+        # The stream witnesses versions only for a run that has recorded something (a checkpoint,
+        # a published version): a new run directory trains whatever rollouts it is given.
+        resuming = restored is not None or file_published > 0
         plan = plan_resume(
             self.state.weight_version,
             self.state.published_version,
-            read_published_version(self.run_dir),
+            file_published,
             broadcast_latest,
             bool(cfg.broadcast_address),
-            self.queue.latest_version(self.state.replay_floor),
+            self.queue.latest_version(self.state.replay_floor) if resuming else 0,
         )
         self.state.published_version = plan.published
         if plan.lost:
