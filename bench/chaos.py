@@ -89,10 +89,13 @@ def run_flags(out: Path, steps: int, mode: str, engine: str, seed: int) -> list[
     ]  # fmt: skip
 
 
-def launch(args: list[str], marker: str, log_path: Path) -> subprocess.Popen:
+def launch(
+    args: list[str], marker: str, log_path: Path, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """`parity run ARGS` with its processes marked by `marker`, its output appended to `log_path`."""
     from commands.run.supervisor import MARKER_ENV
 
-    env = {**os.environ, MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(extra_env or {}), MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(
             [sys.executable, "-m", "commands.main", "run", *args],

@@ -30,8 +30,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench import chaos
 from commands.run import records
-from commands.run.supervisor import MARKER_ENV, marked_pids
 from parity.config import load, write_config
 from parity.rollout_queue import RolloutQueue
 from parity.v1 import common_pb2, rollouts_pb2
@@ -291,27 +291,12 @@ def _flags(out: Path) -> list[str]:
 
 
 def _launch(args: list[str], marker: str, log_path: Path) -> subprocess.Popen:
-    env = {**os.environ, MARKER_ENV: marker, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline",
-           "WANDB_SILENT": "true"}  # fmt: skip
-    with open(log_path, "ab") as log_file:
-        return subprocess.Popen(
-            [sys.executable, "-m", "commands.main", "run", *args],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-
-
-def _checkpoint_step(run_dir: Path) -> int:
-    try:
-        return int((run_dir / "checkpoints" / "LATEST").read_text().strip().removeprefix("step_"))
-    except (OSError, ValueError):
-        return 0
+    return chaos.launch(args, marker, log_path, {"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
 
 
 def _wait_checkpoint(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: float = 240.0) -> int:
     deadline = time.monotonic() + timeout_s
-    while (done := _checkpoint_step(run_dir)) < step:
+    while (done := chaos.checkpoint_step(run_dir)) < step:
         assert proc.poll() is None, f"launcher exited ({proc.returncode}) before checkpoint {step}"
         assert time.monotonic() < deadline, f"no checkpoint {step} in {timeout_s:.0f}s"
         time.sleep(0.1)
@@ -319,21 +304,9 @@ def _wait_checkpoint(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s
 
 
 def _child(marker: str, needle: str) -> int:
-    for pid in marked_pids(marker):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if needle in cmdline:
-            return pid
-    raise AssertionError(f"no live child matching {needle!r}")
-
-
-def _wait_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while (left := marked_pids(marker)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
+    pid = chaos.find_part(marker, needle)
+    assert pid is not None, f"no live child matching {needle!r}"
+    return pid
 
 
 @pytest.mark.slow
@@ -356,7 +329,7 @@ def test_run_killed_three_ways_resumes_to_one_lineage(tmp_path: Path) -> None:
         delay = rng.uniform(0.0, 1.5)
         time.sleep(delay)
         print(f"kill {what} after checkpoint {reached} (target {target}) + {delay:.2f}s")
-        if what == "launcher":  # its children must not outlive it (checked by _wait_gone below)
+        if what == "launcher":  # its children must not outlive it (checked by wait_gone below)
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
             assert records.status_of(out).startswith("died at step"), records.status_of(out)
@@ -365,15 +338,15 @@ def test_run_killed_three_ways_resumes_to_one_lineage(tmp_path: Path) -> None:
             assert proc.wait(120) == 1, log_path.read_text()[-3000:]
             assert f"{what} exited unexpectedly" in log_path.read_text()
             assert records.status_of(out).startswith("died at step")
-        assert _wait_gone(marker) == [], f"left behind after killing {what}"
-        after = _checkpoint_step(out)
+        assert chaos.wait_gone(marker, 30) == [], f"left behind after killing {what}"
+        after = chaos.checkpoint_step(out)
         assert after < STEPS, "the run finished before the kill; lower the kill targets"
         launch_args = ["--resume", str(out), "--tracker", "none"]
 
     marker = uuid.uuid4().hex
     proc = _launch(["--resume", str(out), "--tracker", "tensorboard,wandb,mlflow"], marker, log_path)
     assert proc.wait(420) == 0, log_path.read_text()[-4000:]
-    assert _wait_gone(marker) == []
+    assert chaos.wait_gone(marker, 30) == []
     output = log_path.read_text()
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -390,9 +363,10 @@ def test_run_killed_three_ways_resumes_to_one_lineage(tmp_path: Path) -> None:
     # Each launch's rollout service first served (and so first generated) at a version > 0 after a
     # resume: it was caught up to the trainer's re-published checkpoint weights before generating.
     # (A kill can land before a launch's rollout service is up: the trainer may train the stream's
-    # backlog first. Such a launch has no SERVING line.)
+    # backlog first. Such a launch has no SERVING line, and on a loaded box its rollout service may
+    # not even have logged its settings before the launcher stopped it.)
     launches = rollout_log.split("parity settings:")[1:]
-    assert len(launches) == 4
+    assert 2 <= len(launches) <= 4, len(launches)
     first_serving = [
         int(part.split("health: SERVING (weight_version ")[1].split(")")[0])
         for part in launches
