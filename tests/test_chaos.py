@@ -63,9 +63,10 @@ def test_sync_resume_after_lost_versions_trains_the_uninterrupted_runs_prompts(t
     assert chaos.wait_gone(marker) == []
     trainer_log = (out / "logs" / "trainer.log").read_text()
     assert "sync resume: rollouts the restored weights cannot train were removed" in trainer_log
-    straight = chaos.soak(tmp_path / "straight", [], 10, "sync", "reference", 7)
-    assert straight["final_exit"] == 0
     resumed = chaos.audit(out, 10, 4, 2, 1, in_flight=2)
-    uninterrupted = chaos.audit(tmp_path / "straight", 10, 4, 2, 0, in_flight=0)
-    assert resumed["passed"] and uninterrupted["passed"], (resumed["checks"], uninterrupted["checks"])
-    assert resumed["trained_draws"] == uninterrupted["trained_draws"]
+    assert resumed["passed"], resumed["checks"]
+    # An uninterrupted sync run that publishes every draw (skip_zero_variance false) trains its one
+    # worker's draws 0..19 in order (measured with chaos.soak and no kills; `bench/chaos.py
+    # --uninterrupted` compares a killed run with a real uninterrupted one). Without the redraw the
+    # resumed run trains later draws in place of the lost ones.
+    assert resumed["trained_draws"] == [f"worker0:{i}" for i in range(20)], resumed["trained_draws"]
