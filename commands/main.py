@@ -14,7 +14,8 @@ never imports torch or vllm. Each target is a function `(argv) -> exit code`.
   parity export RUN_DIR --out DIR          a trainer checkpoint as a Hugging Face model directory
   parity --version                         the installed version
 
-`parity` alone prints this help. Each config-taking command (run, serve, actor, check) lists its
+`kill -USR1 PID` of any parity process prints its threads' stacks to its log and changes nothing
+else. `parity` alone prints this help. Each config-taking command (run, serve, actor, check) lists its
 common options with `--help` and every option with `--help-all`.
 """
 
@@ -177,8 +178,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` writes every Python thread's stack to the process's stderr (its log) and
+    the process goes on: how to see where a service or a run that seems stuck is waiting."""
+    import contextlib
+    import faulthandler
+    import signal
+
+    stderr = sys.__stderr__  # the process's own stderr (a caller may have replaced sys.stderr)
+    if hasattr(signal, "SIGUSR1") and stderr is not None:
+        # No file descriptor behind stderr (an embedding host): no stack dumps, nothing else lost.
+        with contextlib.suppress(OSError, ValueError):
+            faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    dump_stacks_on_sigusr1()
     if not argv:
         build_parser().print_help()
         return 0

@@ -169,3 +169,25 @@ def test_models_path_accepts_a_directory_as_model_does(tmp_path: Path, tiny_mode
     empty.mkdir()
     bad = _parity("models", "path", str(empty))
     assert bad.returncode == 2 and "model.name:" in bad.stderr and "without a config.json" in bad.stderr
+
+
+@pytest.mark.slow  # one broadcast service process
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_service_goes_on(start_services) -> None:
+    import signal
+    import time
+
+    import grpc
+
+    from parity.v1 import broadcast_pb2, broadcast_pb2_grpc
+
+    service = start_services("broadcast", timeout_s=120)
+    os.kill(service.proc.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while "Current thread" not in (log := service.log_path.read_text()):
+        assert service.proc.poll() is None and time.monotonic() < deadline, log[-2000:]
+        time.sleep(0.1)
+    assert 'File "' in log.split("Current thread", 1)[1]  # a Python stack, not just a header
+    with grpc.insecure_channel(service.address) as channel:
+        stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(channel)
+        status = stub.GetStatus(broadcast_pb2.WeightBroadcastServiceGetStatusRequest(), timeout=10)
+    assert status.latest_version == 0 and service.proc.poll() is None
