@@ -49,7 +49,9 @@ def plan_resume(
 ) -> ResumePlan:
     """`stream_latest`: the highest version a rollout in the stream carries. A trainer killed
     mid-publish may have delivered a version to the workers before it recorded it anywhere;
-    its rollouts must not pass for the next version's, so that number counts as published."""
+    its rollouts must not pass for the next version's, so that number counts as published. The
+    trainer passes it only on a resume (a checkpoint or a published version on record): a new run
+    directory trains the rollouts it is given."""
     published = max(checkpoint_published, file_published, broadcast_latest, stream_latest)
     lost = (weight_version + 1, published) if published > weight_version else None
     reseed = has_broadcast and broadcast_latest < weight_version
