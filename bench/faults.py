@@ -1,8 +1,9 @@
 """Every fault class of rollout/faults.py, injected into an in-process run, and when the gate caught it.
 
-Each run: the real `trainer.loop.Trainer` on the tiny model, a private redis-server, and a
-`rollout.faults.ReferenceEngine` that loads the trainer's weights after every update and samples
-one group per step at the trainer's version (temperature 0.8, top-k 40, top-p 0.95). The fault is
+Each run: the real `trainer.loop.Trainer` on the tiny model, a private redis-server, and two
+`rollout.faults.ReferenceEngine` workers (worker-0, worker-1) that load the trainer's weights after
+every update and each sample one group per step at the trainer's version (temperature 0.8, top-k 40,
+top-p 0.95). The fault is
 active from weight version `--inject_version` (version v is trained at step v + 1). The running
 gate runs with gate_steps 1, on_mismatch stop and `--threshold`, so "caught at" is the step at
 which the gate stopped the run; a clean control runs the same steps and must not be caught.
@@ -26,6 +27,8 @@ from rollout.faults import FAULTS, FaultSpec, ReferenceEngine
 
 TRANSFORM = SamplingTransform(0.8, 40, 0.95)
 STREAM = "bench:faults"
+WORKERS = 2  # one group per worker per step
+PROMPT_LEN, LENGTH, REWARDS = 8, 8, (1.0, 0.0, 0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ def run_fault(
     config = ParityConfig.model_validate(
         {
             "model": {"name": str(model_dir)},
-            "run": {"redis_url": redis_url, "stream": STREAM, "steps": steps, "groups_per_step": 1,
+            "run": {"redis_url": redis_url, "stream": STREAM, "steps": steps, "groups_per_step": WORKERS,
                     "max_lag": 1},
             "trainer": {"run_dir": str(run_dir), "micro_batch_size": 4, "lr": 1e-3, "read_block_ms": 50},
             "check": {"threshold": threshold, "gate_steps": 1, "on_mismatch": "stop"},
@@ -67,7 +70,7 @@ def run_fault(
     trainer.setup()
     queue = RolloutQueue(redis_url, stream=STREAM)
     spec = FaultSpec(FAULTS[name], inject_version) if name else None
-    engine = ReferenceEngine(trainer.model, spec)
+    engines = [ReferenceEngine(trainer.model, spec, f"worker-{i}") for i in range(WORKERS)]
     generator = torch.Generator().manual_seed(0)
     vocab = trainer.model.get_output_embeddings().weight.shape[0]
     injected = caught = None
@@ -76,13 +79,15 @@ def run_fault(
     try:
         for step in range(1, steps + 1):
             version = trainer.state.weight_version
-            engine.update(version, trainer.model.state_dict())
-            prompt = [int(t) for t in torch.randint(3, vocab, (6,), generator=generator)]
-            group = engine.group(f"s{step}", prompt, (1.0, 0.0, 0.0, 1.0), TRANSFORM, 8, generator)
+            for engine in engines:
+                engine.update(version, trainer.model.state_dict())
+                prompt = [int(t) for t in torch.randint(3, vocab, (PROMPT_LEN,), generator=generator)]
+                queue.publish(
+                    engine.group(f"s{step}-{engine.worker_id}", prompt, REWARDS, TRANSFORM, LENGTH, generator)
+                )
             if spec is not None and spec.active(version) and injected is None:
                 injected = step
-            queue.publish(group)
-            batch = trainer.consumer.collect(1, version, 1, lambda: False)
+            batch = trainer.consumer.collect(WORKERS, version, 1, lambda: False)
             if batch is None:
                 raise RuntimeError(f"step {step}: no batch collected")
             try:

@@ -72,6 +72,28 @@ FAULTS: dict[str, Fault] = {
               "the engine's RoPE theta is 2x the trainer's: attention drifts with distance from each token"),
         Fault("bf16_lm_head", "model numerics",
               "the engine's lm_head runs in bf16 (hidden state and head weight rounded): ~1e-2 logit noise"),
+        Fault("bf16_weights", "model numerics",
+              "the engine holds every weight rounded to bf16 (computing in fp32): small noise on every token"),
+        Fault("presence_penalty_unreplayed", "sampling transform",
+              "the engine subtracts presence_penalty 0.5 from tokens already in the completion; the "
+              "trainer replays none: tokens that repeat the completion read low"),
+        Fault("generation_config_leak", "sampling transform",
+              "the model's generation_config defaults (temperature 0.7, top_k 20, top_p 0.8) replace the "
+              "request's settings: several settings differ at once"),
+        Fault("untied_head", "weight update",
+              "tied embeddings untied on the engine: its lm_head keeps the weights of its first load while "
+              "the input embeddings are updated"),
+        Fault("stale_prefix_kv", "cache",
+              "the prompt's KV comes from a prefix cache filled at version v-1 (no reset, no salt) while "
+              "the completion runs at v: every completion token attends to stale keys and values"),
+        Fault("truncated_context", "model config",
+              "the engine's max context is shorter: it conditions on the last half of the prompt only"),
+        Fault("async_first_token", "scheduling",
+              "the first token after an update is sampled and scored at v-1 but tagged v (a step in "
+              "flight across the weight switch): mismatch at the first position only"),
+        Fault("one_worker_not_updated", "weight update",
+              "of two rollout workers, worker-1 keeps serving v-1 while labelling tokens v; worker-0 is "
+              "correct: the mismatch lives on one worker's groups only"),
     )
 }  # fmt: skip
 
@@ -112,13 +134,21 @@ def fault_from_env(enabled: bool, environ: Mapping[str, str] | None = None) -> F
 
 
 class ReferenceEngine:
-    """An engine with the trainer's numerics on a private copy of a Hugging Face causal LM."""
+    """An engine with the trainer's numerics on a private copy of a Hugging Face causal LM.
 
-    def __init__(self, model, fault: FaultSpec | None = None) -> None:
+    `worker_id` names the worker it plays (one_worker_not_updated acts on "worker-1" only)."""
+
+    GENERATION_CONFIG = SamplingTransform(0.7, 20, 0.8)  # Qwen2.5-Instruct-style defaults
+
+    def __init__(self, model, fault: FaultSpec | None = None, worker_id: str = "worker-0") -> None:
         self.model = copy.deepcopy(model).eval()
         self.fault = fault
+        self.worker_id = worker_id
         self.version = 0
-        self._previous: dict[str, torch.Tensor] | None = None
+        self._previous: dict[str, torch.Tensor] | None = None  # what the last update asked for
+        self._before: dict[str, torch.Tensor] | None = None  # what the engine held before it
+        self._first_head = self.model.get_output_embeddings().weight.detach().clone()
+        self._stale_model = None
 
     def _on(self, name: str, version: int | None = None) -> bool:
         v = self.version if version is None else version
@@ -130,7 +160,10 @@ class ReferenceEngine:
 
         current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         new = {k: v.detach().clone() for k, v in state_dict.items()}
-        if self._on("stale_weights", version) and self._previous is not None:
+        stale = self._on("stale_weights", version) or (
+            self._on("one_worker_not_updated", version) and self.worker_id == "worker-1"
+        )
+        if stale and self._previous is not None:
             new = self._previous  # the engine serves what it had one update ago
         if self._on("tensor_not_updated", version):
             name = next(k for k in new if "down_proj" in k)
@@ -141,13 +174,28 @@ class ReferenceEngine:
             if new[q].shape != new[o].shape:
                 raise ValueError(f"swapped_tensors: {q} and {o} differ in shape")
             new[q], new[o] = new[o], new[q]
+        if self._on("bf16_weights", version):
+            new = {k: v.bfloat16().to(v.dtype) if v.is_floating_point() else v for k, v in new.items()}
         with torch.no_grad():
-            self.model.load_state_dict(new)
+            self.model.load_state_dict(new, strict=False)
+            if self._on("untied_head", version):
+                self.model.get_output_embeddings().weight = torch.nn.Parameter(self._first_head.clone())
         self._previous = {k: v.detach().clone() for k, v in state_dict.items()}
+        self._before = current
+        self._stale_model = None
         self.version = version
 
-    def _logits(self, rows: list[list[int]]) -> torch.Tensor:
-        """[rows, len, V] float32 next-token logits at every position of equal-length rows."""
+    def _stale(self):
+        """A copy of the model with the weights the engine held before its last update (v-1)."""
+        if self._stale_model is None:
+            self._stale_model = copy.deepcopy(self.model).eval()
+            if self._before is not None:
+                self._stale_model.load_state_dict(self._before, strict=False)
+        return self._stale_model
+
+    def _logits(self, rows: list[list[int]], prompt_len: int) -> torch.Tensor:
+        """[rows, len, V] float32 next-token logits at every position of equal-length rows (those
+        before prompt_len - 1 may be left zero: nothing reads them)."""
         import torch
 
         if self._on("prompt_token_drift"):
@@ -159,12 +207,21 @@ class ReferenceEngine:
             n = rope.inv_freq.numel()
             rope.inv_freq.copy_(1.0 / base ** (torch.arange(0, 2 * n, 2, dtype=torch.float32) / (2 * n)))
             self._rope_changed = True
+        ids = torch.tensor(rows)
         with torch.no_grad():
             if self._on("bf16_lm_head"):
-                hidden = self.model.model(input_ids=torch.tensor(rows)).last_hidden_state
+                hidden = self.model.model(input_ids=ids).last_hidden_state
                 head = self.model.get_output_embeddings().weight
                 return (hidden.bfloat16() @ head.bfloat16().T).float()
-            return self.model(input_ids=torch.tensor(rows)).logits.float()
+            if self._on("stale_prefix_kv") and self._before is not None and prompt_len > 1:
+                cache = self._stale()(input_ids=ids[:, : prompt_len - 1], use_cache=True).past_key_values
+                tail = self.model(input_ids=ids[:, prompt_len - 1 :], past_key_values=cache).logits.float()
+                head = torch.zeros(len(rows), prompt_len - 1, tail.shape[-1])
+                return torch.cat([head, tail], dim=1)
+            logits = self.model(input_ids=ids).logits.float()
+            if self._on("async_first_token") and self._before is not None:
+                logits[:, prompt_len - 1] = self._stale()(input_ids=ids).logits.float()[:, prompt_len - 1]
+            return logits
 
     def _engine_transform(self, requested: SamplingTransform) -> SamplingTransform:
         if self._on("temperature_replay"):
@@ -173,7 +230,17 @@ class ReferenceEngine:
             return replace(requested, top_k=requested.top_k * 4)
         if self._on("top_p_replay"):
             return replace(requested, top_p=1.0)
+        if self._on("generation_config_leak"):
+            return self.GENERATION_CONFIG
         return requested
+
+    def _penalise(self, logits_1V: torch.Tensor, row: Sequence[int], prompt_len: int) -> torch.Tensor:
+        """The engine's penalties on the logits that follow `row` (none unless a penalty fault is on)."""
+        if self._on("repetition_penalty_unreplayed"):
+            return _repetition_penalty(logits_1V, row)
+        if self._on("presence_penalty_unreplayed") and len(row) > prompt_len:
+            return _presence_penalty(logits_1V, row[prompt_len:])
+        return logits_1V
 
     def sample(
         self, prompt: Sequence[int], length: int, n: int, requested: SamplingTransform, generator
@@ -182,24 +249,24 @@ class ReferenceEngine:
         import torch
 
         transform = self._engine_transform(requested)
+        if self._on("truncated_context"):
+            prompt = list(prompt)[len(prompt) // 2 :]
+        p = len(prompt)
         rows = [list(prompt) for _ in range(n)]
-        penalised = self._on("repetition_penalty_unreplayed")
         for _ in range(length):
-            logits_nV = self._logits(rows)[:, -1]
-            if penalised:
-                logits_nV = torch.cat([_repetition_penalty(logits_nV[i : i + 1], rows[i]) for i in range(n)])
+            logits_nV = self._logits(rows, p)[:, -1]
+            logits_nV = torch.cat([self._penalise(logits_nV[i : i + 1], rows[i], p) for i in range(n)])
             probs_nV = processed_logprobs(logits_nV, transform).exp()
             for row, token in zip(rows, torch.multinomial(probs_nV, 1, generator=generator)[:, 0].tolist(),
                                   strict=True):  # fmt: skip
                 row.append(int(token))
-        all_logits = self._logits(rows)[:, len(prompt) - 1 : -1]
+        all_logits = self._logits(rows, p)[:, p - 1 : -1]
         out = []
         for i, row in enumerate(rows):
-            tokens, logits = row[len(prompt) :], all_logits[i]
-            if penalised:
-                logits = torch.cat(
-                    [_repetition_penalty(logits[j : j + 1], row[: len(prompt) + j]) for j in range(length)]
-                )
+            tokens = row[p:]
+            logits = torch.cat(
+                [self._penalise(all_logits[i, j : j + 1], row[: p + j], p) for j in range(length)]
+            )
             targets = torch.tensor(tokens).unsqueeze(-1)
             if self._on("raw_logprobs"):
                 logprobs = logits.log_softmax(-1).gather(-1, targets).squeeze(-1).tolist()
@@ -238,6 +305,7 @@ class ReferenceEngine:
                 n=len(rewards),
             ),
             logprobs_mode=common_pb2.LOGPROBS_MODE_PROCESSED,
+            worker_id=self.worker_id,
         )
         all_versions: list[int] = []
         completions = self.sample(prompt, length, len(rewards), requested, generator)
@@ -264,4 +332,15 @@ def _repetition_penalty(logits_1V: torch.Tensor, seen: Sequence[int], penalty: f
     index = torch.tensor(sorted(set(seen)))
     values = out[0, index]
     out[0, index] = torch.where(values > 0, values / penalty, values * penalty)
+    return out
+
+
+def _presence_penalty(
+    logits_1V: torch.Tensor, completion: Sequence[int], penalty: float = 0.5
+) -> torch.Tensor:
+    """vLLM's rule: every token already in the completion loses `penalty` from its logit."""
+    import torch
+
+    out = logits_1V.clone()
+    out[0, torch.tensor(sorted(set(completion)))] -= penalty
     return out
