@@ -38,6 +38,8 @@ class FaultResult:
     caught_step: int | None
     signal: str
     steps_run: int
+    likely: tuple[str, ...] = ()  # the localiser's top classes when the gate fired
+    where: str = ""
 
 
 def run_fault(
@@ -48,6 +50,7 @@ def run_fault(
     steps: int = 4,
     inject_version: int = 2,
     threshold: float = 1e-6,
+    seed: int = 0,
 ) -> FaultResult:
     """One in-process run with fault `name` (None: clean control)."""
     import torch
@@ -56,6 +59,7 @@ def run_fault(
     from parity.rollout_queue import RolloutQueue
     from trainer.loop import Trainer
     from trainer.mismatch_gate import GATED_METRIC, MismatchGateError
+    from trainer.mismatch_locate import locate
 
     config = ParityConfig.model_validate(
         {
@@ -71,9 +75,11 @@ def run_fault(
     queue = RolloutQueue(redis_url, stream=STREAM)
     spec = FaultSpec(FAULTS[name], inject_version) if name else None
     engines = [ReferenceEngine(trainer.model, spec, f"worker-{i}") for i in range(WORKERS)]
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     vocab = trainer.model.get_output_embeddings().weight.shape[0]
     injected = caught = None
+    likely: tuple[str, ...] = ()
+    where = ""
     clean_max: float | None = None  # the gated metric's largest value on the steps that passed
     signal = ""
     try:
@@ -96,6 +102,9 @@ def run_fault(
                 caught = step
                 metrics = trainer.last_metrics
                 signal = f"{GATED_METRIC}={metrics[GATED_METRIC]:.2e}"
+                report = locate(trainer.old_model.lm, trainer.history, batch.groups)
+                if report is not None:
+                    likely, where = tuple(report.top()), report.summary()
                 break
             clean = [v for v in (metrics.get(GATED_METRIC), clean_max) if v is not None]
             clean_max = max(clean) if clean else None
@@ -104,21 +113,22 @@ def run_fault(
             signal = "not caught; max " + (f"{clean_max:.2e}" if clean_max is not None else "none measured")
     finally:
         trainer.close()
-    return FaultResult(name or "clean (control)", injected, caught, signal, step)
+    return FaultResult(name or "clean (control)", injected, caught, signal, step, likely, where)
 
 
 def markdown(results: list[FaultResult], threshold: float) -> str:
     lines = [
         f"Gate: `{threshold:g}` on k3 over informative own-version tokens, gate_steps 1.",
         "",
-        "| class | site | injected at step | caught at step | signal |",
-        "|---|---|---|---|---|",
+        "| class | site | injected at step | caught at step | signal | most likely (localiser) |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
         site = FAULTS[r.fault].site if r.fault in FAULTS else "-"
         injected = "-" if r.injected_step is None else str(r.injected_step)
         caught = "not caught" if r.caught_step is None else str(r.caught_step)
-        lines.append(f"| {r.fault} | {site} | {injected} | {caught} | {r.signal} |")
+        likely = ", ".join(f"**{c}**" if c == r.fault else c for c in r.likely) or "-"
+        lines.append(f"| {r.fault} | {site} | {injected} | {caught} | {r.signal} | {likely} |")
     return "\n".join(lines) + "\n"
 
 
@@ -127,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--inject_version", type=int, default=2)
     parser.add_argument("--threshold", type=float, default=1e-6)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and the sampling")
     parser.add_argument("--faults", default="", help="comma-separated subset (default: all)")
     parser.add_argument("--out", default="", help="also write the table here (markdown)")
     args = parser.parse_args(argv)
@@ -144,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 results.append(
                     run_fault(
-                        name, model_dir, redis_url, run_dir, args.steps, args.inject_version, args.threshold
+                        name, model_dir, redis_url, run_dir, args.steps, args.inject_version, args.threshold, args.seed
                     )
                 )
             finally:

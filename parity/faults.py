@@ -1,0 +1,122 @@
+"""The catalogue of train-inference parity faults (issue 36): every known way a rollout backend
+breaks parity, by name, with where it lives and what it does to the data the trainer receives.
+
+`rollout.faults.ReferenceEngine` injects each one (tests and the fault check only);
+`trainer.mismatch_locate` names the most likely ones when the running gate fires.
+
+A fault is selected by PARITY_FAULT="<name>@<version>" (active for every rollout sampled at weight
+version >= <version>); it is honoured only where fault injection is enabled
+(`rollout.enable_fault_injection`), otherwise `fault_from_env` refuses it naming that setting.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ENV_VAR = "PARITY_FAULT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    site: str  # where it lives in a real engine
+    looks_like: str  # what it does to the data the trainer receives
+
+
+FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in (
+        Fault("raw_logprobs", "logprob reporting",
+              "logprobs of the raw logits (no temperature/top-k/top-p): every token off by the "
+              "transform's log-normaliser, so k3 is large on every informative token"),
+        Fault("logprobs_shifted", "logprob reporting",
+              "token i carries token i+1's logprob (the last repeats): large |delta| at every position"),
+        Fault("last_logprob_dropped", "logprob reporting",
+              "the last token's logprob is missing and zero-filled: |delta| = -logprob at the last position only"),
+        Fault("last_logprob_perturbed", "logprob reporting",
+              "the last token's logprob is 0.05 nats low: a small error at one position per sample"),
+        Fault("temperature_replay", "sampling transform",
+              "the engine samples at 1.5x the requested temperature; the trainer replays the requested one"),
+        Fault("top_k_replay", "sampling transform",
+              "the engine applies top_k 4x larger than requested (more candidates, lower logprobs)"),
+        Fault("top_p_replay", "sampling transform",
+              "the engine ignores top_p (samples from the full distribution after top-k)"),
+        Fault("stale_weights", "weight update",
+              "the engine keeps serving version v-1 while labelling tokens v: one step of policy drift"),
+        Fault("tensor_not_updated", "weight update",
+              "one weight tensor (the first MLP down-projection) keeps its previous value after an update"),
+        Fault("swapped_tensors", "weight update",
+              "two same-shaped tensors (layer 0's q_proj and o_proj) are loaded into each other's place"),
+        Fault("wrong_version_tag", "version accounting",
+              "the second half of each sample is tagged v-1 though sampled at v: rescored at the wrong weights"),
+        Fault("repetition_penalty_unreplayed", "sampling transform",
+              "the engine applies repetition_penalty 1.3 to tokens already in the sequence; the trainer "
+              "replays no penalty: repeated tokens' logprobs differ"),
+        Fault("prompt_token_drift", "tokenization",
+              "the engine conditions on a prompt whose first token differs from the recorded one (chat "
+              "template or tokenizer drift): every completion logprob is scored on another context"),
+        Fault("rope_theta", "model config",
+              "the engine's RoPE theta is 2x the trainer's: attention drifts with distance from each token"),
+        Fault("bf16_lm_head", "model numerics",
+              "the engine's lm_head runs in bf16 (hidden state and head weight rounded): ~1e-2 logit noise"),
+        Fault("bf16_weights", "model numerics",
+              "the engine holds every weight rounded to bf16 (computing in fp32): small noise on every token"),
+        Fault("presence_penalty_unreplayed", "sampling transform",
+              "the engine subtracts presence_penalty 0.5 from tokens already in the completion; the "
+              "trainer replays none: tokens that repeat the completion read low"),
+        Fault("generation_config_leak", "sampling transform",
+              "the model's generation_config defaults (temperature 0.7, top_k 20, top_p 0.8) replace the "
+              "request's settings: several settings differ at once"),
+        Fault("untied_head", "weight update",
+              "tied embeddings untied on the engine: its lm_head keeps the weights of its first load while "
+              "the input embeddings are updated"),
+        Fault("stale_prefix_kv", "cache",
+              "the prompt's KV comes from a prefix cache filled at version v-1 (no reset, no salt) while "
+              "the completion runs at v: every completion token attends to stale keys and values"),
+        Fault("truncated_context", "model config",
+              "the engine's max context is shorter: it conditions on the last half of the prompt only"),
+        Fault("async_first_token", "scheduling",
+              "the first token after an update is sampled and scored at v-1 but tagged v (a step in "
+              "flight across the weight switch): mismatch at the first position only"),
+        Fault("one_worker_not_updated", "weight update",
+              "of two rollout workers, worker-1 keeps serving v-1 while labelling tokens v; worker-0 is "
+              "correct: the mismatch lives on one worker's groups only"),
+    )
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    fault: Fault
+    start_version: int
+
+    def active(self, version: int) -> bool:
+        return version >= self.start_version
+
+
+def parse_fault(value: str) -> FaultSpec:
+    """'<name>@<version>' -> FaultSpec; a clear error naming PARITY_FAULT on bad input."""
+    name, _, at = value.partition("@")
+    if name not in FAULTS:
+        raise ValueError(f"{ENV_VAR}: unknown fault {name!r}; known: {', '.join(sorted(FAULTS))}")
+    try:
+        start = int(at) if at else 0
+    except ValueError:
+        raise ValueError(f"{ENV_VAR}: version after '@' must be an integer, got {at!r}") from None
+    if start < 0:
+        raise ValueError(f"{ENV_VAR}: version must be >= 0, got {start}")
+    return FaultSpec(FAULTS[name], start)
+
+
+def fault_from_env(enabled: bool, environ: Mapping[str, str] | None = None) -> FaultSpec | None:
+    """The fault PARITY_FAULT names, or None. Refused unless fault injection is enabled."""
+    value = (os.environ if environ is None else environ).get(ENV_VAR, "")
+    if not value:
+        return None
+    if not enabled:
+        raise ValueError(
+            f"{ENV_VAR}={value!r} needs fault injection enabled (rollout.enable_fault_injection true)"
+        )
+    return parse_fault(value)

@@ -1,0 +1,577 @@
+"""Where a train-inference mismatch lives, and which known faults most likely made it.
+
+Run when the running gate fires (trainer/mismatch_gate.py) and by `parity check --faults`. Input:
+the step's rollout groups and the trainer's frozen copy with its weight history (the weights of
+every version the tokens were sampled at). Output, a `MismatchReport`:
+
+- **Where**: the backend mismatch (k3 of the engine's logprobs against the trainer's at each token's
+  own version) by token position (first, middle, last model token of a sample), by worker, by
+  weight version, by whether a token's tag is older than its sample's newest, and by sampling
+  setting.
+- **Which**: each fault class of the catalogue (parity/faults.py) that a replay can test is a
+  hypothesis: "the engine reported what the trainer computes under this change". Its score is the
+  share of the mismatch it explains, 1 - d(hypothesis, engine) / d(trainer, engine), where d is the
+  mean per-token |logprob difference| capped at CAP_NATS (a token the hypothesis puts outside its
+  distribution costs the cap), and 0 when it makes the mismatch worse. The tested
+  changes are grids: temperature, top-k and top-p (one differing: that setting; several at once: a
+  generation_config leak), repetition and presence penalties, raw logits, a bf16 head or bf16
+  weights, RoPE theta, a left-truncated prompt, every tensor kept at v-1 (one at a time), every
+  same-shaped pair of tensors in a layer swapped, the whole model at v-1 (on every worker, or one),
+  the prompt's KV at v-1, the first token at v-1, the newest tag for every token, logprobs shifted
+  by one, the last token's logprob alone. A fault with no replay (the engine conditioned on other
+  prompt tokens) scores by what nothing else explains.
+
+Costs: a few hundred forwards over at most `max_samples` samples; it runs only when the gate fires.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from parity import mismatch
+from parity.faults import FAULTS
+from parity.sampling import SamplingTransform, processed_logprobs
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.weight_history import WeightHistory
+
+UNREPLAYABLE = ("prompt_token_drift",)  # no replay can rebuild the context the engine saw
+TOP = 3
+PARSIMONY = 0.02  # what a change of several sampling settings gives up against one
+CAP_NATS = 10.0  # one token's largest share of the distance a hypothesis is scored by
+
+
+@dataclass(frozen=True)
+class Slice:
+    tokens: int
+    k3: float
+    max_abs: float
+
+
+@dataclass(frozen=True)
+class Candidate:
+    fault: str
+    score: float  # share of the mismatch the hypothesis explains, 0..1
+    evidence: str
+
+
+@dataclass
+class MismatchReport:
+    tokens: int
+    k3: float
+    by_position: dict[str, Slice] = field(default_factory=dict)
+    by_worker: dict[str, Slice] = field(default_factory=dict)
+    by_version: dict[str, Slice] = field(default_factory=dict)
+    by_tag: dict[str, Slice] = field(default_factory=dict)
+    by_sampling: dict[str, Slice] = field(default_factory=dict)
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def top(self, n: int = TOP) -> list[str]:
+        return [c.fault for c in self.candidates[:n]]
+
+    def summary(self) -> str:
+        """One paragraph: where the mismatch is largest, and the likeliest classes."""
+        parts = []
+        for name, table in (("position", self.by_position), ("worker", self.by_worker)):
+            measured = {k: s for k, s in table.items() if s.tokens and math.isfinite(s.k3)}
+            if len(measured) > 1:
+                worst = max(measured, key=lambda k: measured[k].k3)
+                parts.append(f"largest at {name} {worst} (k3 {measured[worst].k3:.2e})")
+        likely = "; ".join(f"{c.fault} ({c.score:.0%}: {c.evidence})" for c in self.candidates[:TOP])
+        where = ", ".join(parts) or "spread evenly"
+        return f"mismatch over {self.tokens} tokens, k3 {self.k3:.2e}, {where}. Most likely: {likely}."
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write(self, path: Path) -> list[Path]:
+        """`path`.json and, where matplotlib is present, `path`.png; returns what was written."""
+        json_path = path.with_suffix(".json")
+        json_path.write_text(json.dumps(self.to_json(), indent=1, default=float) + "\n")
+        written = [json_path]
+        try:
+            written.append(plot(self, path.with_suffix(".png")))
+        except ImportError:
+            pass
+        return written
+
+
+@dataclass
+class _Sample:
+    prompt: list[int]
+    completion: list[int]  # every completion token (an episode's environment tokens included)
+    model_at: list[int]  # indices into completion of the model's tokens
+    rollout: list[float]  # per model token
+    versions: list[int]  # per model token
+    transform: SamplingTransform
+    worker: str
+
+
+def samples_of(groups: Sequence[Any], max_samples: int) -> list[_Sample]:
+    """Up to `max_samples` samples with a logprob per model token, round-robin over the groups."""
+    per_group = []
+    for group in groups:
+        transform = SamplingTransform.from_proto(group.sampling)
+        chosen = []
+        for s in group.samples:
+            mask = list(s.loss_mask) or [True] * len(s.token_ids)
+            model_at = [i for i, m in enumerate(mask) if m]
+            if not model_at or len(s.logprobs) != len(model_at) or len(s.token_weight_versions) != len(model_at):
+                continue
+            chosen.append(
+                _Sample(list(group.prompt_token_ids), list(s.token_ids), model_at, list(s.logprobs),
+                        [int(v) for v in s.token_weight_versions], transform, group.worker_id or "-")
+            )  # fmt: skip
+        per_group.append(chosen)
+    out: list[_Sample] = []
+    for row in itertools.zip_longest(*per_group):
+        out += [s for s in row if s is not None]
+    return out[:max_samples]
+
+
+class _Scorer:
+    """Forwards of the frozen copy under the history's weights, with one change at a time."""
+
+    def __init__(self, lm, history: WeightHistory) -> None:
+        import torch
+
+        self.lm, self.history = lm, history
+        self.params = dict(lm.named_parameters())
+        self.device = next(lm.parameters()).device
+        self.loaded: tuple | None = None
+        self.torch = torch
+
+    def load(self, version: int, change: Callable[[dict], dict] | None = None, key: Any = None) -> bool:
+        if self.loaded == (version, key):
+            return True
+        weights = self.history.get(version)
+        if weights is None:
+            return False
+        if change is not None:
+            weights = change(dict(weights))
+        with self.torch.no_grad():
+            for name, tensor in weights.items():
+                if name in self.params:
+                    self.params[name].copy_(tensor)
+        self.loaded = (version, key)
+        return True
+
+    def logits(self, sample: _Sample, prompt: list[int] | None = None) -> torch.Tensor:
+        """[completion, V] float32 logits predicting each completion token."""
+        prompt = sample.prompt if prompt is None else prompt
+        ids = self.torch.tensor([prompt + sample.completion], device=self.device)
+        with self.torch.no_grad():
+            out = self.lm(input_ids=ids).logits[0].float()
+        return out[len(prompt) - 1 : -1]
+
+    def hidden_and_head(self, sample: _Sample) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.torch.tensor([sample.prompt + sample.completion], device=self.device)
+        with self.torch.no_grad():
+            hidden = self.lm.model(input_ids=ids).last_hidden_state[0]
+        p = len(sample.prompt)
+        return hidden[p - 1 : -1].float(), self.lm.get_output_embeddings().weight.float()
+
+    def stale_prefix_logits(self, sample: _Sample, version: int) -> torch.Tensor | None:
+        """The prompt (all but its last token) encoded at `version` - 1, the rest at `version`."""
+        p = len(sample.prompt)
+        if p < 2 or not self.load(version - 1):
+            return None
+        ids = self.torch.tensor([sample.prompt + sample.completion], device=self.device)
+        with self.torch.no_grad():
+            cache = self.lm(input_ids=ids[:, : p - 1], use_cache=True).past_key_values
+            if not self.load(version):
+                return None
+            return self.lm(input_ids=ids[:, p - 1 : -1], past_key_values=cache).logits[0].float()
+
+
+def _chosen(logits_LV: torch.Tensor, sample: _Sample, transform: SamplingTransform | None = None) -> torch.Tensor:
+    """Processed logprobs of the sample's model tokens (`transform` None: raw log-softmax)."""
+    import torch
+
+    at = torch.tensor(sample.model_at, device=logits_LV.device)
+    rows_MV = logits_LV[at]
+    targets = torch.tensor([sample.completion[i] for i in sample.model_at], device=logits_LV.device)
+    lp_MV = rows_MV.log_softmax(-1) if transform is None else processed_logprobs(rows_MV, transform)
+    return lp_MV.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu()
+
+
+def _penalised_logprobs(
+    logits_LV: torch.Tensor, sample: _Sample, kind: str, value: float
+) -> torch.Tensor:
+    """Processed logprobs after a repetition (seen in prompt or completion) or presence (seen in the
+    completion) penalty applied before the transform, vLLM's rules."""
+    import torch
+
+    out = []
+    for j in sample.model_at:
+        row_1V = logits_LV[j : j + 1].clone()
+        seen = sample.completion[:j] if kind == "presence" else sample.prompt + sample.completion[:j]
+        if seen:
+            index = torch.tensor(sorted(set(seen)), device=row_1V.device)
+            vals = row_1V[0, index]
+            if kind == "presence":
+                row_1V[0, index] = vals - value
+            else:
+                row_1V[0, index] = torch.where(vals > 0, vals / value, vals * value)
+        lp = processed_logprobs(row_1V, sample.transform)[0, sample.completion[j]]
+        out.append(lp)
+    return torch.stack(out).cpu()
+
+
+def _transform_grid(t: SamplingTransform) -> list[SamplingTransform]:
+    temps = {t.temperature, t.temperature * 1.5, t.temperature / 1.5, t.temperature * 2, 0.7, 1.0}
+    top_ks = {t.top_k, 0, 20, 50, t.top_k * 2, t.top_k * 4}
+    top_ps = {t.top_p, 1.0, 0.8, 0.9, 0.95}
+    return [
+        SamplingTransform(a, b, c)
+        for a, b, c in itertools.product(sorted(temps), sorted(top_ks), sorted(top_ps))
+        if (a, b, c) != (t.temperature, t.top_k, t.top_p) and a > 0
+    ]
+
+
+def _differs(a: SamplingTransform, b: SamplingTransform) -> list[str]:
+    out = []
+    if not math.isclose(a.temperature, b.temperature):
+        out.append("temperature")
+    if a.top_k != b.top_k:
+        out.append("top_k")
+    if not math.isclose(a.top_p, b.top_p):
+        out.append("top_p")
+    return out
+
+
+def _distance(pred: Sequence[float], rollout: Sequence[float]) -> float:
+    """Mean |pred - engine| per token, each capped at CAP_NATS; a token the prediction puts outside
+    its distribution (-inf) while the engine sampled it costs the cap (that hypothesis cannot be
+    what the engine did). Unlike k3 it stays finite when the trainer's own replay excludes a token."""
+    total = 0.0
+    for a, b in zip(pred, rollout, strict=True):
+        d = abs(a - b) if math.isfinite(a) and math.isfinite(b) else (0.0 if a == b else math.inf)
+        total += min(d, CAP_NATS)
+    return total / max(1, len(pred))
+
+
+def _slice(pred: Sequence[float], rollout: Sequence[float]) -> Slice:
+    stats = mismatch.mismatch_stats(pred, rollout)
+    return Slice(stats.tokens, stats.k3, stats.max_abs)
+
+
+def locate(
+    lm,
+    history: WeightHistory,
+    groups: Sequence[Any],
+    max_samples: int = 16,
+    max_tensor_samples: int = 4,
+) -> MismatchReport | None:
+    """The report for these groups, or None when no sample's versions are held by `history`."""
+    import torch
+
+    scorer = _Scorer(lm, history)
+    samples = [s for s in samples_of(groups, max_samples) if all(history.get(v) is not None for v in set(s.versions))]
+    if not samples:
+        return None
+    # The trainer's logits at each sample's own versions (one forward per distinct version).
+    own: list[dict[int, torch.Tensor]] = []
+    for s in samples:
+        per = {}
+        for v in sorted(set(s.versions)):
+            scorer.load(v)
+            per[v] = scorer.logits(s)
+        own.append(per)
+
+    def assemble(per_token: Callable[[int, _Sample], Sequence[float]]) -> list[float]:
+        return [x for i, s in enumerate(samples) for x in per_token(i, s)]
+
+    def at_own(i: int, s: _Sample, transform=None, versions=None) -> list[float]:
+        versions = versions or s.versions
+        out = []
+        for v in sorted(set(versions)):
+            lp = _chosen(own[i][v] if v in own[i] else _load_logits(scorer, s, v), s, transform or s.transform)
+            out.append((v, lp))
+        return [float(dict(out)[v][j]) for j, v in enumerate(versions)]
+
+    rollout = assemble(lambda i, s: s.rollout)
+    base = assemble(lambda i, s: at_own(i, s))
+    report = MismatchReport(tokens=len(rollout), k3=mismatch.mismatch_stats(base, rollout).k3)
+    _where(report, samples, base)
+    base_distance = _distance(base, rollout)
+    if base_distance <= 0:
+        return report
+
+    def score(pred: list[float]) -> float:
+        return max(0.0, 1.0 - _distance(pred, rollout) / base_distance)
+
+    found: dict[str, tuple[float, str]] = {}
+
+    def offer(fault: str, value: float, evidence: str) -> None:
+        if fault in FAULTS and value > found.get(fault, (-1.0, ""))[0]:
+            found[fault] = (value, evidence)
+
+    # Logprob reporting.
+    offer("raw_logprobs", score(assemble(lambda i, s: _chosen(own[i][s.versions[0]], s, None).tolist()
+                                          if len(set(s.versions)) == 1 else at_own(i, s))),
+          "the engine's logprobs equal the raw log-softmax")  # fmt: skip
+    shifted = assemble(lambda i, s: _shift(at_own(i, s)))
+    offer("logprobs_shifted", score(shifted), "token i carries token i+1's logprob")
+    last = [j for j, (i, s) in enumerate(_token_owner(samples)) if _is_last(j, samples)]
+    zeros = sum(rollout[j] == 0.0 and base[j] < 0 for j in last)
+    without_last = [rollout[j] if j in set(last) else base[j] for j in range(len(base))]
+    last_share = score(without_last)
+    if last and zeros >= 0.9 * len(last):
+        offer("last_logprob_dropped", last_share, f"{zeros} of {len(last)} last-token logprobs are exactly 0")
+    else:
+        offer("last_logprob_perturbed", last_share, "the mismatch is on each sample's last token")
+    offer("last_logprob_dropped", 0.5 * last_share * zeros / max(1, len(last)), "last-token logprobs read 0")
+
+    # Sampling replay: one grid over temperature, top-k and top-p per sampling setting.
+    best: dict[str, tuple[float, SamplingTransform | None]] = {}
+    settings = sorted({s.transform for s in samples}, key=str)
+    if len(settings) == 1:
+        requested = settings[0]
+        for candidate in _transform_grid(requested):
+            value = score(assemble(lambda i, s, c=candidate: at_own(i, s, transform=c)))
+            changed = _differs(candidate, requested)
+            fault = {"temperature": "temperature_replay", "top_k": "top_k_replay", "top_p": "top_p_replay"}[
+                changed[0]] if len(changed) == 1 else "generation_config_leak"  # fmt: skip
+            if len(changed) > 1:  # parsimony: several settings at once must explain clearly more
+                value -= PARSIMONY
+            if value > best.get(fault, (-1.0, None))[0]:
+                best[fault] = (value, candidate)
+        for fault, (value, candidate) in best.items():
+            offer(fault, value, f"the engine sampled with {_describe(candidate)} (requested {_describe(requested)})")
+    for kind, fault, grid in (
+        ("repetition", "repetition_penalty_unreplayed", (1.05, 1.1, 1.2, 1.3, 1.5, 2.0)),
+        ("presence", "presence_penalty_unreplayed", (0.1, 0.25, 0.5, 1.0, 1.5, 2.0)),
+    ):
+        for value in grid:
+            pred = assemble(lambda i, s, k=kind, x=value: _penalised_logprobs(own[i][s.versions[0]], s, k, x).tolist()
+                            if len(set(s.versions)) == 1 else at_own(i, s))  # fmt: skip
+            offer(fault, score(pred), f"an unreplayed {kind} penalty of {value:g}")
+
+    # Weights and versions.
+    newest = assemble(lambda i, s: at_own(i, s, versions=[max(s.versions)] * len(s.versions)))
+    offer("wrong_version_tag", score(newest), "tokens tagged older than their sample match its newest weights")
+    older = assemble(lambda i, s: at_own(i, s, versions=[max(0, v - 1) for v in s.versions])
+                     if all(history.get(max(0, v - 1)) is not None for v in s.versions) else at_own(i, s))  # fmt: skip
+    offer("stale_weights", score(older), "every worker's tokens match the weights one version older")
+    workers = sorted({s.worker for s in samples})
+    if len(workers) > 1:
+        for w in workers:
+            mixed = [
+                older[j] if samples[owner].worker == w else base[j] for j, (owner, _) in enumerate(_token_owner(samples))
+            ]
+            offer("one_worker_not_updated", score(mixed), f"{w}'s tokens match the weights one version older")
+    first = [j for j in range(len(base)) if _is_first(j, samples)]
+    first_old = [older[j] if j in set(first) else base[j] for j in range(len(base))]
+    offer("async_first_token", score(first_old), "each sample's first token matches the weights one version older")
+
+    def changed_weights(change: Callable[[dict], dict], key: Any, n: int | None = None) -> list[float]:
+        out = []
+        for i, s in enumerate(samples[: n or len(samples)]):
+            per = {}
+            for v in sorted(set(s.versions)):
+                scorer.load(v, change, key)
+                per[v] = _chosen(scorer.logits(s), s, s.transform)
+            out += [float(per[v][j]) for j, v in enumerate(s.versions)]
+        scorer.loaded = None
+        return out
+
+    def score_on(pred: list[float], n: int) -> float:
+        """The share explained over the first n samples' tokens."""
+        count = sum(len(s.rollout) for s in samples[:n])
+        reference = _distance(base[:count], rollout[:count])
+        return max(0.0, 1.0 - _distance(pred, rollout[:count]) / reference) if reference > 0 else 0.0
+
+    offer("bf16_weights", score(changed_weights(_bf16, "bf16")), "the engine's weights are rounded to bf16")
+    n = min(max_tensor_samples, len(samples))
+    names = list(scorer.params)
+    for name in names:
+        previous = history.get(max(0, max(samples[0].versions) - 1))
+        if previous is None:
+            break
+        pred = changed_weights(lambda w, nm=name, pv=previous: {**w, nm: pv[nm]}, ("old", name), n)
+        offer("tensor_not_updated", score_on(pred, n), f"{name} kept its previous value")
+    for a, b in _same_shaped_pairs(scorer.params):
+        pred = changed_weights(lambda w, x=a, y=b: {**w, x: w[y], y: w[x]}, ("swap", a, b), n)
+        offer("swapped_tensors", score_on(pred, n), f"{a} and {b} swapped")
+    scorer.loaded = None
+
+    # The head, the positions, the context.
+    head_bf16, untied = [], []
+    for i, s in enumerate(samples):
+        v = s.versions[0]
+        scorer.load(v)
+        hidden, head = scorer.hidden_and_head(s)
+        head_bf16 += _chosen((hidden.bfloat16() @ head.bfloat16().T).float(), s, s.transform).tolist()
+        previous = history.get(max(0, v - 1))
+        embed_name = _input_embedding_name(scorer)
+        if previous is not None and embed_name in previous and _tied(scorer.lm):
+            old_head = previous[embed_name].to(hidden.device).float()
+            untied += _chosen(hidden @ old_head.T, s, s.transform).tolist()
+    offer("bf16_lm_head", score(head_bf16), "the engine's head runs in bf16")
+    if untied:
+        offer("untied_head", score(untied), "the engine's head kept older weights than its input embeddings")
+    scorer.loaded = None
+    rope = getattr(getattr(lm, "model", None), "rotary_emb", None)
+    if rope is not None and hasattr(rope, "inv_freq"):
+        original = rope.inv_freq.clone()
+        for factor in (0.5, 2.0, 4.0, 10.0):
+            with torch.no_grad():
+                rope.inv_freq.copy_(original * factor ** -_exponents(original))
+            pred = assemble(lambda i, s: _single_version(scorer, s, lambda: scorer.logits(s)))
+            offer("rope_theta", score(pred), f"the engine's RoPE theta is {factor:g}x the trainer's")
+        with torch.no_grad():
+            rope.inv_freq.copy_(original)
+    truncated = []
+    for keep_fraction in (0.25, 0.5, 0.75):
+        pred = assemble(
+            lambda i, s, f=keep_fraction: _single_version(
+                scorer, s, lambda: scorer.logits(s, s.prompt[len(s.prompt) - max(1, math.ceil(len(s.prompt) * f)) :])
+            )
+        )
+        truncated.append((score(pred), keep_fraction))
+    value, fraction = max(truncated)
+    offer("truncated_context", value, f"the engine saw only the last {fraction:.0%} of each prompt")
+    prefix = []
+    for s in samples:
+        logits = scorer.stale_prefix_logits(s, s.versions[0]) if len(set(s.versions)) == 1 else None
+        prefix += (_chosen(logits, s, s.transform).tolist() if logits is not None else
+                   [base[j] for j, (o, _) in enumerate(_token_owner(samples)) if samples[o] is s])  # fmt: skip
+    scorer.loaded = None
+    offer("stale_prefix_kv", score(prefix), "the prompt's KV matches the weights one version older")
+
+    explained = max((v for v, _ in found.values()), default=0.0)
+    for fault in UNREPLAYABLE:
+        offer(fault, 0.5 * (1.0 - explained), "no replay explains it: the engine may have seen other prompt tokens")
+    report.candidates = sorted(
+        (Candidate(f, round(v, 4), e) for f, (v, e) in found.items()), key=lambda c: -c.score
+    )
+    return report
+
+
+def _load_logits(scorer: _Scorer, s: _Sample, version: int):
+    scorer.load(version)
+    return scorer.logits(s)
+
+
+def _single_version(scorer: _Scorer, s: _Sample, logits: Callable[[], Any]) -> list[float]:
+    """The sample's logprobs from `logits()` at its (single) version; its own where it has several."""
+    v = s.versions[0]
+    scorer.load(v)
+    if len(set(s.versions)) > 1:
+        return [float("nan")] * len(s.versions)
+    return _chosen(logits(), s, s.transform).tolist()
+
+
+def _exponents(inv_freq):
+    """inv_freq = theta^-e: e per entry (so that theta * f gives inv_freq * f^-e)."""
+    import torch
+
+    n = inv_freq.numel()
+    return torch.arange(0, 2 * n, 2, dtype=torch.float32, device=inv_freq.device) / (2 * n)
+
+
+def _token_owner(samples: list[_Sample]) -> list[tuple[int, int]]:
+    return [(i, j) for i, s in enumerate(samples) for j in range(len(s.rollout))]
+
+
+def _is_last(index: int, samples: list[_Sample]) -> bool:
+    i, j = _token_owner(samples)[index]
+    return j == len(samples[i].rollout) - 1
+
+
+def _is_first(index: int, samples: list[_Sample]) -> bool:
+    return _token_owner(samples)[index][1] == 0
+
+
+def _shift(values: list[float]) -> list[float]:
+    return [*values[1:], values[-1]] if values else values
+
+
+def _bf16(weights: dict) -> dict:
+    return {k: v.bfloat16().to(v.dtype) if v.is_floating_point() else v for k, v in weights.items()}
+
+
+def _same_shaped_pairs(params: dict) -> list[tuple[str, str]]:
+    """Pairs of same-shaped matrices within one layer (names equal up to the last two parts)."""
+    by_layer: dict[tuple, list[str]] = {}
+    for name, p in params.items():
+        if p.dim() == 2 and ".layers." in name:
+            by_layer.setdefault((name.rsplit(".", 2)[0].rsplit(".", 1)[0], tuple(p.shape)), []).append(name)
+    return [pair for names in by_layer.values() for pair in itertools.combinations(names, 2)]
+
+
+def _input_embedding_name(scorer: _Scorer) -> str:
+    embed = scorer.lm.get_input_embeddings().weight
+    return next((n for n, p in scorer.params.items() if p is embed), "")
+
+
+def _tied(lm) -> bool:
+    return lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+
+
+def _describe(t: SamplingTransform | None) -> str:
+    if t is None:
+        return "-"
+    return f"temperature {t.temperature:g}, top_k {t.top_k}, top_p {t.top_p:g}"
+
+
+def _where(report: MismatchReport, samples: list[_Sample], base: list[float]) -> None:
+    """The mismatch by position, worker, version, tag age and sampling setting."""
+    owner = _token_owner(samples)
+    rollout = [x for s in samples for x in s.rollout]
+
+    def table(key: Callable[[int, int], str]) -> dict[str, Slice]:
+        groups: dict[str, list[int]] = {}
+        for index, (i, j) in enumerate(owner):
+            groups.setdefault(key(i, j), []).append(index)
+        return {k: _slice([base[x] for x in xs], [rollout[x] for x in xs]) for k, xs in sorted(groups.items())}
+
+    def position(i: int, j: int) -> str:
+        n = len(samples[i].rollout)
+        return "first" if j == 0 else "last" if j == n - 1 else "middle"
+
+    report.by_position = table(position)
+    report.by_worker = table(lambda i, j: samples[i].worker)
+    report.by_version = table(lambda i, j: f"v{samples[i].versions[j]}")
+    report.by_tag = table(lambda i, j: "newest" if samples[i].versions[j] == max(samples[i].versions) else "older")
+    report.by_sampling = table(lambda i, j: _describe(samples[i].transform))
+
+
+def plot(report: MismatchReport, path: Path) -> Path:
+    """Bars of k3 by position, worker and version, and the candidates' scores."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    for ax, (title, table) in zip(
+        axes[:3], (("by position", report.by_position), ("by worker", report.by_worker),
+                   ("by weight version", report.by_version)), strict=True
+    ):  # fmt: skip
+        names = list(table)
+        values = [max(table[n].k3, 1e-16) if math.isfinite(table[n].k3) else 1e-16 for n in names]
+        ax.bar(names, values, color="tab:red")
+        ax.set_yscale("log")
+        ax.set_title(f"k3 {title}")
+        ax.tick_params(axis="x", rotation=30)
+    top = report.candidates[:8][::-1]
+    axes[3].barh([c.fault for c in top], [c.score for c in top], color="tab:blue")
+    axes[3].set_xlim(0, 1)
+    axes[3].set_title("share explained, by fault class")
+    fig.suptitle(f"train-inference mismatch: k3 {report.k3:.2e} over {report.tokens} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
