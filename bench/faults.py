@@ -14,6 +14,7 @@ which the gate stopped the run; a clean control runs the same steps and must not
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def run_fault(
     from parity.rollout_queue import RolloutQueue
     from trainer.loop import Trainer
     from trainer.mismatch_gate import GATED_METRIC, MismatchGateError
-    from trainer.mismatch_locate import locate
+    from trainer.mismatch_locate import MISMATCH_REPORT
 
     config = ParityConfig.model_validate(
         {
@@ -98,13 +99,15 @@ def run_fault(
                 raise RuntimeError(f"step {step}: no batch collected")
             try:
                 metrics = trainer.train_step(batch)
-            except MismatchGateError:
+            except MismatchGateError as exc:
                 caught = step
+                where = str(exc).partition("Localisation: ")[2]
                 metrics = trainer.last_metrics
                 signal = f"{GATED_METRIC}={metrics[GATED_METRIC]:.2e}"
-                report = locate(trainer.old_model.lm, trainer.history, batch.groups)
-                if report is not None:
-                    likely, where = tuple(report.top()), report.summary()
+                written = run_dir / f"{MISMATCH_REPORT}.json"
+                if written.exists():  # the trainer's own localisation, written when the gate fired
+                    report = json.loads(written.read_text())
+                    likely = tuple(c["fault"] for c in report["candidates"][:3])
                 break
             clean = [v for v in (metrics.get(GATED_METRIC), clean_max) if v is not None]
             clean_max = max(clean) if clean else None
@@ -155,7 +158,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 results.append(
                     run_fault(
-                        name, model_dir, redis_url, run_dir, args.steps, args.inject_version, args.threshold, args.seed
+                        name,
+                        model_dir,
+                        redis_url,
+                        run_dir,
+                        args.steps,
+                        args.inject_version,
+                        args.threshold,
+                        args.seed,
                     )
                 )
             finally:

@@ -1,15 +1,20 @@
-"""Fault classes (rollout/faults.py) injected into an in-process run on the tiny model (real
-Trainer, real Redis): the running gate (k3 over informative own-version tokens, gate_steps 1) stops
-the run at the first step that trains on a faulty token, and a clean control is never stopped."""
+"""Fault classes (parity/faults.py, injected by rollout/faults.py) in an in-process run on the tiny
+model (real Trainer, real Redis, two reference-engine workers): the running gate (k3 over
+informative own-version tokens, gate_steps 1) stops the run at the first step that trains on a
+faulty token, its localisation (trainer/mismatch_locate.py) names the class among its three most
+likely and writes its report, and a clean control is never stopped."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from bench.faults import run_fault
 from rollout.faults import FAULTS, fault_from_env, parse_fault
+from trainer.mismatch_gate import GATED_METRIC, MismatchGate, MismatchGateError
+from trainer.mismatch_locate import MISMATCH_REPORT
 
 # Version 1 is trained at step 2: step 1 is clean, step 2 the first step with faulty tokens.
 STEPS, INJECT_VERSION, FIRST_FAULTY_STEP = 2, 1, 2
@@ -28,6 +33,7 @@ def test_clean_control_is_never_stopped(fresh_stream: str, tmp_path: Path, tiny_
         None, tiny_model, fresh_stream, tmp_path, steps=STEPS + 1, inject_version=INJECT_VERSION
     )
     assert result.caught_step is None and result.steps_run == STEPS + 1
+    assert not (tmp_path / f"{MISMATCH_REPORT}.json").exists()
 
 
 @pytest.mark.parametrize("name", sorted(FAULTS))
@@ -38,6 +44,41 @@ def test_fault_is_caught_at_the_first_faulty_step(
     assert result.injected_step == FIRST_FAULTY_STEP
     assert result.caught_step == FIRST_FAULTY_STEP, result
     assert "mismatch_k3_own_version_informative" in result.signal
+    # Localised: the class is among the report's three most likely, and the report is written.
+    assert name in result.likely, result
+    report = json.loads((tmp_path / f"{MISMATCH_REPORT}.json").read_text())
+    assert [c["fault"] for c in report["candidates"][:3]] == list(result.likely)
+    assert (tmp_path / f"{MISMATCH_REPORT}.png").stat().st_size > 10_000
+    assert f"Most likely: {result.likely[0]}" in result.where
+
+
+def test_report_says_where_one_stale_worker_is(fresh_stream: str, tmp_path: Path, tiny_model: Path) -> None:
+    result = run_fault(
+        "one_worker_not_updated",
+        tiny_model,
+        fresh_stream,
+        tmp_path,
+        steps=STEPS,
+        inject_version=INJECT_VERSION,
+    )
+    report = json.loads((tmp_path / f"{MISMATCH_REPORT}.json").read_text())
+    by_worker = report["by_worker"]
+    assert by_worker["worker-0"]["distance"] < 1e-6 < by_worker["worker-1"]["distance"]
+    assert result.likely[0] == "one_worker_not_updated"
+    assert "largest at worker worker-1" in result.where
+
+
+def test_gate_appends_its_localisation_and_a_failing_one_does_not_hide_the_verdict() -> None:
+    over = {GATED_METRIC: 5e-3}
+    with pytest.raises(MismatchGateError, match="Localisation: here"):
+        MismatchGate(1e-3, 1, "stop").observe(1, over, explain=lambda: "here")
+
+    def broken() -> str:
+        raise RuntimeError("no history")
+
+    with pytest.raises(MismatchGateError, match=r"localisation failed: RuntimeError\('no history'\)"):
+        MismatchGate(1e-3, 1, "stop").observe(1, over, explain=broken)
+    assert "Localisation" not in MismatchGate(1e-3, 2, "warn").observe(1, over, explain=lambda: "here")
 
 
 def test_fault_setting_is_refused_unless_fault_injection_is_enabled() -> None:

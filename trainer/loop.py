@@ -37,6 +37,7 @@ from trainer.checkpoint import CheckpointStore, TrainerState, atomic_write_text
 from trainer.consumer import Batch, RolloutConsumer
 from trainer.device import reset_peak_memory
 from trainer.mismatch_gate import MismatchGate
+from trainer.mismatch_locate import MISMATCH_REPORT, locate
 from trainer.nonfinite import record_skipped_step
 from trainer.own_version import score_own_version
 from trainer.prepare import PreparedBatch, ScoredSequence, prepare, trainable_counts
@@ -360,7 +361,20 @@ class Trainer:
             )
         # After the step is recorded: with on_mismatch=stop this raises MismatchGateError, which ends
         # the run with the gate's message (the step's rollouts are trained and accounted for).
-        self.gate.observe(metrics["step"], metrics)
+        self.gate.observe(metrics["step"], metrics, explain=lambda: self.locate_mismatch(batch))
+
+    def locate_mismatch(self, batch: Batch) -> str:
+        """Where the step's mismatch lives and its likely fault classes (trainer/mismatch_locate.py),
+        written to mismatch_report.json and .png in the run directory; a one-paragraph summary."""
+        if self.old_model is None or self.world_size > 1:
+            return (
+                "not run (it replays on the frozen copy of a single-rank trainer with own_version_groups > 0)"
+            )
+        report = locate(self.old_model.lm, self.history, batch.groups)
+        if report is None:
+            return "not run (the history holds none of the step's weight versions)"
+        paths = report.write(self.run_dir / MISMATCH_REPORT)
+        return f"{report.summary()} Report: {', '.join(str(p) for p in paths)}"
 
     # ---- the model-facing stages (the multi-rank trainer overrides forward_backward) -------------
     @property

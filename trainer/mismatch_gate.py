@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Literal
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,10 @@ class MismatchGate:
         self.action = action
         self.streak: list[float] = []
 
-    def observe(self, step: int, metrics: dict) -> str:
-        """Feed one step's metrics; returns the warning issued ("" if none). Raises on `stop`."""
+    def observe(self, step: int, metrics: dict, explain: Callable[[], str] | None = None) -> str:
+        """Feed one step's metrics; returns the warning issued ("" if none). Raises on `stop`.
+        When the gate acts, `explain()` (where the mismatch lives, the likely fault classes) is
+        appended to its message; a failure there is logged and never hides the gate's verdict."""
         value = metrics.get(GATED_METRIC)
         if value is None or not math.isfinite(float(value)):
             return ""
@@ -59,6 +62,13 @@ class MismatchGate:
             f"Likely causes: {LIKELY_CAUSES}. Run `parity check` against the rollout service to see which; "
             f"--check.on_mismatch warn keeps training."
         )
+        acting = self.action == "stop" or len(self.streak) == self.steps
+        if acting and explain is not None:
+            try:
+                message += f" Localisation: {explain()}"
+            except Exception as exc:  # the verdict stands without it; say why it is missing
+                log.warning("mismatch localisation failed: %r", exc)
+                message += f" (localisation failed: {exc!r})"
         if self.action == "stop":
             raise MismatchGateError(message)
         if len(self.streak) == self.steps:

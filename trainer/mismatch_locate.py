@@ -26,6 +26,7 @@ Costs: a few hundred forwards over at most `max_samples` samples; it runs only w
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
 UNREPLAYABLE = ("prompt_token_drift",)  # no replay can rebuild the context the engine saw
 TOP = 3
+MISMATCH_REPORT = "mismatch_report"  # in the run directory: .json and .png
 PARSIMONY = 0.02  # what a change of several sampling settings gives up against one
 CAP_NATS = 10.0  # one token's largest share of the distance a hypothesis is scored by
 
@@ -52,8 +54,10 @@ CAP_NATS = 10.0  # one token's largest share of the distance a hypothesis is sco
 @dataclass(frozen=True)
 class Slice:
     tokens: int
-    k3: float
+    k3: float  # over the tokens finite on both sides
     max_abs: float
+    distance: float  # mean |delta| per token, capped (see _distance): every token counts
+    outside: int  # tokens the engine sampled that the trainer's replay excludes (trainer -inf)
 
 
 @dataclass(frozen=True)
@@ -81,10 +85,10 @@ class MismatchReport:
         """One paragraph: where the mismatch is largest, and the likeliest classes."""
         parts = []
         for name, table in (("position", self.by_position), ("worker", self.by_worker)):
-            measured = {k: s for k, s in table.items() if s.tokens and math.isfinite(s.k3)}
+            measured = {k: s for k, s in table.items() if s.tokens}
             if len(measured) > 1:
-                worst = max(measured, key=lambda k: measured[k].k3)
-                parts.append(f"largest at {name} {worst} (k3 {measured[worst].k3:.2e})")
+                worst = max(measured, key=lambda k: measured[k].distance)
+                parts.append(f"largest at {name} {worst} (mean |delta| {measured[worst].distance:.2e})")
         likely = "; ".join(f"{c.fault} ({c.score:.0%}: {c.evidence})" for c in self.candidates[:TOP])
         where = ", ".join(parts) or "spread evenly"
         return f"mismatch over {self.tokens} tokens, k3 {self.k3:.2e}, {where}. Most likely: {likely}."
@@ -97,10 +101,8 @@ class MismatchReport:
         json_path = path.with_suffix(".json")
         json_path.write_text(json.dumps(self.to_json(), indent=1, default=float) + "\n")
         written = [json_path]
-        try:
+        with contextlib.suppress(ImportError):
             written.append(plot(self, path.with_suffix(".png")))
-        except ImportError:
-            pass
         return written
 
 
@@ -124,7 +126,11 @@ def samples_of(groups: Sequence[Any], max_samples: int) -> list[_Sample]:
         for s in group.samples:
             mask = list(s.loss_mask) or [True] * len(s.token_ids)
             model_at = [i for i, m in enumerate(mask) if m]
-            if not model_at or len(s.logprobs) != len(model_at) or len(s.token_weight_versions) != len(model_at):
+            if (
+                not model_at
+                or len(s.logprobs) != len(model_at)
+                or len(s.token_weight_versions) != len(model_at)
+            ):
                 continue
             chosen.append(
                 _Sample(list(group.prompt_token_ids), list(s.token_ids), model_at, list(s.logprobs),
@@ -192,7 +198,9 @@ class _Scorer:
             return self.lm(input_ids=ids[:, p - 1 : -1], past_key_values=cache).logits[0].float()
 
 
-def _chosen(logits_LV: torch.Tensor, sample: _Sample, transform: SamplingTransform | None = None) -> torch.Tensor:
+def _chosen(
+    logits_LV: torch.Tensor, sample: _Sample, transform: SamplingTransform | None = None
+) -> torch.Tensor:
     """Processed logprobs of the sample's model tokens (`transform` None: raw log-softmax)."""
     import torch
 
@@ -203,9 +211,7 @@ def _chosen(logits_LV: torch.Tensor, sample: _Sample, transform: SamplingTransfo
     return lp_MV.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu()
 
 
-def _penalised_logprobs(
-    logits_LV: torch.Tensor, sample: _Sample, kind: str, value: float
-) -> torch.Tensor:
+def _penalised_logprobs(logits_LV: torch.Tensor, sample: _Sample, kind: str, value: float) -> torch.Tensor:
     """Processed logprobs after a repetition (seen in prompt or completion) or presence (seen in the
     completion) penalty applied before the transform, vLLM's rules."""
     import torch
@@ -261,7 +267,8 @@ def _distance(pred: Sequence[float], rollout: Sequence[float]) -> float:
 
 def _slice(pred: Sequence[float], rollout: Sequence[float]) -> Slice:
     stats = mismatch.mismatch_stats(pred, rollout)
-    return Slice(stats.tokens, stats.k3, stats.max_abs)
+    outside = sum(not math.isfinite(a) and math.isfinite(b) for a, b in zip(pred, rollout, strict=True))
+    return Slice(stats.tokens, stats.k3, stats.max_abs, _distance(pred, rollout), outside)
 
 
 def locate(
@@ -275,7 +282,9 @@ def locate(
     import torch
 
     scorer = _Scorer(lm, history)
-    samples = [s for s in samples_of(groups, max_samples) if all(history.get(v) is not None for v in set(s.versions))]
+    samples = [
+        s for s in samples_of(groups, max_samples) if all(history.get(v) is not None for v in set(s.versions))
+    ]
     if not samples:
         return None
     # The trainer's logits at each sample's own versions (one forward per distinct version).
@@ -294,7 +303,9 @@ def locate(
         versions = versions or s.versions
         out = []
         for v in sorted(set(versions)):
-            lp = _chosen(own[i][v] if v in own[i] else _load_logits(scorer, s, v), s, transform or s.transform)
+            lp = _chosen(
+                own[i][v] if v in own[i] else _load_logits(scorer, s, v), s, transform or s.transform
+            )
             out.append((v, lp))
         return [float(dict(out)[v][j]) for j, v in enumerate(versions)]
 
@@ -346,7 +357,11 @@ def locate(
             if value > best.get(fault, (-1.0, None))[0]:
                 best[fault] = (value, candidate)
         for fault, (value, candidate) in best.items():
-            offer(fault, value, f"the engine sampled with {_describe(candidate)} (requested {_describe(requested)})")
+            offer(
+                fault,
+                value,
+                f"the engine sampled with {_describe(candidate)} (requested {_describe(requested)})",
+            )
     for kind, fault, grid in (
         ("repetition", "repetition_penalty_unreplayed", (1.05, 1.1, 1.2, 1.3, 1.5, 2.0)),
         ("presence", "presence_penalty_unreplayed", (0.1, 0.25, 0.5, 1.0, 1.5, 2.0)),
@@ -358,7 +373,9 @@ def locate(
 
     # Weights and versions.
     newest = assemble(lambda i, s: at_own(i, s, versions=[max(s.versions)] * len(s.versions)))
-    offer("wrong_version_tag", score(newest), "tokens tagged older than their sample match its newest weights")
+    offer(
+        "wrong_version_tag", score(newest), "tokens tagged older than their sample match its newest weights"
+    )
     older = assemble(lambda i, s: at_own(i, s, versions=[max(0, v - 1) for v in s.versions])
                      if all(history.get(max(0, v - 1)) is not None for v in s.versions) else at_own(i, s))  # fmt: skip
     offer("stale_weights", score(older), "every worker's tokens match the weights one version older")
@@ -366,16 +383,21 @@ def locate(
     if len(workers) > 1:
         for w in workers:
             mixed = [
-                older[j] if samples[owner].worker == w else base[j] for j, (owner, _) in enumerate(_token_owner(samples))
+                older[j] if samples[owner].worker == w else base[j]
+                for j, (owner, _) in enumerate(_token_owner(samples))
             ]
             offer("one_worker_not_updated", score(mixed), f"{w}'s tokens match the weights one version older")
     first = [j for j in range(len(base)) if _is_first(j, samples)]
     first_old = [older[j] if j in set(first) else base[j] for j in range(len(base))]
-    offer("async_first_token", score(first_old), "each sample's first token matches the weights one version older")
+    offer(
+        "async_first_token",
+        score(first_old),
+        "each sample's first token matches the weights one version older",
+    )
 
     def changed_weights(change: Callable[[dict], dict], key: Any, n: int | None = None) -> list[float]:
         out = []
-        for i, s in enumerate(samples[: n or len(samples)]):
+        for _i, s in enumerate(samples[: n or len(samples)]):
             per = {}
             for v in sorted(set(s.versions)):
                 scorer.load(v, change, key)
@@ -406,7 +428,7 @@ def locate(
 
     # The head, the positions, the context.
     head_bf16, untied = [], []
-    for i, s in enumerate(samples):
+    for _i, s in enumerate(samples):
         v = s.versions[0]
         scorer.load(v)
         hidden, head = scorer.hidden_and_head(s)
@@ -434,7 +456,9 @@ def locate(
     for keep_fraction in (0.25, 0.5, 0.75):
         pred = assemble(
             lambda i, s, f=keep_fraction: _single_version(
-                scorer, s, lambda: scorer.logits(s, s.prompt[len(s.prompt) - max(1, math.ceil(len(s.prompt) * f)) :])
+                scorer,
+                s,
+                lambda: scorer.logits(s, s.prompt[len(s.prompt) - max(1, math.ceil(len(s.prompt) * f)) :]),
             )
         )
         truncated.append((score(pred), keep_fraction))
@@ -450,7 +474,11 @@ def locate(
 
     explained = max((v for v, _ in found.values()), default=0.0)
     for fault in UNREPLAYABLE:
-        offer(fault, 0.5 * (1.0 - explained), "no replay explains it: the engine may have seen other prompt tokens")
+        offer(
+            fault,
+            0.5 * (1.0 - explained),
+            "no replay explains it: the engine may have seen other prompt tokens",
+        )
     report.candidates = sorted(
         (Candidate(f, round(v, 4), e) for f, (v, e) in found.items()), key=lambda c: -c.score
     )
@@ -533,7 +561,9 @@ def _where(report: MismatchReport, samples: list[_Sample], base: list[float]) ->
         groups: dict[str, list[int]] = {}
         for index, (i, j) in enumerate(owner):
             groups.setdefault(key(i, j), []).append(index)
-        return {k: _slice([base[x] for x in xs], [rollout[x] for x in xs]) for k, xs in sorted(groups.items())}
+        return {
+            k: _slice([base[x] for x in xs], [rollout[x] for x in xs]) for k, xs in sorted(groups.items())
+        }
 
     def position(i: int, j: int) -> str:
         n = len(samples[i].rollout)
@@ -542,7 +572,9 @@ def _where(report: MismatchReport, samples: list[_Sample], base: list[float]) ->
     report.by_position = table(position)
     report.by_worker = table(lambda i, j: samples[i].worker)
     report.by_version = table(lambda i, j: f"v{samples[i].versions[j]}")
-    report.by_tag = table(lambda i, j: "newest" if samples[i].versions[j] == max(samples[i].versions) else "older")
+    report.by_tag = table(
+        lambda i, j: "newest" if samples[i].versions[j] == max(samples[i].versions) else "older"
+    )
     report.by_sampling = table(lambda i, j: _describe(samples[i].transform))
 
 
@@ -559,10 +591,10 @@ def plot(report: MismatchReport, path: Path) -> Path:
                    ("by weight version", report.by_version)), strict=True
     ):  # fmt: skip
         names = list(table)
-        values = [max(table[n].k3, 1e-16) if math.isfinite(table[n].k3) else 1e-16 for n in names]
+        values = [max(table[n].distance, 1e-12) for n in names]
         ax.bar(names, values, color="tab:red")
         ax.set_yscale("log")
-        ax.set_title(f"k3 {title}")
+        ax.set_title(f"mean |delta| {title}")
         ax.tick_params(axis="x", rotation=30)
     top = report.candidates[:8][::-1]
     axes[3].barh([c.fault for c in top], [c.score for c in top], color="tab:blue")
@@ -573,5 +605,3 @@ def plot(report: MismatchReport, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
