@@ -7,11 +7,12 @@ likely and writes its report, and a clean control is never stopped."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bench.faults import run_fault
+from commands.check.faults import run_fault
 from rollout.faults import FAULTS, fault_from_env, parse_fault
 from trainer.mismatch_gate import GATED_METRIC, MismatchGate, MismatchGateError
 from trainer.mismatch_locate import MISMATCH_REPORT
@@ -92,3 +93,31 @@ def test_fault_setting_is_refused_unless_fault_injection_is_enabled() -> None:
         parse_fault("nope@1")
     with pytest.raises(ValueError, match="must be an integer"):
         parse_fault("raw_logprobs@x")
+
+
+def test_catalogue_run_writes_its_table_and_passes_only_when_every_class_is_caught_and_named(
+    tmp_path: Path,
+) -> None:
+    from commands.check.faults import passed, run_catalogue
+
+    lines: list[str] = []
+    results = run_catalogue(
+        tmp_path, ["raw_logprobs", "stale_weights"], steps=2, inject_version=1, progress=lines.append
+    )
+    assert [r.fault for r in results] == ["clean (control)", "raw_logprobs", "stale_weights"]
+    assert passed(results) and len(lines) == 3 and lines[1].startswith("[2/3] raw_logprobs: caught at step 2")
+    table = (tmp_path / "faults.md").read_text()
+    assert "| stale_weights | weight update | 2 | 2 |" in table and "**stale_weights**" in table
+    assert len(json.loads((tmp_path / "faults.json").read_text())) == 3
+    assert (tmp_path / "raw_logprobs" / f"{MISMATCH_REPORT}.png").exists()
+    # A class caught but not named among the three most likely does not pass.
+    named_wrong = [results[0], replace(results[1], likely=("rope_theta",))]
+    assert not passed(named_wrong)
+    with pytest.raises(ValueError, match=r"check\.faults: unknown fault nope"):
+        run_catalogue(tmp_path, ["nope"])
+
+
+def test_parity_check_faults_refuses_the_engine_flags() -> None:
+    from commands.check.check import main
+
+    assert main(["--faults", "--ablate"]) == 2

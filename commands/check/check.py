@@ -3,6 +3,7 @@
     parity check --model tiny                          # start a rollout service with the switches, check it
     parity check --rollout_address 127.0.0.1:PORT      # check a running rollout service (the launcher's gate)
     parity check --model tiny --ablate --out DIR       # one row per correctness fix turned off
+    parity check --faults --out DIR                    # every fault class injected, caught, localised
 
 A fixed, seeded prompt set (the task's first `num_prompts` training prompts, through the chat
 template) is tokenized here and sent as token ids, so both sides see identical prompts. The
@@ -433,6 +434,8 @@ def _main(config: ParityConfig) -> int:
     if not config.check.out:
         out = f"checks/{datetime.now(UTC):%Y%m%d-%H%M%S}"
         config = config.model_copy(update={"check": config.check.model_copy(update={"out": out})})
+    if config.check.faults:
+        return _faults(config)
     import grpc
 
     from parity.models import ModelError
@@ -448,6 +451,20 @@ def _main(config: ParityConfig) -> int:
     print(report.table)
     print(f"wrote {config.check.out}/check.json, check.txt, check_hist.png ({report.seconds:.0f}s)")
     return 0 if report.passed else 1
+
+
+def _faults(config: ParityConfig) -> int:
+    from commands.check.faults import markdown, passed, run_catalogue
+
+    if config.check.ablate or config.check.rollout_address:
+        print("parity check: error: check.faults runs its own engines; drop --ablate and --rollout_address",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    out = Path(config.check.out)
+    results = run_catalogue(out, threshold=1e-6, seed=config.run.seed)
+    print(markdown(results, 1e-6))
+    print(f"wrote {out}/faults.md, faults.json and each class's run directory (mismatch_report.json, .png)")
+    return 0 if passed(results) else 1
 
 
 if __name__ == "__main__":

@@ -47,6 +47,12 @@ class CheckConfig(Section):
         "", description="Write check.json, check.txt and check_hist.png here; empty = checks/<UTC time>."
     )
     ablate: bool = Field(False, description="Also run one row per correctness fix turned off.")
+    faults: bool = Field(
+        False,
+        description="Instead of checking an engine: inject every fault class of the catalogue into an "
+        "in-process run on the tiny model and report when the running gate caught it and what its "
+        "localisation named (docs/ab_study.md).",
+    )
     update_scale: float = Field(
         0.05, gt=0, description="--ablate: relative size of the weight update in the prefix-cache rows."
     )

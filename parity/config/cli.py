@@ -199,7 +199,7 @@ COMMANDS: dict[str | None, CommandFlags] = {
                 "Engine under test",
                 ("check.rollout_address", "rollout.engine", "rollout.dtype", "rollout.logprobs_mode"),
             ),
-            ("Gate and output", ("check.threshold", "check.out", "check.ablate")),
+            ("Gate and output", ("check.threshold", "check.out", "check.ablate", "check.faults")),
         ),
     ),
     None: CommandFlags(None, NAME_SHORTHANDS, ()),
