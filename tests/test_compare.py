@@ -97,7 +97,7 @@ def _launched_run(path: Path, seed: int, port: int, accuracy: tuple[float, float
         },
         "rollout": {"broadcast_address": address, "port": 0, "worker_id": "", "logprobs_mode": "processed"},
         "trainer": {"broadcast_address": address, "run_dir": str(path.resolve()), "lr": 3e-5},
-        "check": {"threshold": 1e-3, "rollout_address": ""},
+        "check": {"threshold": 1e-3, "gate_threshold": 1e-4, "rollout_address": ""},
     }
     record = {
         "argv": ["--seed", str(seed), "--out", f"runs/{path.name}"],
@@ -163,7 +163,7 @@ def test_log_axes_and_the_gate_on_the_mismatch_panel(two_seeds: tuple) -> None:
     mismatch = panels["mismatch k3 (nats)"]
     assert mismatch.get_yscale() == "log"
     (gate,) = [line for line in mismatch.get_lines() if line.get_gid() == GATE_GID]
-    assert list(gate.get_ydata()) == [1e-3, 1e-3]
+    assert list(gate.get_ydata()) == [1e-4, 1e-4]  # the running gate's, not the preflight's 1e-3
 
 
 def test_legend_sits_inside_the_figure_even_with_long_labels(tmp_path: Path) -> None:

@@ -121,3 +121,22 @@ def test_parity_check_faults_refuses_the_engine_flags() -> None:
     from commands.check.check import main
 
     assert main(["--faults", "--ablate"]) == 2
+
+
+def test_running_gate_threshold_follows_the_numerics_unless_set() -> None:
+    from parity.config import ParityConfig
+    from trainer.mismatch_gate import FLOAT32_THRESHOLD, REDUCED_PRECISION_THRESHOLD, running_threshold
+
+    def threshold(**sections) -> tuple[float, str]:
+        return running_threshold(ParityConfig.model_validate({"model": {"name": "tiny"}, **sections}))
+
+    assert threshold() == (FLOAT32_THRESHOLD, "default for float32 rollouts and trainer")
+    value, why = threshold(rollout={"dtype": "bfloat16"})
+    assert value == REDUCED_PRECISION_THRESHOLD and "rollout.dtype bfloat16" in why
+    value, why = threshold(trainer={"precision": "bf16"})
+    assert value == REDUCED_PRECISION_THRESHOLD and "trainer.precision bf16" in why
+    assert threshold(rollout={"dtype": "bfloat16"}, check={"gate_threshold": 3e-4}) == (
+        3e-4,
+        "check.gate_threshold",
+    )
+    assert ParityConfig.model_validate({"model": {"name": "tiny"}}).check.gate_steps == 1

@@ -84,7 +84,7 @@ def test_mismatch_drift_and_kl_are_on_log_axes(figures: dict, name: str) -> None
 def test_the_gate_threshold_from_the_config_is_drawn(figures: dict, name: str) -> None:
     (gate,) = [line for line in _ax(figures, name).get_lines() if line.get_gid() == GATE_GID]
     assert list(gate.get_ydata()) == [THRESHOLD, THRESHOLD]
-    assert "check.threshold = 0.002" in gate.get_label()
+    assert "running gate = 0.002" in gate.get_label()
 
 
 def test_values_a_log_axis_cannot_show_are_left_out_not_clipped(figures: dict) -> None:
@@ -158,7 +158,9 @@ def test_every_title_names_the_run_and_its_seed(figures: dict) -> None:
 def test_write_results_writes_the_overview_and_links_it_first(tmp_path: Path) -> None:
     run_dir = tmp_path / "myrun"
     run_dir.mkdir()
-    cfg = ParityConfig(model={"name": "tiny"}, run={"seed": 7, "steps": 5}, check={"threshold": THRESHOLD})
+    cfg = ParityConfig(
+        model={"name": "tiny"}, run={"seed": 7, "steps": 5}, check={"gate_threshold": THRESHOLD}
+    )
     timings = {"wall_s": 60.0, "startup_s": 10.0, "trainer_ready_to_exit_s": 50.0}
     write_results(cfg, run_dir, ROWS, EVALS, timings, ["--model", "tiny"])
     for name in [OVERVIEW, *PLOT_NAMES]:

@@ -107,7 +107,8 @@ def test_gate_counts_consecutive_measured_steps_and_ignores_unmeasured_ones() ->
     warning = gate.observe(7, {GATED_METRIC: math.inf})  # inf is not measured either
     assert warning == ""
     warning = gate.observe(8, over)
-    assert "exceeded check.threshold=0.001 for 3 consecutive" in warning and "head_dtype" in warning
+    assert "exceeded the running gate's threshold 0.001 (check.gate_threshold) for 3 consecutive" in warning
+    assert "head_dtype" in warning
     with pytest.raises(MismatchGateError, match="prefix_caching"):
         MismatchGate(1e-3, 1, "stop").observe(1, over)
 

@@ -36,7 +36,7 @@ from trainer.build import build_models
 from trainer.checkpoint import CheckpointStore, TrainerState, atomic_write_text
 from trainer.consumer import Batch, RolloutConsumer
 from trainer.device import reset_peak_memory
-from trainer.mismatch_gate import MismatchGate
+from trainer.mismatch_gate import GATED_METRIC, MismatchGate, running_threshold
 from trainer.mismatch_locate import MISMATCH_REPORT, locate
 from trainer.nonfinite import record_skipped_step
 from trainer.own_version import score_own_version
@@ -77,7 +77,8 @@ class Trainer:
         self.config = config = run_config.trainer
         self.schedule = run_config.run  # seed, steps, groups_per_step, max_lag, publish_every, stream
         check = run_config.check
-        self.gate = MismatchGate(check.threshold, check.gate_steps, check.on_mismatch)
+        threshold, source = running_threshold(run_config)
+        self.gate = MismatchGate(threshold, check.gate_steps, check.on_mismatch, source)
         self.model_name = run_config.model.name
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -120,6 +121,14 @@ class Trainer:
     def setup(self) -> None:
         cfg, schedule = self.config, self.schedule
         self.setup_model()
+        log.info(
+            "running mismatch gate: %s above %g (%s) for %d measured step(s) -> %s",
+            GATED_METRIC,
+            self.gate.threshold,
+            self.gate.source,
+            self.gate.steps,
+            self.gate.action,
+        )
         self.store = CheckpointStore(
             self.run_dir, keep=cfg.keep_checkpoints, model_source=str(self.model_dir)
         )

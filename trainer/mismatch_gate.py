@@ -4,10 +4,17 @@ The preflight (`parity check`, run by `parity run` before training) measures the
 mismatch once. This gate watches the same number during the run: the backend mismatch at each
 token's own version over its informative tokens (`mismatch_k3_own_version_informative`,
 trainer/step_metrics.py: tokens whose processed distribution is degenerate read 0 on any backend
-and would make a broken step look clean). When it exceeds
-`check.threshold` for `check.gate_steps` consecutive measured steps, `check.on_mismatch` decides:
-`stop` raises `MismatchGateError` (the trainer exits, `parity run` stops with its message), `warn`
-logs once per streak.
+and would make a broken step look clean). When it exceeds its threshold (`running_threshold`) for
+`check.gate_steps` consecutive measured steps (default 1: the first faulty step), `check.on_mismatch`
+decides: `stop` raises `MismatchGateError` (the trainer exits, `parity run` stops with its message),
+`warn` logs once per streak.
+
+The default threshold depends on the numerics. Float32 on both sides: 1e-6. Clean float32 runs
+measure 1e-11 to 3e-10 per step (vLLM and the reference engine, docs/ab_study.md), and the smallest
+fault of the catalogue measured 7.8e-5 (a bf16 lm_head), so 1e-6 sits over three orders above the
+one and nearly two below the other. With bf16 anywhere (rollout weights or head, trainer precision)
+the rounding alone is a mismatch of 1e-4 to a few 1e-3 per step: 1e-2 then still stops the gross
+faults (raw logprobs, a stale or swapped update, a replay that differs) and leaves bf16 noise alone.
 
 Invariants:
   - A step with nothing measured (NaN: no own-version token, or none informative) neither extends nor breaks a streak: it is not evidence.
@@ -31,13 +38,47 @@ LIKELY_CAUSES = (
 )
 
 
+FLOAT32_THRESHOLD = 1e-6
+REDUCED_PRECISION_THRESHOLD = 1e-2
+
+
+def running_threshold(run_config) -> tuple[float, str]:
+    """(the running gate's threshold, where it comes from) for a ParityConfig."""
+    check, rollout, trainer = run_config.check, run_config.rollout, run_config.trainer
+    if check.gate_threshold > 0:
+        return check.gate_threshold, "check.gate_threshold"
+    reduced = [
+        name
+        for name, is_reduced in (
+            (f"rollout.dtype {rollout.dtype}", rollout.dtype != "float32"),
+            (
+                f"rollout.head_dtype {rollout.head_dtype}",
+                rollout.head_dtype != "float32" and rollout.dtype != "float32",
+            ),
+            (f"trainer.precision {trainer.precision}", trainer.precision != "fp32"),
+            (f"trainer.dtype {trainer.dtype}", trainer.dtype != "float32"),
+        )
+        if is_reduced
+    ]
+    if reduced:
+        return REDUCED_PRECISION_THRESHOLD, f"default for reduced precision ({', '.join(reduced)})"
+    return FLOAT32_THRESHOLD, "default for float32 rollouts and trainer"
+
+
 class MismatchGateError(RuntimeError):
     """The running gate stopped training."""
 
 
 class MismatchGate:
-    def __init__(self, threshold: float, steps: int, action: Literal["warn", "stop"]) -> None:
+    def __init__(
+        self,
+        threshold: float,
+        steps: int,
+        action: Literal["warn", "stop"],
+        source: str = "check.gate_threshold",
+    ) -> None:
         self.threshold = threshold
+        self.source = source
         self.steps = steps
         self.action = action
         self.streak: list[float] = []
@@ -56,11 +97,12 @@ class MismatchGate:
         if len(self.streak) < self.steps:
             return ""
         message = (
-            f"{GATED_METRIC} exceeded check.threshold={self.threshold:g} for {len(self.streak)} consecutive "
+            f"{GATED_METRIC} exceeded the running gate's threshold {self.threshold:g} ({self.source}) "
+            f"for {len(self.streak)} consecutive "
             f"measured steps (up to step {step}: {', '.join(f'{v:.2e}' for v in self.streak[-self.steps :])}). "
             f"The rollout engine's logprobs do not match the trainer's at the weights that sampled them. "
-            f"Likely causes: {LIKELY_CAUSES}. Run `parity check` against the rollout service to see which; "
-            f"--check.on_mismatch warn keeps training."
+            f"Usual causes: {LIKELY_CAUSES}. --check.on_mismatch warn keeps training; "
+            f"--check.gate_threshold sets the threshold."
         )
         acting = self.action == "stop" or len(self.streak) == self.steps
         if acting and explain is not None:

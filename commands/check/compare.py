@@ -33,7 +33,7 @@ from pathlib import Path
 from commands.run.plots import draw_gate, log_values, note_left_out
 
 # Panels: (title, [(metrics.jsonl key, line style, what the style means)], log-scale y, draw the
-# gate's check.threshold). A panel with two keys draws each run in its colour, one style per key.
+# running gate's threshold). A panel with two keys draws each run in its colour, one style per key.
 METRICS = (
     ("clip rate", [("clip_rate", "-", "")], False, False),
     ("kl_new_old (nats / token)", [("kl_new_old", "-", "")], True, False),
@@ -122,9 +122,14 @@ class Run:
 
     @property
     def threshold(self) -> float | None:
-        check = self.settings.get("check")
-        value = check.get("threshold") if isinstance(check, dict) else None
-        return float(value) if isinstance(value, int | float) and value > 0 else None
+        """The running gate's threshold of the run's config (None when the config cannot say)."""
+        from parity.config import ParityConfig
+        from trainer.mismatch_gate import running_threshold
+
+        try:
+            return running_threshold(ParityConfig.model_validate(self.settings))[0]
+        except Exception:  # an older or partial config: no gate line rather than a wrong one
+            return None
 
     def series(self, key: str) -> tuple[list[float], list[float]]:
         xs, ys = [], []
@@ -311,7 +316,7 @@ def plot(runs: Sequence[Run], out: Path):  # -> matplotlib Figure (imported lazi
             note_left_out(ax, left_out)
         if gate:
             for threshold in thresholds:
-                draw_gate(ax, threshold, f"gate: check.threshold = {threshold:g}")
+                draw_gate(ax, threshold, f"running gate = {threshold:g}")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     accuracy_ax = panels[len(METRICS)]

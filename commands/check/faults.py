@@ -73,7 +73,7 @@ def run_fault(
             "run": {"redis_url": redis_url, "stream": STREAM, "steps": steps, "groups_per_step": WORKERS,
                     "max_lag": 1},
             "trainer": {"run_dir": str(run_dir), "micro_batch_size": 4, "lr": 1e-3, "read_block_ms": 50},
-            "check": {"threshold": threshold, "gate_steps": 1, "on_mismatch": "stop"},
+            "check": {"gate_threshold": threshold, "gate_steps": 1, "on_mismatch": "stop"},
         }
     )  # fmt: skip
     trainer = Trainer(config)

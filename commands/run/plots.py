@@ -7,7 +7,7 @@ Invariants:
 - Figures are plain matplotlib `Figure`s (no pyplot, no display), imported lazily so `parity run --help`
   is fast.
 - Every figure's title names the run (its directory) and its seed.
-- Mismatch, policy drift and KL(new || old) are drawn on log axes with the gate's `check.threshold`
+- Mismatch, policy drift and KL(new || old) are drawn on log axes with the running gate's threshold
   on the mismatch and drift panels; a value <= 0 cannot sit on a log axis and is left out (the
   panel says how many), never clipped to a made-up floor.
 - The training reward is the mean over the groups the trainer consumed (published groups: with
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from commands.run.supervisor import format_duration
+from trainer.mismatch_gate import running_threshold
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -42,7 +43,7 @@ class Curve:
     keys: list[tuple[str, str]]  # (metrics.jsonl key, legend label)
     ylabel: str
     log: bool = False  # log y axis; values <= 0 are left out
-    gate: bool = False  # draw check.threshold
+    gate: bool = False  # draw the running gate's threshold
 
 
 CURVES: dict[str, Curve] = {
@@ -86,7 +87,7 @@ EVAL_CURVES = [
     ("pass_at_k", "pass@k"),
     ("sample_reward_mean", "mean reward (k samples)"),
 ]
-GATE_GID = "gate_threshold"  # the matplotlib gid of the check.threshold line (tests find it by it)
+GATE_GID = "gate_threshold"  # the matplotlib gid of the running gate's line (tests find it by it)
 # Task sources whose own reward lies in [0, 1] (rollout/tasks), and the built-in rewards (also [0, 1]).
 UNIT_REWARD_TASKS = ("arithmetic", "arithmetic_final")
 UNIT_REWARD_TASK_PREFIXES = ("jsonl:", "hf:", "reasoning_gym:")
@@ -99,7 +100,7 @@ class PlotContext:
 
     run_name: str
     seed: int | None = None
-    gate_threshold: float | None = None  # check.threshold
+    gate_threshold: float | None = None  # the running gate's (trainer.mismatch_gate.running_threshold)
     reward_range: tuple[float, float] | None = None  # None: not known, the band is not clipped
     subtitle: str = ""  # the overview's second title line (model, task, mode, steps)
 
@@ -112,7 +113,7 @@ class PlotContext:
         return cls(
             run_name=run_dir.resolve().name,
             seed=cfg.run.seed,
-            gate_threshold=cfg.check.threshold,
+            gate_threshold=running_threshold(cfg)[0],
             reward_range=reward_range(cfg.task.name, cfg.task.reward),
             subtitle=f"{cfg.model.name} on {cfg.task.name}, {cfg.run.mode}, {steps} steps",
         )
@@ -248,7 +249,7 @@ def draw_panel(ax: Axes, name: str, rows: list[dict], evals: list[dict], ctx: Pl
         ax.set_yscale("log")
         note_left_out(ax, left_out)
     if curve.gate and ctx.gate_threshold is not None and ctx.gate_threshold > 0:
-        label = f"check.threshold = {ctx.gate_threshold:g}"
+        label = f"running gate = {ctx.gate_threshold:g}"
         draw_gate(
             ax, ctx.gate_threshold, f"gate: {label}" if name == "mismatch" else f"{label} (gates mismatch)"
         )

@@ -37,11 +37,19 @@ class CheckConfig(Section):
     )
     on_mismatch: Literal["warn", "stop"] = Field(
         "stop",
-        description="During training: when the own-version backend mismatch (mismatch_k3_own_version) "
-        "exceeds `threshold` for `gate_steps` consecutive measured steps, stop the run (or only warn).",
+        description="During training: when the own-version backend mismatch over informative tokens "
+        "(mismatch_k3_own_version_informative) exceeds the running gate's threshold for `gate_steps` "
+        "consecutive measured steps, stop the run (or only warn).",
+    )
+    gate_threshold: float = Field(
+        0.0,
+        ge=0,
+        description="The running gate's largest passing k3 per step. 0 (the default): 1e-6 when the rollouts "
+        "and the trainer both compute in float32, 1e-2 when either uses bf16 (docs/ab_study.md has the "
+        "measurements behind both).",
     )
     gate_steps: int = Field(
-        3, ge=1, description="Consecutive measured steps over `threshold` before the running gate acts."
+        1, ge=1, description="Consecutive measured steps over the threshold before the running gate acts."
     )
     out: str = Field(
         "", description="Write check.json, check.txt and check_hist.png here; empty = checks/<UTC time>."
