@@ -96,17 +96,17 @@ class FaultSpec:
         return version >= self.start_version
 
 
-def parse_fault(value: str) -> FaultSpec:
-    """'<name>@<version>' -> FaultSpec; a clear error naming PARITY_FAULT on bad input."""
+def parse_fault(value: str, source: str = ENV_VAR) -> FaultSpec:
+    """'<name>@<version>' -> FaultSpec; a clear error naming `source` on bad input."""
     name, _, at = value.partition("@")
     if name not in FAULTS:
-        raise ValueError(f"{ENV_VAR}: unknown fault {name!r}; known: {', '.join(sorted(FAULTS))}")
+        raise ValueError(f"{source}: unknown fault {name!r}; known: {', '.join(sorted(FAULTS))}")
     try:
         start = int(at) if at else 0
     except ValueError:
-        raise ValueError(f"{ENV_VAR}: version after '@' must be an integer, got {at!r}") from None
+        raise ValueError(f"{source}: version after '@' must be an integer, got {at!r}") from None
     if start < 0:
-        raise ValueError(f"{ENV_VAR}: version must be >= 0, got {start}")
+        raise ValueError(f"{source}: version must be >= 0, got {start}")
     return FaultSpec(FAULTS[name], start)
 
 
@@ -120,3 +120,56 @@ def fault_from_env(enabled: bool, environ: Mapping[str, str] | None = None) -> F
             f"{ENV_VAR}={value!r} needs fault injection enabled (rollout.enable_fault_injection true)"
         )
     return parse_fault(value)
+
+
+# The classes `rollout.fault` injects into the live reference engine (rollout.engine reference) of a
+# `parity run`; the rest are injected by rollout.faults.ReferenceEngine in `parity check --faults`.
+LIVE_FAULTS = (
+    "raw_logprobs",
+    "last_logprob_perturbed",
+    "temperature_replay",
+    "top_k_replay",
+    "top_p_replay",
+    "generation_config_leak",
+    "stale_weights",
+    "tensor_not_updated",
+    "swapped_tensors",
+    "bf16_weights",
+    "wrong_version_tag",
+)
+
+
+def engine_transform(fault: str, requested):
+    """The sampling transform an engine with `fault` applies for a `requested` one (a
+    parity.sampling.SamplingTransform); the requested one when the fault is not a replay fault."""
+    from dataclasses import replace
+
+    if fault == "temperature_replay":
+        return replace(requested, temperature=requested.temperature * 1.5)
+    if fault == "top_k_replay":
+        return replace(requested, top_k=requested.top_k * 4)
+    if fault == "top_p_replay":
+        return replace(requested, top_p=1.0)
+    if fault == "generation_config_leak":
+        return type(requested)(0.7, 20, 0.8)  # Qwen2.5-Instruct-style generation_config defaults
+    return requested
+
+
+def corrupt_update(fault: str, new: dict, current: dict, previous: dict | None) -> dict:
+    """What a weight update with `fault` loads instead of `new` (name -> tensor): `current` is what
+    the engine holds, `previous` what the update before asked for."""
+    if fault == "stale_weights":
+        return dict(previous) if previous is not None else {}
+    out = dict(new)
+    if fault == "tensor_not_updated":
+        name = next((k for k in out if "down_proj" in k), None)
+        if name is not None:
+            out[name] = current[name]
+    elif fault == "swapped_tensors":
+        q = next((k for k in out if "layers.0." in k and "q_proj.weight" in k), None)
+        o = next((k for k in out if "layers.0." in k and "o_proj.weight" in k), None)
+        if q and o and out[q].shape == out[o].shape:
+            out[q], out[o] = out[o], out[q]
+    elif fault == "bf16_weights":
+        out = {k: v.bfloat16().to(v.dtype) if v.is_floating_point() else v for k, v in out.items()}
+    return out

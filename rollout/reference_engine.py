@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from parity.config.rollout import RolloutConfig
+from parity.faults import corrupt_update, engine_transform, parse_fault
 from parity.sampling import SamplingTransform, processed_logprobs
 from parity.weights.receiver import StagedWeights, receive_and_verify
 from rollout.engine import CompletionResult, GenerationSpec, RolloutEngine
@@ -51,6 +52,13 @@ class ReferenceEngine(RolloutEngine):
         self._staged: StagedWeights | None = None  # verified, waiting for _swap
         self._eos_ids: set[int] = set()
         self.device = "cpu"
+        # Tests only (rollout.fault, validated with enable_fault_injection): a parity fault from a version on.
+        self._fault = parse_fault(config.fault, "rollout.fault") if config.fault else None
+        self._previous_update: dict | None = None  # what the last update asked for (stale_weights)
+
+    def _fault_at(self, version: int) -> str:
+        """The injected fault's name when it is active at `version`, else ""."""
+        return self._fault.fault.name if self._fault is not None and self._fault.active(version) else ""
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -119,11 +127,13 @@ class ReferenceEngine(RolloutEngine):
                 epoch = self._recompute_epoch
                 version = self.weight_version
                 logits_nv, cache = self._logits(next_input, cache)
-            if self.config.logprobs_mode == "processed":
-                logprobs_nv = processed_logprobs(logits_nv, transform)
+            fault = self._fault_at(version)
+            applied = engine_transform(fault, transform)  # the requested transform unless a replay fault
+            if self.config.logprobs_mode == "processed" and fault != "raw_logprobs":
+                logprobs_nv = processed_logprobs(logits_nv, applied)
             else:
                 logprobs_nv = logits_nv.float().log_softmax(dim=-1)
-            sampling_nv = processed_logprobs(logits_nv, transform)
+            sampling_nv = processed_logprobs(logits_nv, applied)
             if transform.greedy:
                 tokens_n = sampling_nv.argmax(dim=-1)
             else:
@@ -144,12 +154,24 @@ class ReferenceEngine(RolloutEngine):
                 elif len(generated[i]) >= spec.max_tokens:
                     finished[i] = "length"
                 if finished[i] is not None:
-                    emit(CompletionResult(i, generated[i], logprobs[i], versions[i], text, finished[i]))
+                    reported, tags = self._reported(logprobs[i], versions[i])
+                    emit(CompletionResult(i, generated[i], reported, tags, text, finished[i]))
             if all(f is not None for f in finished):
                 return
             # Finished rows keep sampling so the batch stays rectangular; those tokens are discarded.
             sampled.append(tokens_n)
             next_input = tokens_n.unsqueeze(-1)
+
+    def _reported(self, logprobs: list[float], versions: list[int]) -> tuple[list[float], list[int]]:
+        """The logprobs and version tags the engine reports (a reporting fault changes them)."""
+        fault = self._fault_at(versions[-1]) if versions else ""
+        logprobs, versions = list(logprobs), list(versions)
+        if fault == "last_logprob_perturbed":
+            logprobs[-1] -= 0.05
+        if fault == "wrong_version_tag" and versions[-1] > 0:
+            half = len(versions) // 2
+            versions[half:] = [v - 1 if v > 0 else v for v in versions[half:]]
+        return logprobs, versions
 
     async def generate(self, spec: GenerationSpec, stream: bool = False) -> AsyncIterator[CompletionResult]:
         loop = asyncio.get_running_loop()
@@ -214,7 +236,13 @@ class ReferenceEngine(RolloutEngine):
         assert staged is not None, "_swap without a verified _stage"
         start = time.perf_counter()
         with self._model_lock:
-            self.model.load_state_dict(dict(staged.named()), strict=False)
+            named = dict(staged.named())
+            load = named
+            if fault := self._fault_at(version):
+                current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                load = corrupt_update(fault, named, current, self._previous_update)
+            self.model.load_state_dict(load, strict=False)
+            self._previous_update = named if self._fault is not None else None
             self.weight_version = version
         return "", time.perf_counter() - start
 

@@ -153,21 +153,28 @@ class _Scorer:
         self.params = dict(lm.named_parameters())
         self.device = next(lm.parameters()).device
         self.loaded: tuple | None = None
+        self.dirty: set[str] | None = None  # the tensors the loaded change made differ from the history
         self.torch = torch
 
     def load(self, version: int, change: Callable[[dict], dict] | None = None, key: Any = None) -> bool:
+        """The history's weights of `version`, with `change` applied (`key` names the change).
+        Between changes of one version only the tensors a change touches are copied."""
         if self.loaded == (version, key):
             return True
         weights = self.history.get(version)
         if weights is None:
             return False
-        if change is not None:
-            weights = change(dict(weights))
+        changed = change(dict(weights)) if change is not None else weights
+        touched = {n for n, t in changed.items() if t is not weights.get(n)}
         with self.torch.no_grad():
-            for name, tensor in weights.items():
+            if self.loaded is not None and self.loaded[0] == version and self.dirty is not None:
+                names = self.dirty | touched  # restore the last change's tensors, apply this one's
+            else:
+                names = set(changed)
+            for name in names:
                 if name in self.params:
-                    self.params[name].copy_(tensor)
-        self.loaded = (version, key)
+                    self.params[name].copy_(changed[name] if name in changed else weights[name])
+        self.loaded, self.dirty = (version, key), touched
         return True
 
     def logits(self, sample: _Sample, prompt: list[int] | None = None) -> torch.Tensor:
@@ -287,14 +294,14 @@ def locate(
     ]
     if not samples:
         return None
-    # The trainer's logits at each sample's own versions (one forward per distinct version).
-    own: list[dict[int, torch.Tensor]] = []
-    for s in samples:
-        per = {}
-        for v in sorted(set(s.versions)):
-            scorer.load(v)
-            per[v] = scorer.logits(s)
-        own.append(per)
+    # The trainer's logits at each sample's own versions and one version older, one load per version.
+    own: list[dict[int, torch.Tensor]] = [{} for _ in samples]
+    wanted = {v - d for s in samples for v in s.versions for d in (0, 1) if history.get(v - d) is not None}
+    for v in sorted(wanted):
+        scorer.load(v)
+        for i, s in enumerate(samples):
+            if v in s.versions or v + 1 in s.versions:
+                own[i][v] = scorer.logits(s)
 
     def assemble(per_token: Callable[[int, _Sample], Sequence[float]]) -> list[float]:
         return [x for i, s in enumerate(samples) for x in per_token(i, s)]
@@ -403,7 +410,6 @@ def locate(
                 scorer.load(v, change, key)
                 per[v] = _chosen(scorer.logits(s), s, s.transform)
             out += [float(per[v][j]) for j, v in enumerate(s.versions)]
-        scorer.loaded = None
         return out
 
     def score_on(pred: list[float], n: int) -> float:
@@ -424,7 +430,6 @@ def locate(
     for a, b in _same_shaped_pairs(scorer.params):
         pred = changed_weights(lambda w, x=a, y=b: {**w, x: w[y], y: w[x]}, ("swap", a, b), n)
         offer("swapped_tensors", score_on(pred, n), f"{a} and {b} swapped")
-    scorer.loaded = None
 
     # The head, the positions, the context.
     head_bf16, untied = [], []
@@ -441,7 +446,6 @@ def locate(
     offer("bf16_lm_head", score(head_bf16), "the engine's head runs in bf16")
     if untied:
         offer("untied_head", score(untied), "the engine's head kept older weights than its input embeddings")
-    scorer.loaded = None
     rope = getattr(getattr(lm, "model", None), "rotary_emb", None)
     if rope is not None and hasattr(rope, "inv_freq"):
         original = rope.inv_freq.clone()
@@ -469,7 +473,6 @@ def locate(
         logits = scorer.stale_prefix_logits(s, s.versions[0]) if len(set(s.versions)) == 1 else None
         prefix += (_chosen(logits, s, s.transform).tolist() if logits is not None else
                    [base[j] for j, (o, _) in enumerate(_token_owner(samples)) if samples[o] is s])  # fmt: skip
-    scorer.loaded = None
     offer("stale_prefix_kv", score(prefix), "the prompt's KV matches the weights one version older")
 
     explained = max((v for v, _ in found.values()), default=0.0)

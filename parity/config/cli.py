@@ -26,7 +26,7 @@ from parity.config.schema import SECTIONS, ParityConfig
 SECTION_ORDER = ("run", "task", "model", "rollout", "trainer", "broadcast", "check", "observability")
 NAME_SHORTHANDS = {"model": "model.name", "task": "task.name"}
 SAMPLING_SHORTHANDS = {name: f"task.{name}" for name in ("max_tokens", "temperature", "top_p", "top_k")}
-TEST_ONLY_KEYS = frozenset({"rollout.enable_fault_injection"})
+TEST_ONLY_KEYS = frozenset({"rollout.enable_fault_injection", "rollout.fault"})
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,12 @@ class RolloutConfig(ServiceConfig):
         2.0, gt=0, description="Seconds between heartbeats (if the broadcast service does not say)."
     )
     enable_fault_injection: bool = Field(
-        False, description="Allow UpdateWeightsRequest.fault_corrupt_tensor (tests only)."
+        False, description="Allow UpdateWeightsRequest.fault_corrupt_tensor and rollout.fault (tests only)."
+    )
+    fault: str = Field(
+        "",
+        description="Tests only: '<class>@<version>' injects a parity fault (parity/faults.py) into the "
+        "reference engine from that weight version on; needs enable_fault_injection.",
     )
     shutdown_grace_s: float = Field(5.0, ge=0, description="Seconds in-flight RPCs get at shutdown.")
     engine_restart_attempts: int = Field(
@@ -200,6 +205,22 @@ class RolloutConfig(ServiceConfig):
         description="OpenAI endpoint: a group whose group_size episodes have not all finished this long "
         "after its first is dropped, never published (counted).",
     )
+
+    @model_validator(mode="after")
+    def _fault(self) -> RolloutConfig:
+        if not self.fault:
+            return self
+        from parity.faults import LIVE_FAULTS, parse_fault
+
+        if not self.enable_fault_injection:
+            raise ValueError("fault: needs fault injection enabled (rollout.enable_fault_injection true)")
+        spec = parse_fault(self.fault, source="fault")
+        if spec.fault.name not in LIVE_FAULTS or self.engine != "reference":
+            raise ValueError(
+                f"fault: {spec.fault.name!r} is injectable into the live reference engine only for "
+                f"{', '.join(LIVE_FAULTS)} with rollout.engine reference (parity check --faults runs every class)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _limits(self) -> RolloutConfig:

@@ -1,0 +1,71 @@
+"""A fault injected into a live `parity run` (real services, the reference engine, real Redis): the
+running gate stops the run at the first step that trains on a faulty token, the launcher exits
+non-zero with the gate's message, and the run directory holds the localisation naming the class."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from commands.run.supervisor import MARKER_ENV
+from trainer.mismatch_locate import MISMATCH_REPORT
+
+STEPS, FAULT_VERSION = 6, 2  # sync mode: version v is trained at step v + 1
+
+
+def _run(out: Path, fault: str, log_path: Path) -> subprocess.CompletedProcess:
+    flags = ["--skip_preflight", "--model", "tiny", "--mode", "sync", "--steps", str(STEPS),
+        "--groups_per_step", "2", "--group_size", "4", "--max_tokens", "8", "--eval_size", "0",
+        "--max_model_len", "256", "--startup_timeout_s", "300", "--out", str(out),
+        "--rollout.engine", "reference", "--rollout.enable_fault_injection", "true", "--rollout.fault", fault,
+    ]  # fmt: skip
+    env = {**os.environ, MARKER_ENV: f"faults-live-{os.getpid()}", "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "wb") as log_file:
+        return subprocess.run(
+            [sys.executable, "-m", "commands.main", "run", *flags],
+            stdout=log_file, stderr=subprocess.STDOUT, env=env, timeout=600,
+        )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_live_run_with_raw_logprobs_from_version_2_stops_at_step_3_and_names_the_fault(
+    tmp_path: Path,
+) -> None:
+    out, log_path = tmp_path / "run", tmp_path / "launcher.log"
+    proc = _run(out, f"raw_logprobs@{FAULT_VERSION}", log_path)
+    log = log_path.read_text(errors="replace")
+    assert proc.returncode != 0, log[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    gated = [r["mismatch_k3_own_version_informative"] for r in rows]
+    # Steps 1-2 trained versions 0-1 (clean, float32: far under 1e-6); step 3 the first faulty one.
+    assert len(rows) == FAULT_VERSION + 1, gated
+    assert all(v is not None and v < 1e-9 for v in gated[:FAULT_VERSION]), gated
+    assert gated[FAULT_VERSION] > 1e-3, gated
+    assert "running gate's threshold 1e-06" in log and "Localisation:" in log, log[-3000:]
+    report = json.loads((out / f"{MISMATCH_REPORT}.json").read_text())
+    assert report["candidates"][0]["fault"] == "raw_logprobs", report["candidates"][:3]
+    assert (out / f"{MISMATCH_REPORT}.png").exists()
+
+
+def test_a_fault_is_refused_without_fault_injection_and_outside_the_reference_engine(tmp_path: Path) -> None:
+    from parity.config import ParityConfig
+
+    def error(**rollout) -> str:
+        with pytest.raises(ValueError) as info:
+            ParityConfig.model_validate({"model": {"name": "tiny"}, "rollout": rollout})
+        return str(info.value)
+
+    assert "rollout.enable_fault_injection" in error(engine="reference", fault="raw_logprobs@2")
+    assert "rollout.engine reference" in error(enable_fault_injection=True, fault="raw_logprobs@2")
+    assert "unknown fault 'nope'" in error(engine="reference", enable_fault_injection=True, fault="nope@1")
+    assert "only for" in error(engine="reference", enable_fault_injection=True, fault="rope_theta@1")
+    ok = {"engine": "reference", "enable_fault_injection": True, "fault": "stale_weights@3"}
+    assert (
+        ParityConfig.model_validate({"model": {"name": "tiny"}, "rollout": ok}).rollout.fault
+        == "stale_weights@3"
+    )
