@@ -140,3 +140,21 @@ def test_running_gate_threshold_follows_the_numerics_unless_set() -> None:
         "check.gate_threshold",
     )
     assert ParityConfig.model_validate({"model": {"name": "tiny"}}).check.gate_steps == 1
+
+
+def test_with_bf16_parity_run_calibrates_the_running_gate_on_its_preflight() -> None:
+    from commands.run.launcher import gate_env
+    from parity.config import ParityConfig
+    from trainer.mismatch_gate import GATE_MARGIN
+
+    def config(**sections) -> ParityConfig:
+        return ParityConfig.model_validate({"model": {"name": "tiny"}, **sections})
+
+    preflight = {"ran": True, "report": {"rows": [{"stats": {"k3": 3e-2}}]}}
+    env = gate_env(config(rollout={"dtype": "bfloat16"}), preflight)
+    assert float(env["PARITY_CHECK_GATE_THRESHOLD"]) == pytest.approx(GATE_MARGIN * 3e-2)
+    quiet = {"ran": True, "report": {"rows": [{"stats": {"k3": 7e-4}}]}}  # 10x of it is under 1e-1
+    assert gate_env(config(rollout={"dtype": "bfloat16"}), quiet) == {}
+    assert gate_env(config(), preflight) == {}  # float32: the fixed 1e-6, not the preflight's
+    assert gate_env(config(rollout={"dtype": "bfloat16"}), {"ran": False}) == {}  # the trainer's 1e-1
+    assert gate_env(config(rollout={"dtype": "bfloat16"}, check={"gate_threshold": 5e-3}), preflight) == {}

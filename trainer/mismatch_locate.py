@@ -15,13 +15,16 @@ every version the tokens were sampled at). Output, a `MismatchReport`:
   distribution costs the cap), and 0 when it makes the mismatch worse. The tested
   changes are grids: temperature, top-k and top-p (one differing: that setting; several at once: a
   generation_config leak), repetition and presence penalties, raw logits, a bf16 head or bf16
-  weights, RoPE theta, a left-truncated prompt, every tensor kept at v-1 (one at a time), every
+  weights, RoPE theta, a left-truncated prompt, one tensor kept at v-1 (searched layer by layer), every
   same-shaped pair of tensors in a layer swapped, the whole model at v-1 (on every worker, or one),
   the prompt's KV at v-1, the first token at v-1, the newest tag for every token, logprobs shifted
   by one, the last token's logprob alone. A fault with no replay (the engine conditioned on other
   prompt tokens) scores by what nothing else explains.
 
-Costs: a few hundred forwards over at most `max_samples` samples; it runs only when the gate fires.
+Costs: it runs only when the gate acts. The tensor searches (whole layers at v-1, then each tensor
+of the two best layers; every same-shaped pair in a layer swapped) use `max_tensor_samples` samples
+and stop at `budget_s` (what was left out is logged); the rest is a few dozen forwards and the
+sampling grids over at most `max_samples` samples.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
     import torch
 
     from trainer.weight_history import WeightHistory
+
+log = logging.getLogger(__name__)
 
 UNREPLAYABLE = ("prompt_token_drift",)  # no replay can rebuild the context the engine saw
 TOP = 3
@@ -283,7 +290,8 @@ def locate(
     history: WeightHistory,
     groups: Sequence[Any],
     max_samples: int = 16,
-    max_tensor_samples: int = 4,
+    max_tensor_samples: int = 2,
+    budget_s: float = 60.0,
 ) -> MismatchReport | None:
     """The report for these groups, or None when no sample's versions are held by `history`."""
     import torch
@@ -419,17 +427,38 @@ def locate(
         return max(0.0, 1.0 - _distance(pred, rollout[:count]) / reference) if reference > 0 else 0.0
 
     offer("bf16_weights", score(changed_weights(_bf16, "bf16")), "the engine's weights are rounded to bf16")
+    # One tensor at v-1, or two swapped: a hierarchical search within a time budget. Whole layers at
+    # v-1 first; then each tensor of the two layers that explain most (and the tensors outside layers).
     n = min(max_tensor_samples, len(samples))
-    names = list(scorer.params)
-    for name in names:
-        previous = history.get(max(0, max(samples[0].versions) - 1))
-        if previous is None:
-            break
-        pred = changed_weights(lambda w, nm=name, pv=previous: {**w, nm: pv[nm]}, ("old", name), n)
-        offer("tensor_not_updated", score_on(pred, n), f"{name} kept its previous value")
+    deadline = time.monotonic() + budget_s
+    previous = history.get(max(0, max(samples[0].versions) - 1))
+    scanned, skipped = 0, 0
+
+    def stale(names: list[str], key: Any) -> float:
+        nonlocal scanned
+        scanned += 1
+        pred = changed_weights(lambda w, ns=names, pv=previous: {**w, **{m: pv[m] for m in ns}}, key, n)
+        return score_on(pred, n)
+
+    if previous is not None:
+        layers: dict[str, list[str]] = {}
+        outside: list[str] = []
+        for name in scorer.params:
+            (layers.setdefault(_layer_of(name), []) if _layer_of(name) else outside).append(name)
+        ranked = sorted(layers, key=lambda layer: -stale(layers[layer], ("layer", layer)))
+        for name in [*outside, *(m for layer in ranked[:2] for m in layers[layer])]:
+            if time.monotonic() > deadline:
+                skipped += 1
+                continue
+            offer("tensor_not_updated", stale([name], ("old", name)), f"{name} kept its previous value")
     for a, b in _same_shaped_pairs(scorer.params):
+        if time.monotonic() > deadline:
+            skipped += 1
+            continue
         pred = changed_weights(lambda w, x=a, y=b: {**w, x: w[y], y: w[x]}, ("swap", a, b), n)
         offer("swapped_tensors", score_on(pred, n), f"{a} and {b} swapped")
+    if skipped:
+        log.warning("mismatch localisation: %d tensor hypotheses left out after %.0f s", skipped, budget_s)
 
     # The head, the positions, the context.
     head_bf16, untied = [], []
@@ -525,6 +554,12 @@ def _is_first(index: int, samples: list[_Sample]) -> bool:
 
 def _shift(values: list[float]) -> list[float]:
     return [*values[1:], values[-1]] if values else values
+
+
+def _layer_of(name: str) -> str:
+    """'model.layers.3' for 'model.layers.3.mlp.down_proj.weight'; '' outside the decoder layers."""
+    head, sep, rest = name.partition(".layers.")
+    return f"{head}.layers.{rest.split('.', 1)[0]}" if sep else ""
 
 
 def _bf16(weights: dict) -> dict:

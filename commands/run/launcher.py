@@ -358,7 +358,9 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str], resume: Resu
             if resume:
                 # The trainer first: it restores the checkpoint and re-publishes its weights, so the
                 # rollout services catch up to them before their actors generate anything.
-                _start_trainer(sup, config_path, redis_url, token, run)
+                _start_trainer(
+                    sup, config_path, redis_url, token, run, gate_env(cfg, record.get("preflight"))
+                )
             rollouts = [f"rollout{i}" for i in range(run.rollout_workers)]
             for index, name in enumerate(rollouts):
                 instance = env_for("rollout", worker_id=name, worker_index=index, auth_token=token)
@@ -390,7 +392,9 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str], resume: Resu
                 if cfg.task.eval_size:
                     evals.append(run_eval(cfg, task, sup.children[rollouts[0]].address, "before", step=0))
                     _write_json(run_dir / EVAL_BEFORE, evals[0])
-                _start_trainer(sup, config_path, redis_url, token, run)
+                _start_trainer(
+                    sup, config_path, redis_url, token, run, gate_env(cfg, record.get("preflight"))
+                )
             for result in evals:
                 trackers.evaluation(result)
             trackers.steps(lineage)  # a resumed run's steps, replayed into this launch's tracker runs
@@ -435,10 +439,26 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str], resume: Resu
     return 0
 
 
-def _start_trainer(sup: Supervisor, config_path: Path, redis_url: str, token: str, run) -> None:
-    sup.start(TRAINER, TRAINER, _child_env(config_path, redis_url, env_for("trainer", auth_token=token)))
+def _start_trainer(
+    sup: Supervisor, config_path: Path, redis_url: str, token: str, run, gate: dict[str, str] | None = None
+) -> None:
+    env = {**_child_env(config_path, redis_url, env_for("trainer", auth_token=token)), **(gate or {})}
+    sup.start(TRAINER, TRAINER, env)
     log("trainer starting")
     sup.wait_ready([TRAINER], run.startup_timeout_s)
+
+
+def gate_env(cfg: ParityConfig, preflight_record: dict | None) -> dict[str, str]:
+    """The trainer's running-gate threshold when it comes from the preflight (reduced precision and
+    check.gate_threshold unset): GATE_MARGIN x the clean k3 the preflight measured. Else nothing."""
+    from trainer.mismatch_gate import running_threshold
+
+    report = (preflight_record or {}).get("report") or {}
+    rows = report.get("rows") or []
+    k3 = rows[0].get("stats", {}).get("k3") if rows and isinstance(rows[0], dict) else None
+    value, source = running_threshold(cfg, k3 if isinstance(k3, int | float) else None)
+    log(f"running mismatch gate: k3 above {value:g} ({source})")
+    return env_for("check", gate_threshold=value) if "x the preflight's k3" in source else {}
 
 
 def _preflight_word(preflight_record: dict | None) -> str:

@@ -45,8 +45,9 @@ class CheckConfig(Section):
         0.0,
         ge=0,
         description="The running gate's largest passing k3 per step. 0 (the default): 1e-6 when the rollouts "
-        "and the trainer both compute in float32, 1e-2 when either uses bf16 (docs/ab_study.md has the "
-        "measurements behind both).",
+        "and the trainer both compute in float32; with bf16 on either side, 1e-1, or 10x the k3 the "
+        "preflight measured on this engine and model where that is larger. docs/ab_study.md has the "
+        "measurements behind both.",
     )
     gate_steps: int = Field(
         1, ge=1, description="Consecutive measured steps over the threshold before the running gate acts."
