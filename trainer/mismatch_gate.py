@@ -64,10 +64,10 @@ def running_threshold(run_config, preflight_k3: float | None = None) -> tuple[fl
         )
         if is_reduced
     ]
-    if reduced and preflight_k3 is not None and math.isfinite(preflight_k3) and preflight_k3 > 0:
-        if GATE_MARGIN * preflight_k3 > REDUCED_PRECISION_THRESHOLD:
-            value = GATE_MARGIN * preflight_k3
-            return value, f"{GATE_MARGIN:g}x the preflight's k3 {preflight_k3:.2e} ({', '.join(reduced)})"
+    calibrated = preflight_k3 is not None and math.isfinite(preflight_k3) and preflight_k3 > 0
+    if reduced and calibrated and GATE_MARGIN * preflight_k3 > REDUCED_PRECISION_THRESHOLD:
+        value = GATE_MARGIN * preflight_k3
+        return value, f"{GATE_MARGIN:g}x the preflight's k3 {preflight_k3:.2e} ({', '.join(reduced)})"
     if reduced:
         return (
             REDUCED_PRECISION_THRESHOLD,
