@@ -207,7 +207,9 @@ def test_resumed_trainer_dropping_the_whole_backlog_does_not_stall_the_actor(
         queue.publish(_group(f"old{i}", [version, version]))
     dead = queue.read("trainer-0", count=8, block_ms=10)  # the killed trainer's reads ...
     queue.ack([e.entry_id for e in dead[:2]])  # ... and its step 1, never checkpointed
-    trainer = make_trainer(redis_url, tmp_path, steps=2, groups_per_step=2, max_lag=2)
+    # The groups' logprobs are made up, not a model's: the running gate would stop the trainer's
+    # thread at step 2. This test is about the backlog, so the gate only warns.
+    trainer = make_trainer(redis_url, tmp_path, steps=2, groups_per_step=2, max_lag=2, on_mismatch="warn")
     assert trainer.state.lost_versions == [[1, 1]] and trainer.state.weight_version == 2
     limit = backlog_limit(2, 2)
     stop = threading.Event()
