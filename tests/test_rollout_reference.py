@@ -12,7 +12,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -94,9 +93,7 @@ def test_reference_engine_is_the_trainers_numerics_and_updates_in_flight(
     while not switched and version < 4:
         version += 1
         new_state = perturbed_state_dict(tiny_model, seed=6 + version)
-        replies: list = []
-        worker = threading.Thread(target=lambda: replies.append(stub.Generate(request, timeout=120)))
-        worker.start()
+        reply = stub.Generate.future(request, timeout=120)
         while stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).num_running_requests == 0:
             time.sleep(0.02)
         time.sleep(0.05)
@@ -104,8 +101,7 @@ def test_reference_engine_is_the_trainers_numerics_and_updates_in_flight(
         update = push_weights(stub, new_state, version, metadata=bearer(TOKEN))
         stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), metadata=bearer(TOKEN))
         assert update.outcome == rollout_pb2.UPDATE_OUTCOME_APPLIED, update.error
-        worker.join(120)
-        for comp in replies[0].completions:  # a completion may end (EOS) before the update
+        for comp in reply.result().completions:  # a completion may end (EOS) before the update
             versions = list(comp.token_weight_versions)
             switch_at = versions.index(version) if version in versions else len(versions)
             assert versions == [version - 1] * switch_at + [version] * (len(versions) - switch_at)
