@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 ENV_VAR = "PARITY_FAULT"
+REPETITION_PENALTY = 1.3  # what repetition_penalty_unreplayed applies
+PRESENCE_PENALTY = 0.5  # what presence_penalty_unreplayed applies
 
 
 @dataclass(frozen=True)

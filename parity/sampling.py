@@ -15,6 +15,7 @@ Shapes: logits_TV is [tokens, vocab]. All functions are pure and differentiable 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -90,3 +91,27 @@ def token_logprobs(
     probs_TV = logprobs_TV.exp()
     entropy_T = -(probs_TV * torch.where(probs_TV > 0, logprobs_TV, torch.zeros_like(logprobs_TV))).sum(-1)
     return chosen_T, entropy_T
+
+
+def repetition_penalised(logits_1V: torch.Tensor, seen: Sequence[int], penalty: float) -> torch.Tensor:
+    """vLLM's repetition penalty on one row of logits: each token in `seen` (prompt and completion so
+    far) has a positive logit divided by `penalty`, a negative one multiplied. Returns a new row."""
+    import torch
+
+    out = logits_1V.clone()
+    if seen:
+        index = torch.tensor(sorted(set(seen)), device=out.device)
+        values = out[0, index]
+        out[0, index] = torch.where(values > 0, values / penalty, values * penalty)
+    return out
+
+
+def presence_penalised(logits_1V: torch.Tensor, seen: Sequence[int], penalty: float) -> torch.Tensor:
+    """vLLM's presence penalty on one row of logits: each token in `seen` (the completion so far)
+    loses `penalty`. Returns a new row."""
+    import torch
+
+    out = logits_1V.clone()
+    if seen:
+        out[0, torch.tensor(sorted(set(seen)), device=out.device)] -= penalty
+    return out

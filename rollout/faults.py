@@ -14,8 +14,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from parity.faults import ENV_VAR, FAULTS, Fault, FaultSpec, fault_from_env, parse_fault
-from parity.sampling import SamplingTransform, processed_logprobs
+from parity.faults import (
+    ENV_VAR,
+    FAULTS,
+    PRESENCE_PENALTY,
+    REPETITION_PENALTY,
+    Fault,
+    FaultSpec,
+    fault_from_env,
+    parse_fault,
+)
+from parity.sampling import (
+    SamplingTransform,
+    presence_penalised,
+    processed_logprobs,
+    repetition_penalised,
+)
 from parity.v1 import common_pb2, rollouts_pb2
 
 if TYPE_CHECKING:
@@ -128,9 +142,9 @@ class ReferenceEngine:
     def _penalise(self, logits_1V: torch.Tensor, row: Sequence[int], prompt_len: int) -> torch.Tensor:
         """The engine's penalties on the logits that follow `row` (none unless a penalty fault is on)."""
         if self._on("repetition_penalty_unreplayed"):
-            return _repetition_penalty(logits_1V, row)
+            return repetition_penalised(logits_1V, row, REPETITION_PENALTY)
         if self._on("presence_penalty_unreplayed") and len(row) > prompt_len:
-            return _presence_penalty(logits_1V, row[prompt_len:])
+            return presence_penalised(logits_1V, row[prompt_len:], PRESENCE_PENALTY)
         return logits_1V
 
     def sample(
@@ -213,25 +227,3 @@ class ReferenceEngine:
             )
         out.min_weight_version, out.max_weight_version = min(all_versions), max(all_versions)
         return out
-
-
-def _repetition_penalty(logits_1V: torch.Tensor, seen: Sequence[int], penalty: float = 1.3) -> torch.Tensor:
-    """vLLM's rule: a seen token's positive logit is divided by the penalty, a negative one multiplied."""
-    import torch
-
-    out = logits_1V.clone()
-    index = torch.tensor(sorted(set(seen)))
-    values = out[0, index]
-    out[0, index] = torch.where(values > 0, values / penalty, values * penalty)
-    return out
-
-
-def _presence_penalty(
-    logits_1V: torch.Tensor, completion: Sequence[int], penalty: float = 0.5
-) -> torch.Tensor:
-    """vLLM's rule: every token already in the completion loses `penalty` from its logit."""
-    import torch
-
-    out = logits_1V.clone()
-    out[0, torch.tensor(sorted(set(completion)))] -= penalty
-    return out

@@ -45,13 +45,10 @@ REDUCED_PRECISION_THRESHOLD = 1e-1
 GATE_MARGIN = 10.0  # x the preflight's clean k3 with reduced precision, where that exceeds 1e-1
 
 
-def running_threshold(run_config, preflight_k3: float | None = None) -> tuple[float, str]:
-    """(the running gate's threshold, where it comes from) for a ParityConfig; `preflight_k3` is the
-    clean mismatch the preflight measured on this engine and model (reduced precision uses it)."""
-    check, rollout, trainer = run_config.check, run_config.rollout, run_config.trainer
-    if check.gate_threshold > 0:
-        return check.gate_threshold, "check.gate_threshold"
-    reduced = [
+def _reduced_precision(run_config) -> list[str]:
+    """The settings that put reduced precision into the logprobs either side compares ([] if none)."""
+    rollout, trainer = run_config.rollout, run_config.trainer
+    return [
         name
         for name, is_reduced in (
             (f"rollout.dtype {rollout.dtype}", rollout.dtype != "float32"),
@@ -64,15 +61,29 @@ def running_threshold(run_config, preflight_k3: float | None = None) -> tuple[fl
         )
         if is_reduced
     ]
-    calibrated = preflight_k3 is not None and math.isfinite(preflight_k3) and preflight_k3 > 0
-    if reduced and calibrated and GATE_MARGIN * preflight_k3 > REDUCED_PRECISION_THRESHOLD:
-        value = GATE_MARGIN * preflight_k3
-        return value, f"{GATE_MARGIN:g}x the preflight's k3 {preflight_k3:.2e} ({', '.join(reduced)})"
+
+
+def calibrated_threshold(run_config, preflight_k3: float | None) -> float | None:
+    """GATE_MARGIN x the preflight's clean k3, where that sets the running gate: reduced precision,
+    check.gate_threshold unset, and the product above the reduced-precision default. Else None."""
+    if run_config.check.gate_threshold > 0 or not _reduced_precision(run_config):
+        return None
+    if preflight_k3 is None or not math.isfinite(preflight_k3) or preflight_k3 <= 0:
+        return None
+    value = GATE_MARGIN * preflight_k3
+    return value if value > REDUCED_PRECISION_THRESHOLD else None
+
+
+def running_threshold(run_config, preflight_k3: float | None = None) -> tuple[float, str]:
+    """(the running gate's threshold, where it comes from) for a ParityConfig; `preflight_k3` is the
+    clean mismatch the preflight measured on this engine and model (reduced precision uses it)."""
+    if run_config.check.gate_threshold > 0:
+        return run_config.check.gate_threshold, "check.gate_threshold"
+    reduced = ", ".join(_reduced_precision(run_config))
+    if (value := calibrated_threshold(run_config, preflight_k3)) is not None:
+        return value, f"{GATE_MARGIN:g}x the preflight's k3 {preflight_k3:.2e} ({reduced})"
     if reduced:
-        return (
-            REDUCED_PRECISION_THRESHOLD,
-            f"default for reduced precision without a preflight ({', '.join(reduced)})",
-        )
+        return REDUCED_PRECISION_THRESHOLD, f"default for reduced precision without a preflight ({reduced})"
     return FLOAT32_THRESHOLD, "default for float32 rollouts and trainer"
 
 

@@ -42,7 +42,12 @@ from typing import TYPE_CHECKING, Any
 
 from parity import mismatch
 from parity.faults import FAULTS
-from parity.sampling import SamplingTransform, processed_logprobs
+from parity.sampling import (
+    SamplingTransform,
+    presence_penalised,
+    processed_logprobs,
+    repetition_penalised,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -232,17 +237,12 @@ def _penalised_logprobs(logits_LV: torch.Tensor, sample: _Sample, kind: str, val
 
     out = []
     for j in sample.model_at:
-        row_1V = logits_LV[j : j + 1].clone()
-        seen = sample.completion[:j] if kind == "presence" else sample.prompt + sample.completion[:j]
-        if seen:
-            index = torch.tensor(sorted(set(seen)), device=row_1V.device)
-            vals = row_1V[0, index]
-            if kind == "presence":
-                row_1V[0, index] = vals - value
-            else:
-                row_1V[0, index] = torch.where(vals > 0, vals / value, vals * value)
-        lp = processed_logprobs(row_1V, sample.transform)[0, sample.completion[j]]
-        out.append(lp)
+        row_1V = logits_LV[j : j + 1]
+        if kind == "presence":
+            row_1V = presence_penalised(row_1V, sample.completion[:j], value)
+        else:
+            row_1V = repetition_penalised(row_1V, sample.prompt + sample.completion[:j], value)
+        out.append(processed_logprobs(row_1V, sample.transform)[0, sample.completion[j]])
     return torch.stack(out).cpu()
 
 
@@ -294,241 +294,287 @@ def locate(
     budget_s: float = 60.0,
 ) -> MismatchReport | None:
     """The report for these groups, or None when no sample's versions are held by `history`."""
-    import torch
-
-    scorer = _Scorer(lm, history)
     samples = [
         s for s in samples_of(groups, max_samples) if all(history.get(v) is not None for v in set(s.versions))
     ]
     if not samples:
         return None
-    # The trainer's logits at each sample's own versions and one version older, one load per version.
-    own: list[dict[int, torch.Tensor]] = [{} for _ in samples]
-    wanted = {v - d for s in samples for v in s.versions for d in (0, 1) if history.get(v - d) is not None}
-    for v in sorted(wanted):
-        scorer.load(v)
-        for i, s in enumerate(samples):
-            if v in s.versions or v + 1 in s.versions:
-                own[i][v] = scorer.logits(s)
-
-    def assemble(per_token: Callable[[int, _Sample], Sequence[float]]) -> list[float]:
-        return [x for i, s in enumerate(samples) for x in per_token(i, s)]
-
-    def at_own(i: int, s: _Sample, transform=None, versions=None) -> list[float]:
-        versions = versions or s.versions
-        out = []
-        for v in sorted(set(versions)):
-            lp = _chosen(
-                own[i][v] if v in own[i] else _load_logits(scorer, s, v), s, transform or s.transform
-            )
-            out.append((v, lp))
-        return [float(dict(out)[v][j]) for j, v in enumerate(versions)]
-
-    rollout = assemble(lambda i, s: s.rollout)
-    base = assemble(lambda i, s: at_own(i, s))
-    report = MismatchReport(tokens=len(rollout), k3=mismatch.mismatch_stats(base, rollout).k3)
-    _where(report, samples, base)
-    base_distance = _distance(base, rollout)
-    if base_distance <= 0:
+    hypotheses = _Hypotheses(_Scorer(lm, history), samples)
+    report = MismatchReport(
+        tokens=len(hypotheses.rollout), k3=mismatch.mismatch_stats(hypotheses.base, hypotheses.rollout).k3
+    )
+    _where(report, samples, hypotheses.base, hypotheses.owner)
+    if hypotheses.base_distance <= 0:
         return report
+    hypotheses.logprob_reporting()
+    hypotheses.sampling_replay()
+    hypotheses.penalties()
+    hypotheses.versions()
+    hypotheses.tensors(max_tensor_samples, budget_s)
+    hypotheses.head()
+    hypotheses.context()
+    hypotheses.unreplayable()
+    report.candidates = sorted(
+        (Candidate(f, round(v, 4), e) for f, (v, e) in hypotheses.found.items()), key=lambda c: -c.score
+    )
+    return report
 
-    def score(pred: list[float]) -> float:
-        return max(0.0, 1.0 - _distance(pred, rollout) / base_distance)
 
-    found: dict[str, tuple[float, str]] = {}
+class _Hypotheses:
+    """Each fault family's replays over the samples, scored against the engine's logprobs.
 
-    def offer(fault: str, value: float, evidence: str) -> None:
-        if fault in FAULTS and value > found.get(fault, (-1.0, ""))[0]:
-            found[fault] = (value, evidence)
+    Per-token lists run over every sample's model tokens in order (`owner[k]` = (sample, token))."""
 
-    # Logprob reporting.
-    offer("raw_logprobs", score(assemble(lambda i, s: _chosen(own[i][s.versions[0]], s, None).tolist()
-                                          if len(set(s.versions)) == 1 else at_own(i, s))),
-          "the engine's logprobs equal the raw log-softmax")  # fmt: skip
-    shifted = assemble(lambda i, s: _shift(at_own(i, s)))
-    offer("logprobs_shifted", score(shifted), "token i carries token i+1's logprob")
-    last = [j for j, (i, s) in enumerate(_token_owner(samples)) if _is_last(j, samples)]
-    zeros = sum(rollout[j] == 0.0 and base[j] < 0 for j in last)
-    without_last = [rollout[j] if j in set(last) else base[j] for j in range(len(base))]
-    last_share = score(without_last)
-    if last and zeros >= 0.9 * len(last):
-        offer("last_logprob_dropped", last_share, f"{zeros} of {len(last)} last-token logprobs are exactly 0")
-    else:
-        offer("last_logprob_perturbed", last_share, "the mismatch is on each sample's last token")
-    offer("last_logprob_dropped", 0.5 * last_share * zeros / max(1, len(last)), "last-token logprobs read 0")
+    def __init__(self, scorer: _Scorer, samples: list[_Sample]) -> None:
+        self.scorer, self.samples, self.history = scorer, samples, scorer.history
+        self.owner = [(i, j) for i, s in enumerate(samples) for j in range(len(s.rollout))]
+        self.first = {k for k, (_, j) in enumerate(self.owner) if j == 0}
+        self.last = {k for k, (i, j) in enumerate(self.owner) if j == len(samples[i].rollout) - 1}
+        # The trainer's logits at each sample's own versions and one version older, one load per version.
+        self.own: list[dict[int, torch.Tensor]] = [{} for _ in samples]
+        wanted = {
+            v - d for s in samples for v in s.versions for d in (0, 1) if self.history.get(v - d) is not None
+        }
+        for v in sorted(wanted):
+            scorer.load(v)
+            for i, s in enumerate(samples):
+                if v in s.versions or v + 1 in s.versions:
+                    self.own[i][v] = scorer.logits(s)
+        self.rollout = self.assemble(lambda i, s: s.rollout)
+        self.base = self.assemble(lambda i, s: self.at_own(i, s))
+        self.base_distance = _distance(self.base, self.rollout)
+        self.found: dict[str, tuple[float, str]] = {}
 
-    # Sampling replay: one grid over temperature, top-k and top-p per sampling setting.
-    best: dict[str, tuple[float, SamplingTransform | None]] = {}
-    settings = sorted({s.transform for s in samples}, key=str)
-    if len(settings) == 1:
+    def assemble(self, per_sample: Callable[[int, _Sample], Sequence[float]]) -> list[float]:
+        return [x for i, s in enumerate(self.samples) for x in per_sample(i, s)]
+
+    def at_own(self, i: int, s: _Sample, transform=None, versions=None) -> list[float]:
+        """Sample i's logprobs, each token at its version in `versions` (default: its own)."""
+        versions = versions or s.versions
+        per_version = {}
+        for v in set(versions):
+            if v not in self.own[i]:
+                self.scorer.load(v)
+                self.own[i][v] = self.scorer.logits(s)
+            per_version[v] = _chosen(self.own[i][v], s, transform or s.transform)
+        return [float(per_version[v][j]) for j, v in enumerate(versions)]
+
+    def single_version(self, i: int, s: _Sample, logprobs: Callable[[torch.Tensor], Any]) -> list[float]:
+        """`logprobs(logits)` at the sample's version where it has one; its own logprobs where not."""
+        if len(set(s.versions)) > 1:
+            return self.at_own(i, s)
+        return logprobs(self.own[i][s.versions[0]]).tolist()
+
+    def score(self, pred: list[float]) -> float:
+        return max(0.0, 1.0 - _distance(pred, self.rollout) / self.base_distance)
+
+    def offer(self, fault: str, value: float, evidence: str) -> None:
+        if fault in FAULTS and value > self.found.get(fault, (-1.0, ""))[0]:
+            self.found[fault] = (value, evidence)
+
+    def mixed(self, other: list[float], where: Callable[[int], bool]) -> list[float]:
+        """`other` at the tokens `where` names, the trainer's own elsewhere."""
+        return [other[k] if where(k) else self.base[k] for k in range(len(self.base))]
+
+    def logprob_reporting(self) -> None:
+        raw = self.assemble(lambda i, s: self.single_version(i, s, lambda logits: _chosen(logits, s, None)))
+        self.offer("raw_logprobs", self.score(raw), "the engine's logprobs equal the raw log-softmax")
+        shifted = self.assemble(lambda i, s: _shift(self.at_own(i, s)))
+        self.offer("logprobs_shifted", self.score(shifted), "token i carries token i+1's logprob")
+        zeros = sum(self.rollout[k] == 0.0 and self.base[k] < 0 for k in self.last)
+        last_share = self.score(self.mixed(self.rollout, lambda k: k in self.last))
+        if self.last and zeros >= 0.9 * len(self.last):
+            evidence = f"{zeros} of {len(self.last)} last-token logprobs are exactly 0"
+            self.offer("last_logprob_dropped", last_share, evidence)
+        else:
+            self.offer("last_logprob_perturbed", last_share, "the mismatch is on each sample's last token")
+        share_zero = zeros / max(1, len(self.last))
+        self.offer("last_logprob_dropped", 0.5 * last_share * share_zero, "last-token logprobs read 0")
+
+    def sampling_replay(self) -> None:
+        """One grid over temperature, top-k and top-p, where the samples share one setting."""
+        settings = sorted({s.transform for s in self.samples}, key=str)
+        if len(settings) != 1:
+            return
         requested = settings[0]
+        best: dict[str, tuple[float, SamplingTransform | None]] = {}
+        single = {"temperature": "temperature_replay", "top_k": "top_k_replay", "top_p": "top_p_replay"}
         for candidate in _transform_grid(requested):
-            value = score(assemble(lambda i, s, c=candidate: at_own(i, s, transform=c)))
+            value = self.score(self.assemble(lambda i, s, c=candidate: self.at_own(i, s, transform=c)))
             changed = _differs(candidate, requested)
-            fault = {"temperature": "temperature_replay", "top_k": "top_k_replay", "top_p": "top_p_replay"}[
-                changed[0]] if len(changed) == 1 else "generation_config_leak"  # fmt: skip
+            fault = single[changed[0]] if len(changed) == 1 else "generation_config_leak"
             if len(changed) > 1:  # parsimony: several settings at once must explain clearly more
                 value -= PARSIMONY
             if value > best.get(fault, (-1.0, None))[0]:
                 best[fault] = (value, candidate)
         for fault, (value, candidate) in best.items():
-            offer(
-                fault,
-                value,
-                f"the engine sampled with {_describe(candidate)} (requested {_describe(requested)})",
+            evidence = f"the engine sampled with {_describe(candidate)} (requested {_describe(requested)})"
+            self.offer(fault, value, evidence)
+
+    def penalties(self) -> None:
+        for kind, fault, grid in (
+            ("repetition", "repetition_penalty_unreplayed", (1.05, 1.1, 1.2, 1.3, 1.5, 2.0)),
+            ("presence", "presence_penalty_unreplayed", (0.1, 0.25, 0.5, 1.0, 1.5, 2.0)),
+        ):
+            for value in grid:
+                pred = self.assemble(
+                    lambda i, s, k=kind, x=value: self.single_version(
+                        i, s, lambda logits: _penalised_logprobs(logits, s, k, x)
+                    )
+                )
+                self.offer(fault, self.score(pred), f"an unreplayed {kind} penalty of {value:g}")
+
+    def versions(self) -> None:
+        """Tags, and whole models one version older (every worker, one worker, first tokens)."""
+        newest = self.assemble(lambda i, s: self.at_own(i, s, versions=[max(s.versions)] * len(s.versions)))
+        evidence = "tokens tagged older than their sample match its newest weights"
+        self.offer("wrong_version_tag", self.score(newest), evidence)
+
+        def one_older(i: int, s: _Sample) -> list[float]:
+            older = [max(0, v - 1) for v in s.versions]
+            if any(self.history.get(v) is None for v in older):
+                return self.at_own(i, s)
+            return self.at_own(i, s, versions=older)
+
+        older = self.assemble(one_older)
+        evidence = "every worker's tokens match the weights one version older"
+        self.offer("stale_weights", self.score(older), evidence)
+        workers = sorted({s.worker for s in self.samples})
+        for w in workers if len(workers) > 1 else []:
+            pred = self.mixed(older, lambda k, w=w: self.samples[self.owner[k][0]].worker == w)
+            self.offer(
+                "one_worker_not_updated",
+                self.score(pred),
+                f"{w}'s tokens match the weights one version older",
             )
-    for kind, fault, grid in (
-        ("repetition", "repetition_penalty_unreplayed", (1.05, 1.1, 1.2, 1.3, 1.5, 2.0)),
-        ("presence", "presence_penalty_unreplayed", (0.1, 0.25, 0.5, 1.0, 1.5, 2.0)),
-    ):
-        for value in grid:
-            pred = assemble(lambda i, s, k=kind, x=value: _penalised_logprobs(own[i][s.versions[0]], s, k, x).tolist()
-                            if len(set(s.versions)) == 1 else at_own(i, s))  # fmt: skip
-            offer(fault, score(pred), f"an unreplayed {kind} penalty of {value:g}")
+        first_old = self.mixed(older, lambda k: k in self.first)
+        evidence = "each sample's first token matches the weights one version older"
+        self.offer("async_first_token", self.score(first_old), evidence)
 
-    # Weights and versions.
-    newest = assemble(lambda i, s: at_own(i, s, versions=[max(s.versions)] * len(s.versions)))
-    offer(
-        "wrong_version_tag", score(newest), "tokens tagged older than their sample match its newest weights"
-    )
-    older = assemble(lambda i, s: at_own(i, s, versions=[max(0, v - 1) for v in s.versions])
-                     if all(history.get(max(0, v - 1)) is not None for v in s.versions) else at_own(i, s))  # fmt: skip
-    offer("stale_weights", score(older), "every worker's tokens match the weights one version older")
-    workers = sorted({s.worker for s in samples})
-    if len(workers) > 1:
-        for w in workers:
-            mixed = [
-                older[j] if samples[owner].worker == w else base[j]
-                for j, (owner, _) in enumerate(_token_owner(samples))
-            ]
-            offer("one_worker_not_updated", score(mixed), f"{w}'s tokens match the weights one version older")
-    first = [j for j in range(len(base)) if _is_first(j, samples)]
-    first_old = [older[j] if j in set(first) else base[j] for j in range(len(base))]
-    offer(
-        "async_first_token",
-        score(first_old),
-        "each sample's first token matches the weights one version older",
-    )
-
-    def changed_weights(change: Callable[[dict], dict], key: Any, n: int | None = None) -> list[float]:
+    def changed_weights(self, change: Callable[[dict], dict], key: Any, n: int) -> list[float]:
+        """The first n samples' logprobs with `change` applied to every version's weights."""
         out = []
-        for _i, s in enumerate(samples[: n or len(samples)]):
+        for s in self.samples[:n]:
             per = {}
             for v in sorted(set(s.versions)):
-                scorer.load(v, change, key)
-                per[v] = _chosen(scorer.logits(s), s, s.transform)
+                self.scorer.load(v, change, key)
+                per[v] = _chosen(self.scorer.logits(s), s, s.transform)
             out += [float(per[v][j]) for j, v in enumerate(s.versions)]
         return out
 
-    def score_on(pred: list[float], n: int) -> float:
+    def score_on(self, pred: list[float], n: int) -> float:
         """The share explained over the first n samples' tokens."""
-        count = sum(len(s.rollout) for s in samples[:n])
-        reference = _distance(base[:count], rollout[:count])
-        return max(0.0, 1.0 - _distance(pred, rollout[:count]) / reference) if reference > 0 else 0.0
+        count = sum(len(s.rollout) for s in self.samples[:n])
+        reference = _distance(self.base[:count], self.rollout[:count])
+        return max(0.0, 1.0 - _distance(pred, self.rollout[:count]) / reference) if reference > 0 else 0.0
 
-    offer("bf16_weights", score(changed_weights(_bf16, "bf16")), "the engine's weights are rounded to bf16")
-    # One tensor at v-1, or two swapped: a hierarchical search within a time budget. Whole layers at
-    # v-1 first; then each tensor of the two layers that explain most (and the tensors outside layers).
-    n = min(max_tensor_samples, len(samples))
-    deadline = time.monotonic() + budget_s
-    previous = history.get(max(0, max(samples[0].versions) - 1))
-    scanned, skipped = 0, 0
+    def tensors(self, max_tensor_samples: int, budget_s: float) -> None:
+        """bf16 weights; one tensor at v-1 or two swapped: a hierarchical search within a time budget.
+        Whole layers at v-1 first; then each tensor of the two layers that explain most (and the
+        tensors outside layers); then every same-shaped pair within a layer swapped."""
+        everything = len(self.samples)
+        bf16 = self.changed_weights(_bf16, "bf16", everything)
+        self.offer("bf16_weights", self.score(bf16), "the engine's weights are rounded to bf16")
+        n = min(max_tensor_samples, everything)
+        deadline = time.monotonic() + budget_s
+        previous = self.history.get(max(0, max(self.samples[0].versions) - 1))
+        skipped = 0
 
-    def stale(names: list[str], key: Any) -> float:
-        nonlocal scanned
-        scanned += 1
-        pred = changed_weights(lambda w, ns=names, pv=previous: {**w, **{m: pv[m] for m in ns}}, key, n)
-        return score_on(pred, n)
+        def stale(names: list[str], key: Any) -> float:
+            pred = self.changed_weights(lambda w: {**w, **{m: previous[m] for m in names}}, key, n)
+            return self.score_on(pred, n)
 
-    if previous is not None:
-        layers: dict[str, list[str]] = {}
-        outside: list[str] = []
-        for name in scorer.params:
-            (layers.setdefault(_layer_of(name), []) if _layer_of(name) else outside).append(name)
-        ranked = sorted(layers, key=lambda layer: -stale(layers[layer], ("layer", layer)))
-        for name in [*outside, *(m for layer in ranked[:2] for m in layers[layer])]:
+        if previous is not None:
+            layers: dict[str, list[str]] = {}
+            outside: list[str] = []
+            for name in self.scorer.params:
+                (layers.setdefault(_layer_of(name), []) if _layer_of(name) else outside).append(name)
+            ranked = sorted(layers, key=lambda layer: -stale(layers[layer], ("layer", layer)))
+            for name in [*outside, *(m for layer in ranked[:2] for m in layers[layer])]:
+                if time.monotonic() > deadline:
+                    skipped += 1
+                    continue
+                self.offer(
+                    "tensor_not_updated", stale([name], ("old", name)), f"{name} kept its previous value"
+                )
+        for a, b in _same_shaped_pairs(self.scorer.params):
             if time.monotonic() > deadline:
                 skipped += 1
                 continue
-            offer("tensor_not_updated", stale([name], ("old", name)), f"{name} kept its previous value")
-    for a, b in _same_shaped_pairs(scorer.params):
-        if time.monotonic() > deadline:
-            skipped += 1
-            continue
-        pred = changed_weights(lambda w, x=a, y=b: {**w, x: w[y], y: w[x]}, ("swap", a, b), n)
-        offer("swapped_tensors", score_on(pred, n), f"{a} and {b} swapped")
-    if skipped:
-        log.warning("mismatch localisation: %d tensor hypotheses left out after %.0f s", skipped, budget_s)
-
-    # The head, the positions, the context.
-    head_bf16, untied = [], []
-    for _i, s in enumerate(samples):
-        v = s.versions[0]
-        scorer.load(v)
-        hidden, head = scorer.hidden_and_head(s)
-        head_bf16 += _chosen((hidden.bfloat16() @ head.bfloat16().T).float(), s, s.transform).tolist()
-        previous = history.get(max(0, v - 1))
-        embed_name = _input_embedding_name(scorer)
-        if previous is not None and embed_name in previous and _tied(scorer.lm):
-            old_head = previous[embed_name].to(hidden.device).float()
-            untied += _chosen(hidden @ old_head.T, s, s.transform).tolist()
-    offer("bf16_lm_head", score(head_bf16), "the engine's head runs in bf16")
-    if untied:
-        offer("untied_head", score(untied), "the engine's head kept older weights than its input embeddings")
-    rope = getattr(getattr(lm, "model", None), "rotary_emb", None)
-    if rope is not None and hasattr(rope, "inv_freq"):
-        original = rope.inv_freq.clone()
-        for factor in (0.5, 2.0, 4.0, 10.0):
-            with torch.no_grad():
-                rope.inv_freq.copy_(original * factor ** -_exponents(original))
-            pred = assemble(lambda i, s: _single_version(scorer, s, lambda: scorer.logits(s)))
-            offer("rope_theta", score(pred), f"the engine's RoPE theta is {factor:g}x the trainer's")
-        with torch.no_grad():
-            rope.inv_freq.copy_(original)
-    truncated = []
-    for keep_fraction in (0.25, 0.5, 0.75):
-        pred = assemble(
-            lambda i, s, f=keep_fraction: _single_version(
-                scorer,
-                s,
-                lambda: scorer.logits(s, s.prompt[len(s.prompt) - max(1, math.ceil(len(s.prompt) * f)) :]),
+            pred = self.changed_weights(lambda w, x=a, y=b: {**w, x: w[y], y: w[x]}, ("swap", a, b), n)
+            self.offer("swapped_tensors", self.score_on(pred, n), f"{a} and {b} swapped")
+        if skipped:
+            log.warning(
+                "mismatch localisation: %d tensor hypotheses left out after %.0f s", skipped, budget_s
             )
-        )
-        truncated.append((score(pred), keep_fraction))
-    value, fraction = max(truncated)
-    offer("truncated_context", value, f"the engine saw only the last {fraction:.0%} of each prompt")
-    prefix = []
-    for s in samples:
-        logits = scorer.stale_prefix_logits(s, s.versions[0]) if len(set(s.versions)) == 1 else None
-        prefix += (_chosen(logits, s, s.transform).tolist() if logits is not None else
-                   [base[j] for j, (o, _) in enumerate(_token_owner(samples)) if samples[o] is s])  # fmt: skip
-    offer("stale_prefix_kv", score(prefix), "the prompt's KV matches the weights one version older")
 
-    explained = max((v for v, _ in found.values()), default=0.0)
-    for fault in UNREPLAYABLE:
-        offer(
-            fault,
-            0.5 * (1.0 - explained),
-            "no replay explains it: the engine may have seen other prompt tokens",
-        )
-    report.candidates = sorted(
-        (Candidate(f, round(v, 4), e) for f, (v, e) in found.items()), key=lambda c: -c.score
-    )
-    return report
+    def head(self) -> None:
+        """The head in bf16, or kept at v-1 while the (tied) input embeddings moved on."""
+        head_bf16, untied = [], []
+        embed_name = _input_embedding_name(self.scorer)
+        tied = _tied(self.scorer.lm)
+        for s in self.samples:
+            v = s.versions[0]
+            self.scorer.load(v)
+            hidden, head = self.scorer.hidden_and_head(s)
+            head_bf16 += _chosen((hidden.bfloat16() @ head.bfloat16().T).float(), s, s.transform).tolist()
+            previous = self.history.get(max(0, v - 1))
+            if previous is not None and embed_name in previous and tied:
+                old_head = previous[embed_name].to(hidden.device).float()
+                untied += _chosen(hidden @ old_head.T, s, s.transform).tolist()
+        self.offer("bf16_lm_head", self.score(head_bf16), "the engine's head runs in bf16")
+        if untied:
+            evidence = "the engine's head kept older weights than its input embeddings"
+            self.offer("untied_head", self.score(untied), evidence)
 
+    def context(self) -> None:
+        """RoPE theta, a left-truncated prompt, the prompt's KV from the previous version."""
+        import torch
 
-def _load_logits(scorer: _Scorer, s: _Sample, version: int):
-    scorer.load(version)
-    return scorer.logits(s)
+        scorer = self.scorer
+        rope = getattr(getattr(scorer.lm, "model", None), "rotary_emb", None)
+        if rope is not None and hasattr(rope, "inv_freq"):
+            original = rope.inv_freq.clone()
+            for factor in (0.5, 2.0, 4.0, 10.0):
+                with torch.no_grad():
+                    rope.inv_freq.copy_(original * factor ** -_exponents(original))
+                pred = self.assemble(lambda i, s: self.fresh(s, lambda: scorer.logits(s)))
+                self.offer(
+                    "rope_theta", self.score(pred), f"the engine's RoPE theta is {factor:g}x the trainer's"
+                )
+            with torch.no_grad():
+                rope.inv_freq.copy_(original)
+        truncated = []
+        for keep in (0.25, 0.5, 0.75):
 
+            def kept(s: _Sample, f: float = keep) -> list[int]:
+                return s.prompt[len(s.prompt) - max(1, math.ceil(len(s.prompt) * f)) :]
 
-def _single_version(scorer: _Scorer, s: _Sample, logits: Callable[[], Any]) -> list[float]:
-    """The sample's logprobs from `logits()` at its (single) version; its own where it has several."""
-    v = s.versions[0]
-    scorer.load(v)
-    if len(set(s.versions)) > 1:
-        return [float("nan")] * len(s.versions)
-    return _chosen(logits(), s, s.transform).tolist()
+            pred = self.assemble(lambda i, s, kept=kept: self.fresh(s, lambda: scorer.logits(s, kept(s))))
+            truncated.append((self.score(pred), keep))
+        value, fraction = max(truncated)
+        self.offer("truncated_context", value, f"the engine saw only the last {fraction:.0%} of each prompt")
+        prefix = []
+        for i, s in enumerate(self.samples):
+            logits = scorer.stale_prefix_logits(s, s.versions[0]) if len(set(s.versions)) == 1 else None
+            prefix += _chosen(logits, s, s.transform).tolist() if logits is not None else self.at_own(i, s)
+        evidence = "the prompt's KV matches the weights one version older"
+        self.offer("stale_prefix_kv", self.score(prefix), evidence)
+
+    def fresh(self, s: _Sample, logits: Callable[[], torch.Tensor]) -> list[float]:
+        """The sample's logprobs from a new forward `logits()` at its (single) version; NaN per token
+        where it has several (a changed model config is not replayed across a weight switch)."""
+        if len(set(s.versions)) > 1:
+            return [float("nan")] * len(s.versions)
+        self.scorer.load(s.versions[0])
+        return _chosen(logits(), s, s.transform).tolist()
+
+    def unreplayable(self) -> None:
+        """A fault with no replay scores by what nothing else explains."""
+        explained = max((v for v, _ in self.found.values()), default=0.0)
+        for fault in UNREPLAYABLE:
+            evidence = "no replay explains it: the engine may have seen other prompt tokens"
+            self.offer(fault, 0.5 * (1.0 - explained), evidence)
 
 
 def _exponents(inv_freq):
@@ -537,19 +583,6 @@ def _exponents(inv_freq):
 
     n = inv_freq.numel()
     return torch.arange(0, 2 * n, 2, dtype=torch.float32, device=inv_freq.device) / (2 * n)
-
-
-def _token_owner(samples: list[_Sample]) -> list[tuple[int, int]]:
-    return [(i, j) for i, s in enumerate(samples) for j in range(len(s.rollout))]
-
-
-def _is_last(index: int, samples: list[_Sample]) -> bool:
-    i, j = _token_owner(samples)[index]
-    return j == len(samples[i].rollout) - 1
-
-
-def _is_first(index: int, samples: list[_Sample]) -> bool:
-    return _token_owner(samples)[index][1] == 0
 
 
 def _shift(values: list[float]) -> list[float]:
@@ -590,9 +623,10 @@ def _describe(t: SamplingTransform | None) -> str:
     return f"temperature {t.temperature:g}, top_k {t.top_k}, top_p {t.top_p:g}"
 
 
-def _where(report: MismatchReport, samples: list[_Sample], base: list[float]) -> None:
+def _where(
+    report: MismatchReport, samples: list[_Sample], base: list[float], owner: list[tuple[int, int]]
+) -> None:
     """The mismatch by position, worker, version, tag age and sampling setting."""
-    owner = _token_owner(samples)
     rollout = [x for s in samples for x in s.rollout]
 
     def table(key: Callable[[int, int], str]) -> dict[str, Slice]:

@@ -451,14 +451,16 @@ def _start_trainer(
 def gate_env(cfg: ParityConfig, preflight_record: dict | None) -> dict[str, str]:
     """The trainer's running-gate threshold when it comes from the preflight (reduced precision and
     check.gate_threshold unset): GATE_MARGIN x the clean k3 the preflight measured. Else nothing."""
-    from trainer.mismatch_gate import running_threshold
+    from trainer.mismatch_gate import calibrated_threshold, running_threshold
 
     report = (preflight_record or {}).get("report") or {}
     rows = report.get("rows") or []
     k3 = rows[0].get("stats", {}).get("k3") if rows and isinstance(rows[0], dict) else None
-    value, source = running_threshold(cfg, k3 if isinstance(k3, int | float) else None)
+    k3 = k3 if isinstance(k3, int | float) else None
+    value, source = running_threshold(cfg, k3)
     log(f"running mismatch gate: k3 above {value:g} ({source})")
-    return env_for("check", gate_threshold=value) if "x the preflight's k3" in source else {}
+    calibrated = calibrated_threshold(cfg, k3)
+    return {} if calibrated is None else env_for("check", gate_threshold=calibrated)
 
 
 def _preflight_word(preflight_record: dict | None) -> str:
