@@ -78,10 +78,11 @@ def config_for(home: str, **values: object) -> ParityConfig:
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[str]:
-    """A private redis-server on a free port; yields its URL and removes it afterwards."""
+    """A private redis-server on a free port; yields its URL and removes it afterwards. It dies with
+    the test process also when that is killed before its teardown (a timeout, a ^C twice)."""
     workdir = tempfile.mkdtemp(prefix="parity-redis-")
     try:
-        server, url = start_redis(workdir, timeout_s=10.0)
+        server, url = start_redis(workdir, timeout_s=10.0, die_with_launcher=True)
     except RuntimeError as exc:
         pytest.fail(str(exc))
     yield url

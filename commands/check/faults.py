@@ -167,7 +167,9 @@ def run_catalogue(
         raise ValueError(f"check.faults: unknown fault {', '.join(unknown)}; known: {', '.join(FAULTS)}")
     out.mkdir(parents=True, exist_ok=True)
     model_dir = models.prepare("tiny")
-    redis_child, redis_url = start_redis(Path(tempfile.mkdtemp(prefix="parity-faults-redis-")), password="")
+    redis_child, redis_url = start_redis(
+        Path(tempfile.mkdtemp(prefix="parity-faults-redis-")), password="", die_with_launcher=True
+    )
     start = time.perf_counter()
     results = []
     try:
