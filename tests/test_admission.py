@@ -47,7 +47,7 @@ def test_clients_refused_together_are_told_to_come_back_spread_out() -> None:
     with admission.admit(10):
         time.sleep(0.2)  # the mean admitted request now takes ~0.2 s
     mean = admission.retry_after_s()
-    assert 0.2 <= mean < 0.4
+    assert 0.2 <= mean < 1.0  # a loaded box oversleeps; the hints below are relative to this mean
     hints = []
     with admission.admit(10), admission.admit(10):
         for _ in range(5):

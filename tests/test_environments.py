@@ -249,7 +249,10 @@ def test_hung_calls_are_bounded_then_refused_at_once(monkeypatch: pytest.MonkeyP
     started = time.monotonic()
     with pytest.raises(EnvironmentFailed, match="1 earlier environment calls are still running") as info:
         asyncio.run(play(local(fakes.CountTo), {"id": "r", "target": 2}, ["1"]))
-    assert info.value.reason == "timeout" and time.monotonic() - started < 0.2
+    # Refused, not timed out: the message says so (a timed-out call reads "no answer within"); the
+    # wall-clock bound only catches a wait far past the timeout (a loaded box stretches any bound).
+    assert info.value.reason == "timeout" and "no answer within" not in str(info.value)
+    assert time.monotonic() - started < TIMEOUT_S + 2.0
     fakes.RELEASE.set()  # the hung call returns; the next episode runs again
     deadline = time.monotonic() + 5
     while env_base._abandoned and time.monotonic() < deadline:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,15 +13,21 @@ from parity.config import ConfigError, ServiceConfig, load
 
 
 def test_help_answers_fast_without_importing_torch() -> None:
-    start = time.monotonic()
+    # Fast means: the help path imports neither torch nor vLLM (seconds each on a loaded box). Its
+    # wall time is not asserted: 4.2 s on a loaded 2-core box against ~0.3 s idle.
     out = subprocess.run(
         [sys.executable, "-m", "commands.main", "--help"], capture_output=True, text=True, check=True
     )
-    assert time.monotonic() - start < 2.0
     assert "serve" in out.stdout and "models" in out.stdout
-    probe = "import sys, commands.main; commands.main.build_parser(); print('torch' in sys.modules, 'vllm' in sys.modules)"
+    probe = (
+        "import contextlib, io, sys, commands.main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    commands.main.main(['--help'])\n"
+        "    commands.main.main(['run', '--help'])\n"
+        "print('torch' in sys.modules, 'vllm' in sys.modules)"
+    )
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert loaded.stdout.split() == ["False", "False"]
+    assert loaded.stdout.split() == ["False", "False"], loaded.stdout + loaded.stderr
 
 
 def test_config_error_names_the_field() -> None:
