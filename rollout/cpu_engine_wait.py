@@ -6,7 +6,7 @@ shared-memory queue (`shm_broadcast.MessageQueue`), whose reader spins on `sched
 a second after its last read: under load it never stops. On a host with few cores that spin takes
 most of a core from whatever shares it: this service's gRPC server and vLLM's output handler (one
 event loop), the trainer, the clients. Measured on the 2-core dev box with 16 clients and the
-admission cap at 2 (bench/rollout_load.py, docs/security.md "Seventh round"): spinning, the engine
+admission cap at 2 (bench/rollout_load.py, docs/benchmarks.md, "Backpressure"): spinning, the engine
 core used 0.82 of a core and the clients' admitted p99 was 3.37-5.31x a single client's p50; with
 naps of 20 us it used 0.52 and the p99 was 1.26-1.27x (3 runs each). The price on that box: a
 single client's latency 1-7 % higher and uncapped throughput 6-22 % lower, pair by pair.
