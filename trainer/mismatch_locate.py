@@ -303,7 +303,7 @@ def locate(
     report = MismatchReport(
         tokens=len(hypotheses.rollout), k3=mismatch.mismatch_stats(hypotheses.base, hypotheses.rollout).k3
     )
-    _where(report, samples, hypotheses.base, hypotheses.owner)
+    hypotheses.where(report)
     if hypotheses.base_distance <= 0:
         return report
     hypotheses.logprob_reporting()
@@ -344,6 +344,31 @@ class _Hypotheses:
         self.base = self.assemble(lambda i, s: self.at_own(i, s))
         self.base_distance = _distance(self.base, self.rollout)
         self.found: dict[str, tuple[float, str]] = {}
+
+    def where(self, report: MismatchReport) -> None:
+        """The mismatch by position, worker, version, tag age and sampling setting."""
+        samples = self.samples
+
+        def table(key: Callable[[int, int], str]) -> dict[str, Slice]:
+            groups: dict[str, list[int]] = {}
+            for index, (i, j) in enumerate(self.owner):
+                groups.setdefault(key(i, j), []).append(index)
+            return {
+                k: _slice([self.base[x] for x in xs], [self.rollout[x] for x in xs])
+                for k, xs in sorted(groups.items())
+            }
+
+        def position(i: int, j: int) -> str:
+            n = len(samples[i].rollout)
+            return "first" if j == 0 else "last" if j == n - 1 else "middle"
+
+        report.by_position = table(position)
+        report.by_worker = table(lambda i, j: samples[i].worker)
+        report.by_version = table(lambda i, j: f"v{samples[i].versions[j]}")
+        report.by_tag = table(
+            lambda i, j: "newest" if samples[i].versions[j] == max(samples[i].versions) else "older"
+        )
+        report.by_sampling = table(lambda i, j: _describe(samples[i].transform))
 
     def assemble(self, per_sample: Callable[[int, _Sample], Sequence[float]]) -> list[float]:
         return [x for i, s in enumerate(self.samples) for x in per_sample(i, s)]
@@ -621,33 +646,6 @@ def _describe(t: SamplingTransform | None) -> str:
     if t is None:
         return "-"
     return f"temperature {t.temperature:g}, top_k {t.top_k}, top_p {t.top_p:g}"
-
-
-def _where(
-    report: MismatchReport, samples: list[_Sample], base: list[float], owner: list[tuple[int, int]]
-) -> None:
-    """The mismatch by position, worker, version, tag age and sampling setting."""
-    rollout = [x for s in samples for x in s.rollout]
-
-    def table(key: Callable[[int, int], str]) -> dict[str, Slice]:
-        groups: dict[str, list[int]] = {}
-        for index, (i, j) in enumerate(owner):
-            groups.setdefault(key(i, j), []).append(index)
-        return {
-            k: _slice([base[x] for x in xs], [rollout[x] for x in xs]) for k, xs in sorted(groups.items())
-        }
-
-    def position(i: int, j: int) -> str:
-        n = len(samples[i].rollout)
-        return "first" if j == 0 else "last" if j == n - 1 else "middle"
-
-    report.by_position = table(position)
-    report.by_worker = table(lambda i, j: samples[i].worker)
-    report.by_version = table(lambda i, j: f"v{samples[i].versions[j]}")
-    report.by_tag = table(
-        lambda i, j: "newest" if samples[i].versions[j] == max(samples[i].versions) else "older"
-    )
-    report.by_sampling = table(lambda i, j: _describe(samples[i].transform))
 
 
 def plot(report: MismatchReport, path: Path) -> Path:
