@@ -140,6 +140,14 @@ def test_running_gate_threshold_follows_the_numerics_unless_set() -> None:
         "check.gate_threshold",
     )
     assert ParityConfig.model_validate({"model": {"name": "tiny"}}).check.gate_steps == 1
+    assert "no preflight k3" in why
+    bf16 = ParityConfig.model_validate({"model": {"name": "tiny"}, "rollout": {"dtype": "bfloat16"}})
+    value, why = running_threshold(bf16, 2.61e-4)  # 10x of it is under the default: the default
+    assert value == REDUCED_PRECISION_THRESHOLD and "the preflight's k3 2.61e-04 is lower" in why
+    assert running_threshold(bf16, 3e-2) == (
+        pytest.approx(0.3),
+        "10x the preflight's k3 3.00e-02 (rollout.dtype bfloat16)",
+    )
 
 
 def test_with_bf16_parity_run_calibrates_the_running_gate_on_its_preflight() -> None:

@@ -83,7 +83,11 @@ def running_threshold(run_config, preflight_k3: float | None = None) -> tuple[fl
     if (value := calibrated_threshold(run_config, preflight_k3)) is not None:
         return value, f"{GATE_MARGIN:g}x the preflight's k3 {preflight_k3:.2e} ({reduced})"
     if reduced:
-        return REDUCED_PRECISION_THRESHOLD, f"default for reduced precision without a preflight ({reduced})"
+        if preflight_k3 is not None and math.isfinite(preflight_k3) and preflight_k3 > 0:
+            why = f"{GATE_MARGIN:g}x the preflight's k3 {preflight_k3:.2e} is lower"
+        else:
+            why = "no preflight k3"
+        return REDUCED_PRECISION_THRESHOLD, f"default for reduced precision, {why} ({reduced})"
     return FLOAT32_THRESHOLD, "default for float32 rollouts and trainer"
 
 
