@@ -47,8 +47,9 @@ class CpuSampler(threading.Thread):
     """Sums utime+stime (last seen) of every process of the run, by component.
 
     A process belongs to the run if it carries the run marker in its environment or command line,
-    or shares a session with one that does: vLLM's EngineCore and Worker processes are started
-    with an environment that drops the marker, but stay in their rollout service's session."""
+    or shares a session with one that does: vLLM's EngineCore and Worker processes write their
+    title over their environment (the launcher puts the marker in that title), and stay in their
+    rollout service's session either way."""
 
     def __init__(self, marker: str) -> None:
         super().__init__(daemon=True)

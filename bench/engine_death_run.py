@@ -57,7 +57,7 @@ def main() -> int:
         with contextlib.suppress(psutil.Error):
             for child in psutil.Process(proc.pid).children(recursive=True):
                 with contextlib.suppress(psutil.Error):
-                    if child.name().startswith("VLLM::"):
+                    if child.name().startswith("VLLM") and "::" in child.name():  # VLLM[marker]::EngineCore
                         seen.setdefault(child.pid, child)
         rows = metrics.read_text().splitlines() if metrics.exists() else []
         if killed_after is None and len(rows) >= args.kill_after_step:

@@ -6,7 +6,10 @@ Invariants:
 - Every child dies with the launcher (`parity.procs`, `die_with_launcher`): a SIGKILLed `parity run`
   leaves no service and no redis-server running.
 - Every child's environment carries `PARITY_RUN_MARKER=<marker>`; grandchildren inherit it, so a
-  test can prove that nothing survived by scanning /proc for the marker.
+  test can prove that nothing survived by scanning /proc for the marker. vLLM's engine core and
+  worker rewrite their process title over the memory /proc/PID/environ reads (setproctitle), so
+  there the marker goes in the title instead (`VLLM_PROCESS_NAME_PREFIX`, read from the command
+  line).
 - `stop_all` is idempotent and bounded: SIGTERM to every group at once, wait `grace_s`, SIGKILL what
   is left, and SIGKILL each group again even when its leader already exited (stragglers); that is
   `parity.procs.stop_groups`. SIGINT and SIGTERM are held off while it runs, so a second Ctrl-C
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 import time
@@ -30,6 +34,7 @@ from parity import health
 from parity.procs import ServiceProcess, start_redis, start_service, stop_groups
 
 MARKER_ENV = "PARITY_RUN_MARKER"
+VLLM_TITLE_PREFIX_ENV = "VLLM_PROCESS_NAME_PREFIX"  # vLLM titles its processes PREFIX::EngineCore
 REDIS_LOST_GRACE_S = 2.0
 
 
@@ -92,7 +97,12 @@ class Supervisor:
 
     @property
     def env(self) -> dict[str, str]:
-        return {MARKER_ENV: self.marker, "PYTHONUNBUFFERED": "1"}
+        prefix = os.environ.get(VLLM_TITLE_PREFIX_ENV, "VLLM")
+        return {
+            MARKER_ENV: self.marker,
+            "PYTHONUNBUFFERED": "1",
+            VLLM_TITLE_PREFIX_ENV: f"{prefix}[{MARKER_ENV}={self.marker}]",  # module docstring
+        }
 
     # --- starting -----------------------------------------------------------------------------
     def start_redis(self, timeout_s: float = 15.0, password: str | None = None) -> str:
