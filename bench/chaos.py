@@ -8,8 +8,9 @@ actor, vLLM's engine-core process with `--engine vllm`, the broadcast service, R
 launcher itself) and a moment: a random time after the launch started (start-up, the first
 publish, mid-step), or a random delay after the next checkpoint. SIGKILL. A dead service stops the
 launcher (exit 1, naming it); the bench then runs `parity run --resume RUN_DIR`, as a user would.
-A dead engine core is restarted by its rollout service, and the run goes on. After the last kill
-the run is resumed to its end. Then the bench proves, from the run's records and its Redis stream
+A dead engine core is restarted by its rollout service: the bench waits for the run to reach a
+new checkpoint (the check "the run went on after each engine-core kill"), then ends that
+launch. After the last kill the run is resumed to its end. Then the bench proves, from the run's records and its Redis stream
 (the run's own redis-server, restarted on its append-only file):
 
 - every step 1..N trained once, weight versions strictly increasing;
@@ -56,6 +57,7 @@ PARTS = {
     "engine_core": "EngineCore",
 }
 LAUNCH_TIMEOUT_S = 900.0
+ENGINE_RECOVERY_S = 300.0  # a killed engine core: its service builds a new one, the run goes on
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,18 @@ def strike(kill: Kill, proc: subprocess.Popen, run_dir: Path, marker: str) -> st
     return f"killed {kill.part} (pid {pid}) at checkpoint {checkpoint_step(run_dir)}"
 
 
+def went_on(proc: subprocess.Popen, run_dir: Path, timeout_s: float) -> str:
+    """Whether the launch trained to a new checkpoint within `timeout_s`, in words."""
+    start, before = time.monotonic(), checkpoint_step(run_dir)
+    while proc.poll() is None and time.monotonic() - start < timeout_s:
+        if checkpoint_step(run_dir) > before:
+            return (
+                f"the run went on to checkpoint {checkpoint_step(run_dir)} in {time.monotonic() - start:.0f}s"
+            )
+        time.sleep(0.1)
+    return f"NOT RECOVERED: no checkpoint after {before} in {time.monotonic() - start:.0f}s (launcher exit {proc.poll()})"
+
+
 def soak(out: Path, kills: list[Kill], steps: int, mode: str, engine: str, seed: int) -> dict:
     """Run, kill and resume per `kills`, then resume to the end. Returns the record of what ran."""
     log_path = out.parent / f"{out.name}.launcher.log"
@@ -176,8 +190,10 @@ def soak(out: Path, kills: list[Kill], steps: int, mode: str, engine: str, seed:
         launches += 1
         what = strike(kill, proc, out, marker)
         if kill.part == "engine_core" and proc.poll() is None and what.startswith("killed"):
-            # the rollout service restarts its engine; the run goes on until the next kill's launch
-            proc.send_signal(signal.SIGKILL)  # end this launch: the next kill starts a fresh resume
+            # The rollout service restarts its engine and the run goes on: wait for a checkpoint
+            # after the death, then end this launch (the next kill starts from a fresh resume).
+            what += "; " + went_on(proc, out, ENGINE_RECOVERY_S)
+            proc.send_signal(signal.SIGKILL)
         try:
             rc = proc.wait(180)
         except subprocess.TimeoutExpired:
@@ -348,6 +364,14 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(ran["seconds"], 1),
         **{k: v for k, v in result.items() if k != "trained_draws"},
     }
+    engine_kills = [k for k in ran["kills"] if k["part"] == "engine_core" and k["what"].startswith("killed")]
+    if engine_kills:
+        recovered = sum("went on" in k["what"] for k in engine_kills)
+        ok = recovered == len(engine_kills)
+        print(f"{'PASS' if ok else 'FAIL'}  the run went on after each engine-core kill: "
+              f"{recovered} of {len(engine_kills)}", flush=True)  # fmt: skip
+        summary["engine_core_kills_recovered"] = recovered
+        summary["passed"] = summary["passed"] and ok
     if args.uninterrupted:
         straight = soak(base / "straight", [], steps, args.mode, args.engine, args.seed)
         clean = audit(base / "straight", steps, 4, 2, 0, in_flight)
