@@ -70,3 +70,63 @@ def test_sync_resume_after_lost_versions_trains_the_uninterrupted_runs_prompts(t
     # --uninterrupted` compares a killed run with a real uninterrupted one). Without the redraw the
     # resumed run trains later draws in place of the lost ones.
     assert resumed["trained_draws"] == [f"worker0:{i}" for i in range(20)], resumed["trained_draws"]
+
+
+def _run_dir(tmp_path: Path, log: str, checkpoint: int) -> Path:
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rollout0.log").write_text(log)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "LATEST").write_text(f"step_{checkpoint:08d}")
+    return tmp_path
+
+
+def test_an_engine_core_kill_counts_as_recovered_after_a_restart_and_a_later_checkpoint(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import threading
+    import time
+
+    # A restart logged before the kill, and a checkpoint the trainer reaches on its backlog alone, do
+    # not count: only a checkpoint after the restart that follows the kill does.
+    run_dir = _run_dir(tmp_path, "engine restarted in 9.0s at v2\n", checkpoint=3)
+    launch = subprocess.Popen(["sleep", "60"])
+
+    def service_and_trainer() -> None:
+        time.sleep(0.3)
+        (run_dir / "checkpoints" / "LATEST").write_text("step_00000004")  # backlog
+        time.sleep(0.3)
+        with open(run_dir / "logs" / "rollout0.log", "a") as log:
+            log.write("engine restarted in 1.2s at v5\n")
+        time.sleep(0.3)
+        (run_dir / "checkpoints" / "LATEST").write_text("step_00000005")
+
+    try:
+        threading.Thread(target=service_and_trainer, daemon=True).start()
+        what = chaos.went_on(launch, run_dir, timeout_s=10.0)
+    finally:
+        launch.kill()
+    assert what.startswith("engine restarted; the run went on to checkpoint 5"), what
+
+
+def test_an_engine_core_kill_without_a_restart_is_not_recovered(tmp_path: Path) -> None:
+    import subprocess
+    import threading
+    import time
+
+    run_dir = _run_dir(tmp_path, "", checkpoint=3)
+    launch = subprocess.Popen(["sleep", "60"])
+    try:
+        assert chaos.went_on(launch, run_dir, timeout_s=1.0).startswith("NOT RECOVERED")
+    finally:
+        launch.kill()
+    # The kill hit the first engine start: the service logs vLLM's error and exits, then the launch ends.
+    ending = subprocess.Popen(["sleep", "0.6"])
+
+    def failed_start() -> None:
+        time.sleep(0.2)
+        with open(run_dir / "logs" / "rollout0.log", "a") as log:
+            log.write("RuntimeError: Engine core initialization failed. See root cause above.\n")
+
+    threading.Thread(target=failed_start, daemon=True).start()
+    assert "first engine start" in chaos.went_on(ending, run_dir, timeout_s=10.0)
