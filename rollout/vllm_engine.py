@@ -33,10 +33,10 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from parity.config.rollout import RolloutConfig
 from parity.versions import expand_spans, parse_version_label
@@ -52,6 +52,7 @@ from rollout.engine import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WORKER_EXTENSION = "rollout.worker_extension.ParityWorkerExtension"
 
@@ -242,10 +243,12 @@ class VllmEngine(RolloutEngine):
 
     async def _pause(self, mode: Literal["keep", "recompute"]) -> None:
         # recompute: keep the requests but clear the KV cache (their KV is recomputed on resume).
-        await self._live_llm().pause_generation(mode="keep", clear_cache=mode == "recompute")
+        await self._engine_call(
+            "pause_generation", lambda llm: llm.pause_generation(mode="keep", clear_cache=mode == "recompute")
+        )
 
     async def _resume(self) -> None:
-        await self._live_llm().resume_generation()
+        await self._engine_call("resume_generation", lambda llm: llm.resume_generation())
 
     def _live_llm(self):
         """The running AsyncLLM; EngineDeadError when it died or is being replaced."""
@@ -253,18 +256,24 @@ class VllmEngine(RolloutEngine):
             raise EngineDeadError("the engine died; a new one is starting")
         return self.llm
 
-    async def _rpc_one(self, method: str, **kwargs) -> dict:
-        """One worker's reply to `method`; EngineDeadError as soon as the engine dies meanwhile (a
-        utility call on a dead engine core is never answered)."""
+    async def _engine_call(self, what: str, call: Callable[[Any], Awaitable[T]]) -> T:
+        """`call(llm)` on the running AsyncLLM (a call the engine-core process answers); EngineDeadError
+        as soon as the engine dies meanwhile: a utility call on a dead engine core is never answered,
+        and an update that met the death would otherwise hold its RPC until the caller's deadline."""
         llm = self._live_llm()
-        call = asyncio.ensure_future(llm.collective_rpc(method, kwargs=kwargs))
+        future = asyncio.ensure_future(call(llm))
         while True:
-            done, _ = await asyncio.wait({call}, timeout=0.1)
+            done, _ = await asyncio.wait({future}, timeout=0.1)
             if done:
-                return _one_reply(method, call.result())
+                return future.result()
             if self.llm is not llm or self.dead():
-                call.cancel()
-                raise EngineDeadError(f"{method}: the engine died")
+                future.cancel()
+                raise EngineDeadError(f"{what}: the engine died")
+
+    async def _rpc_one(self, method: str, **kwargs) -> dict:
+        """One worker's reply to `method` (`_engine_call`)."""
+        replies = await self._engine_call(method, lambda llm: llm.collective_rpc(method, kwargs=kwargs))
+        return _one_reply(method, replies)
 
     async def device_uuid(self) -> str:
         return str(await self._rpc_one("parity_device_uuid") or "")
@@ -314,7 +323,7 @@ class VllmEngine(RolloutEngine):
             return applied["error"], 0.0
         if self.config.reset_prefix_cache_on_update:
             await self._reset_prefix_cache()
-        await self._live_llm().update_weight_version(str(version))
+        await self._engine_call("update_weight_version", lambda llm: llm.update_weight_version(str(version)))
         self.weight_version = version
         return "", applied["swap_s"]
 
@@ -322,7 +331,7 @@ class VllmEngine(RolloutEngine):
         await self._rpc_one("parity_discard_staged")
 
     async def _reset_prefix_cache(self) -> None:
-        if await self._live_llm().reset_prefix_cache():
+        if await self._engine_call("reset_prefix_cache", lambda llm: llm.reset_prefix_cache()):
             return
         # Kept sequences still hold blocks; the per-version cache salt keeps newer requests off them.
         # A request with no token yet was salted (and maybe part-prefilled) at the old version: it
@@ -331,7 +340,7 @@ class VllmEngine(RolloutEngine):
         for request_id in restart:
             self._admissions[request_id].restart = True
         if restart:
-            await self._live_llm().abort(restart)
+            await self._engine_call("abort", lambda llm: llm.abort(restart))
         log.info(
             "prefix cache not reset (blocks held by kept sequences); %d request(s) without a token "
             "restart at the new version",
