@@ -8,10 +8,11 @@ actor, vLLM's engine-core process with `--engine vllm`, the broadcast service, R
 launcher itself) and a moment: a random time after the launch started (start-up, the first
 publish, mid-step), or a random delay after the next checkpoint. SIGKILL. A dead service stops the
 launcher (exit 1, naming it); the bench then runs `parity run --resume RUN_DIR`, as a user would.
-A dead engine core is restarted by its rollout service: the bench waits for the run to reach a
-new checkpoint (the check "the run went on after each engine-core kill"), then ends that
-launch. After the last kill the run is resumed to its end. Then the bench proves, from the run's records and its Redis stream
-(the run's own redis-server, restarted on its append-only file):
+A dead engine core is restarted by its rollout service: the bench waits for the service to log a
+restarted engine and for the run to reach a checkpoint after that, then ends that launch (`went_on`;
+a kill during the service's first engine start ends the launch instead, and is counted apart).
+After the last kill the run is resumed to its end. Then the bench proves, from the run's records
+and its Redis stream (the run's own redis-server, restarted on its append-only file):
 
 - every step 1..N trained once, weight versions strictly increasing;
 - every rollout trained at most once, and exactly `steps x groups_per_step x group_size` trained;
@@ -172,10 +173,13 @@ def went_on(proc: subprocess.Popen, run_dir: Path, timeout_s: float) -> str:
     failed"): the service exits, and the launch ends like any service death."""
     log_path = run_dir / "logs" / "rollout0.log"
     offset = log_path.stat().st_size if log_path.exists() else 0
+
+    def logged_since_the_kill() -> bytes:
+        return log_path.read_bytes()[offset:] if log_path.exists() else b""
+
     start, restarted_at = time.monotonic(), None
     while proc.poll() is None and time.monotonic() - start < timeout_s:
-        after = log_path.read_bytes()[offset:] if log_path.exists() else b""
-        if restarted_at is None and b"engine restarted in" in after:
+        if restarted_at is None and b"engine restarted in" in logged_since_the_kill():
             restarted_at = checkpoint_step(run_dir)
         if restarted_at is not None and checkpoint_step(run_dir) > restarted_at:
             took = time.monotonic() - start
@@ -183,8 +187,7 @@ def went_on(proc: subprocess.Popen, run_dir: Path, timeout_s: float) -> str:
                 f"engine restarted; the run went on to checkpoint {checkpoint_step(run_dir)} in {took:.0f}s"
             )
         time.sleep(0.1)
-    after = log_path.read_bytes()[offset:] if log_path.exists() else b""
-    if b"Engine core initialization failed" in after:
+    if b"Engine core initialization failed" in logged_since_the_kill():
         return f"killed during the service's first engine start: the service exited (launcher exit {proc.poll()})"
     return f"NOT RECOVERED in {time.monotonic() - start:.0f}s (launcher exit {proc.poll()})"
 

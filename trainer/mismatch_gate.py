@@ -63,12 +63,17 @@ def _reduced_precision(run_config) -> list[str]:
     ]
 
 
+def _measured(k3: float | None) -> bool:
+    """Whether the preflight's k3 is a measurement the gate can scale (finite, above zero)."""
+    return k3 is not None and math.isfinite(k3) and k3 > 0
+
+
 def calibrated_threshold(run_config, preflight_k3: float | None) -> float | None:
     """GATE_MARGIN x the preflight's clean k3, where that sets the running gate: reduced precision,
     check.gate_threshold unset, and the product above the reduced-precision default. Else None."""
     if run_config.check.gate_threshold > 0 or not _reduced_precision(run_config):
         return None
-    if preflight_k3 is None or not math.isfinite(preflight_k3) or preflight_k3 <= 0:
+    if not _measured(preflight_k3):
         return None
     value = GATE_MARGIN * preflight_k3
     return value if value > REDUCED_PRECISION_THRESHOLD else None
@@ -83,7 +88,7 @@ def running_threshold(run_config, preflight_k3: float | None = None) -> tuple[fl
     if (value := calibrated_threshold(run_config, preflight_k3)) is not None:
         return value, f"{GATE_MARGIN:g}x the preflight's k3 {preflight_k3:.2e} ({reduced})"
     if reduced:
-        if preflight_k3 is not None and math.isfinite(preflight_k3) and preflight_k3 > 0:
+        if _measured(preflight_k3):
             why = f"{GATE_MARGIN:g}x the preflight's k3 {preflight_k3:.2e} is lower"
         else:
             why = "no preflight k3"
