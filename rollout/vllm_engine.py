@@ -28,10 +28,12 @@ Invariants:
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -55,6 +57,26 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WORKER_EXTENSION = "rollout.worker_extension.ParityWorkerExtension"
+
+# vLLM's start error names the exit code of each engine-core process that ended while it started.
+_FAILED_CORES = re.compile(r"Engine core initialization failed\..*?Failed core proc\(s\): (\{[^}]*\})", re.S)
+
+
+def killed_while_starting(exc: BaseException) -> bool:
+    """Whether vLLM failed to start because its engine-core process was killed, not because it raised.
+
+    A core that raised (a bad checkpoint, settings the engine refuses) exits 1: `{'EngineCore': 1}`.
+    A core killed by a signal has a negative code (`{'EngineCore': -9}`), or none at all when vLLM
+    read the map before the kernel had reaped it (`{}`: seen when SIGKILL came 5 s into the start).
+    """
+    match = _FAILED_CORES.search(str(exc))
+    if match is None:
+        return False
+    try:
+        codes = ast.literal_eval(match.group(1))
+    except (ValueError, SyntaxError):
+        return False
+    return isinstance(codes, dict) and all(isinstance(c, int) and c < 0 for c in codes.values())
 
 
 @dataclass
@@ -120,7 +142,12 @@ class VllmEngine(RolloutEngine):
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
         self.engine_core_wait = cpu_engine_wait.configure(self.config.engine_core_nap_us)  # before it starts
-        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self.engine_args())
+        try:
+            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self.engine_args())
+        except RuntimeError as exc:
+            if killed_while_starting(exc):  # a death, like one while serving: worth another start
+                raise EngineDeadError(f"the engine core was killed while it started ({exc})") from exc
+            raise
         if self._closed:  # the service stopped while this engine was starting (a restart)
             llm.shutdown()
             raise EngineDeadError("the engine was shut down while it started")

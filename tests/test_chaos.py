@@ -130,3 +130,34 @@ def test_an_engine_core_kill_without_a_restart_is_not_recovered(tmp_path: Path) 
 
     threading.Thread(target=failed_start, daemon=True).start()
     assert "first engine start" in chaos.went_on(ending, run_dir, timeout_s=10.0)
+
+
+def test_an_engine_core_killed_during_its_first_start_counts_once_started_again(tmp_path: Path) -> None:
+    import subprocess
+    import threading
+    import time
+
+    # The service's first start failed and was retried ("engine start failed"), then loaded: a
+    # checkpoint after that is recovery. A failed start with no load after it is not.
+    run_dir = _run_dir(tmp_path, "", checkpoint=0)
+    launch = subprocess.Popen(["sleep", "60"])
+
+    def service_and_trainer() -> None:
+        time.sleep(0.2)
+        with open(run_dir / "logs" / "rollout0.log", "a") as log:
+            log.write("vllm engine loaded in 1.0s\nengine start failed (killed); starting it again in 1.0s\n")
+        time.sleep(0.3)
+        (run_dir / "checkpoints" / "LATEST").write_text("step_00000001")  # before the second load
+        time.sleep(0.3)
+        with open(run_dir / "logs" / "rollout0.log", "a") as log:
+            log.write("vllm engine loaded in 21.0s; serving weight version 0\n")
+        time.sleep(0.3)
+        (run_dir / "checkpoints" / "LATEST").write_text("step_00000002")
+
+    try:
+        threading.Thread(target=service_and_trainer, daemon=True).start()
+        what = chaos.went_on(launch, run_dir, timeout_s=10.0)
+    finally:
+        launch.kill()
+    assert what.startswith("engine killed during its first start, started again; the run went on to "
+                           "checkpoint 2"), what  # fmt: skip

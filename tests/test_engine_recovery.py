@@ -17,8 +17,10 @@ with SIGKILL. Then:
   again, and after the service's leader alone gets SIGTERM (no process-group kill), the restarted
   engine core and its worker are gone too.
 
-`test_a_service_killed_alone_takes_its_engine_with_it`: a rollout service whose leader alone is
-SIGKILLed (the OOM killer, a `kill -9 PID`) leaves no vLLM process behind (parity.procs.
+`test_an_engine_killed_in_its_first_start_is_started_again_and_dies_with_its_service`: an engine
+core SIGKILLed while the service's first start waits for it is started again (vLLM reports the
+core's end by a signal; rollout.vllm_engine.killed_while_starting), and the service serves. Then a
+rollout service whose leader alone is SIGKILLed (the OOM killer, a `kill -9 PID`) leaves no vLLM process behind (parity.procs.
 die_with_parent). Engine processes are identified by pid (psutil checks the start time too), as
 recorded from the service's descendants: other vLLM engines on the machine are never looked at.
 """
@@ -73,6 +75,13 @@ def vllm_processes(service_pid: int) -> list[psutil.Process]:
             if proc.name().startswith("VLLM::") or " ".join(proc.cmdline()).startswith("VLLM::"):
                 found.append(proc)
     return found
+
+
+def vllm_processes_or_none(service_pid: int) -> list[psutil.Process]:
+    try:
+        return vllm_processes(service_pid)
+    except psutil.Error:  # the service is gone
+        return []
 
 
 def left_behind(procs: list[psutil.Process], timeout_s: float) -> list[tuple[int, str, int]]:
@@ -225,13 +234,31 @@ def test_a_killed_engine_is_restarted_at_the_current_version(
         kill_all(engines)
 
 
-def test_a_service_killed_alone_takes_its_engine_with_it(start_services, tiny_model: Path) -> None:
-    svc = start_services("rollout", "--model", str(tiny_model), "--engine", "vllm", "--max_model_len", "256")
-    engines = vllm_processes(svc.proc.pid)
+def test_an_engine_killed_in_its_first_start_is_started_again_and_dies_with_its_service(
+    start_services, tiny_model: Path
+) -> None:
+    # SIGKILL the engine core as soon as it exists, while the service's first start waits for it:
+    # the service starts a second engine (services/rollout/service.py start_engine) and serves.
+    svc = start_services(
+        "rollout", "--model", str(tiny_model), "--engine", "vllm", "--max_model_len", "256", wait=False
+    )
+    first: list[psutil.Process] = []
+    deadline = time.monotonic() + 300
+    while not first:
+        assert svc.alive() and time.monotonic() < deadline, f"no engine core appeared:\n{svc.log_tail()}"
+        first = [p for p in vllm_processes(svc.proc.pid) if "EngineCore" in p.name()]
+        time.sleep(0.05)
+    first[0].kill()
     try:
+        svc.wait_ready(420)
+        log = svc.log_path.read_text(errors="replace")
+        assert "engine start failed" in log and "killed while it started" in log, svc.log_tail()
+        engines = vllm_processes(svc.proc.pid)
         assert {p.name() for p in engines} == {"VLLM::EngineCore", "VLLM::Worker"}, engines
-        os.kill(svc.proc.pid, signal.SIGKILL)  # the leader alone, not its process group
+        assert first[0].pid not in {p.pid for p in engines}
+        # The service's leader alone SIGKILLed (the OOM killer, a `kill -9 PID`), not its group.
+        os.kill(svc.proc.pid, signal.SIGKILL)
         svc.proc.wait(30)
         assert left_behind(engines, timeout_s=10) == [], "the engine outlived its killed service"
     finally:
-        kill_all(engines)
+        kill_all(first + vllm_processes_or_none(svc.proc.pid))

@@ -159,7 +159,8 @@ class RolloutConfig(ServiceConfig):
     engine_restart_attempts: int = Field(
         8,
         ge=1,
-        description="Engine failures in a row (deaths of the engine-core process, failed restarts) before "
+        description="Engine failures in a row (deaths of the engine-core process, the first start's "
+        "included; failed restarts) before "
         "the rollout service gives up and exits 1; an engine that served 5 minutes starts a fresh count.",
     )
 

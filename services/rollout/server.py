@@ -136,7 +136,7 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     install_shutdown_handlers(shutdown)
     procs.children_die_with_this_process()  # vLLM's engine core, when forked (parity.procs)
     started = time.monotonic()
-    await engine.start()
+    await servicer.start_engine()  # again if its engine core is killed while it starts
     log.info(
         "%s engine loaded in %.1fs; serving weight version %d",
         config.engine,

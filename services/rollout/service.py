@@ -23,7 +23,8 @@ Invariants:
     worker at version 0, so the trainer's catch-up sends it the current version; without one it
     waits for an UpdateWeights to that version. Then SERVING again. Counted in
     `parity_rollout_engine_restarts_total` and GetStatus `engine_restarts_total`; a failed restart
-    is retried with capped backoff. Recovery has a budget: after `engine_restart_attempts` failures
+    is retried with capped backoff, and so is a first start whose engine core was killed while it
+    started (not one the engine refused: a bad checkpoint fails at once). Recovery has a budget: after `engine_restart_attempts` failures
     in a row (deaths and failed restarts; an engine that served 10 x the backoff cap starts a fresh
     count) the service logs one line naming the engine and the last cause, stops and exits 1
     (services/rollout/server.py), NOT_SERVING until it is gone.
@@ -52,7 +53,7 @@ from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from parity.versions import compress_versions
 from rollout import metrics
 from rollout.admission import Admission
-from rollout.engine import FINISH_REASONS, CompletionResult, GenerationSpec, RolloutEngine
+from rollout.engine import FINISH_REASONS, CompletionResult, EngineDeadError, GenerationSpec, RolloutEngine
 from rollout.validation import (
     Limits,
     check_prompt_fields,
@@ -404,6 +405,42 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             and (self._recovery is None or self._recovery.done())
         ):
             self._recovery = asyncio.create_task(self.recover_engine())
+
+    async def start_engine(
+        self, start_s: float = ENGINE_RESTART_START_S, cap_s: float = ENGINE_RESTART_CAP_S
+    ) -> None:
+        """The engine's first start. An engine that died while it started (EngineDeadError: vLLM's
+        engine-core process was killed, rollout.vllm_engine.killed_while_starting) is started again
+        after the same capped backoff as a restart, up to `engine_restart_attempts` failures in a row;
+        then, or on any other failure (a bad checkpoint, settings the engine refuses: retrying cannot
+        help), it raises and the service exits 1."""
+        attempts = self.config.engine_restart_attempts
+        failures = 0
+        while True:
+            try:
+                await self.engine.start()
+                break
+            except EngineDeadError as exc:
+                failures += 1
+                if self.shutting_down:
+                    raise
+                if failures >= attempts:
+                    raise RuntimeError(
+                        f"rollout engine: gave up after {failures} failed starts in a row "
+                        f"(restart budget {attempts}); last cause: {exc}"
+                    ) from exc
+                delay_s = min(cap_s, start_s * 2 ** (failures - 1))
+                log.error(
+                    "engine start failed (%s); starting it again in %.1fs (failure %d of %d in a row)",
+                    exc,
+                    delay_s,
+                    failures,
+                    attempts,
+                )
+                self.engine_restarts += 1
+                metrics.ENGINE_RESTARTS.inc()
+                await asyncio.sleep(delay_s)
+        self._engine_started_at = time.monotonic()
 
     def _engine_failed(self, cause: str) -> bool:
         """Count one failure against the budget; True (after reporting it) once it is used up."""
