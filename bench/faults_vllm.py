@@ -9,7 +9,7 @@ samples of 8 tokens per step, every prompt after the same ~250-token system turn
 varies within each group so that every step changes the weights (`varied_reward`), the preflight skipped so that only the running gate can catch it, its
 default rule: stop at the first measured step over the threshold) and reports, next to a clean
 control at the same numerics, the step the gate stopped the run at, the gated k3 per step and the
-localiser's three most likely classes.
+localiser's three most likely classes (a caught case passes only when they include its class).
 
 - raw_logprobs: `--rollout.logprobs_mode raw` (logprobs of the unprocessed distribution);
 - prefix_cache_no_reset: `--rollout.prefix_caching true --rollout.reset_prefix_cache_on_update
@@ -80,6 +80,10 @@ CASES: dict[str, tuple[list[str], str, bool, str]] = {
 }
 
 
+# The catalogue's class (parity/faults.py) each caught case is, which the localiser should name.
+FAULT_CLASS = {"raw_logprobs": "raw_logprobs", "prefix_cache_no_reset": "stale_prefix_kv"}
+
+
 def varied_reward(prompt: str, completion: str, answer: str, metadata: object) -> float:
     """1 when the completion's first character has an odd code point. The tiny model never answers
     the arithmetic right, so with the task's reward every advantage is 0 and the weights never
@@ -109,7 +113,7 @@ def run_case(name: str, out: Path, steps: int, seed: int) -> dict:
     log = log_path.read_text(errors="replace")
     stopped = "running gate" in log and proc.returncode != 0
     report_path = run_dir / "mismatch_report.json"
-    likely = []
+    likely: list[str] = []
     if report_path.exists():
         likely = [c["fault"] for c in json.loads(report_path.read_text())["candidates"][:3]]
     return {
@@ -147,6 +151,9 @@ def main() -> int:
         caught = result["caught_at_step"] is not None
         # A clean run must finish every step; a fault must stop the run at a measured step.
         ok = caught == result["expected_caught"] and (caught or result["exit"] == 0)
+        fault_class = FAULT_CLASS.get(name)
+        if caught and fault_class is not None:  # and the localiser names it among its three most likely
+            ok = ok and fault_class in result["likely"]
         result["as_expected"] = ok
         results.append(result)
         k3 = ", ".join("-" if v is None else f"{v:.2e}" for v in result["gated_k3"])
