@@ -5,7 +5,8 @@ three messages below are what `AsyncLLM.from_engine_args` raised on the tiny mod
 SIGKILL of the engine core 0.5 s into the start, SIGKILL 5 s into it (vLLM read the map before the
 kernel had reaped the process), and a checkpoint cut to 4 KiB (the core raised and exited 1). Only
 a killed core is worth another start; the servicer starts it again under the restart budget.
-`tests/test_engine_recovery.py` kills a real engine core during a real first start.
+`tests/test_engine_recovery.py` kills a real engine core during a real first start. A setting the
+real engine refuses ends the service at once: one error line, the gRPC server stopped, exit 1.
 """
 
 from __future__ import annotations
@@ -85,3 +86,19 @@ def test_kills_in_every_start_use_up_the_budget_with_one_line_naming_the_engine(
     with pytest.raises(RuntimeError, match=r"^rollout engine: gave up after 3 failed starts in a row"):
         asyncio.run(_servicer(engine, tiny_model, attempts=3).start_engine(start_s=0.01, cap_s=0.02))
     assert engine.starts == 3
+
+
+@pytest.mark.slow
+def test_settings_the_engine_refuses_end_the_service_with_one_error_and_a_clean_stop(
+    start_services, tiny_model: Path
+) -> None:
+    # The tiny model holds 512 positions; vLLM refuses 1024 while it builds its config.
+    svc = start_services(
+        "rollout", "--model", str(tiny_model), "--engine", "vllm", "--max_model_len", "1024", wait=False
+    )
+    assert svc.proc.wait(300) == 1
+    log = svc.log_path.read_text(errors="replace")
+    assert "rollout engine: failed to start: ValidationError" in log and "max_model_len" in log, log[-3000:]
+    assert "engine start failed" not in log, "a refused setting was retried"
+    # The gRPC server was stopped on its own loop, not left to a finaliser after the loop closed.
+    assert "Event loop is closed" not in log and "never awaited" not in log, log[-3000:]

@@ -136,7 +136,14 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     install_shutdown_handlers(shutdown)
     procs.children_die_with_this_process()  # vLLM's engine core, when forked (parity.procs)
     started = time.monotonic()
-    await servicer.start_engine()  # again if its engine core is killed while it starts
+    try:
+        await servicer.start_engine()  # again if its engine core is killed while it starts
+    except Exception as exc:
+        # The engine refused its settings or its checkpoint (or its restart budget ran out): the
+        # cause is logged once and the gRPC server stopped on this loop, then the service exits 1.
+        log.exception("rollout engine: failed to start: %s: %s", type(exc).__name__, exc)
+        await server.stop(0)
+        return 1
     log.info(
         "%s engine loaded in %.1fs; serving weight version %d",
         config.engine,
