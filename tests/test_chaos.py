@@ -80,32 +80,38 @@ def _run_dir(tmp_path: Path, log: str, checkpoint: int) -> Path:
     return tmp_path
 
 
-def test_an_engine_core_kill_counts_as_recovered_after_a_restart_and_a_later_checkpoint(
-    tmp_path: Path,
-) -> None:
+def _went_on_after(run_dir: Path, events: list[str | int]) -> str:
+    """`chaos.went_on` on a live launch while the service and trainer do `events` in order, 0.3 s
+    apart: a str is appended to the rollout log, an int becomes the latest checkpoint."""
     import subprocess
     import threading
     import time
 
-    # A restart logged before the kill, and a checkpoint the trainer reaches on its backlog alone, do
-    # not count: only a checkpoint after the restart that follows the kill does.
-    run_dir = _run_dir(tmp_path, "engine restarted in 9.0s at v2\n", checkpoint=3)
     launch = subprocess.Popen(["sleep", "60"])
 
     def service_and_trainer() -> None:
-        time.sleep(0.3)
-        (run_dir / "checkpoints" / "LATEST").write_text("step_00000004")  # backlog
-        time.sleep(0.3)
-        with open(run_dir / "logs" / "rollout0.log", "a") as log:
-            log.write("engine restarted in 1.2s at v5\n")
-        time.sleep(0.3)
-        (run_dir / "checkpoints" / "LATEST").write_text("step_00000005")
+        for event in events:
+            time.sleep(0.3)
+            if isinstance(event, int):
+                (run_dir / "checkpoints" / "LATEST").write_text(f"step_{event:08d}")
+            else:
+                with open(run_dir / "logs" / "rollout0.log", "a") as log:
+                    log.write(event)
 
     try:
         threading.Thread(target=service_and_trainer, daemon=True).start()
-        what = chaos.went_on(launch, run_dir, timeout_s=10.0)
+        return chaos.went_on(launch, run_dir, timeout_s=10.0)
     finally:
         launch.kill()
+
+
+def test_an_engine_core_kill_counts_as_recovered_after_a_restart_and_a_later_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # A restart logged before the kill, and a checkpoint the trainer reaches on its backlog alone, do
+    # not count: only a checkpoint after the restart that follows the kill does.
+    run_dir = _run_dir(tmp_path, "engine restarted in 9.0s at v2\n", checkpoint=3)
+    what = _went_on_after(run_dir, [4, "engine restarted in 1.2s at v5\n", 5])  # 4: the backlog
     assert what.startswith("engine restarted; the run went on to checkpoint 5"), what
 
 
@@ -133,31 +139,15 @@ def test_an_engine_core_kill_without_a_restart_is_not_recovered(tmp_path: Path) 
 
 
 def test_an_engine_core_killed_during_its_first_start_counts_once_started_again(tmp_path: Path) -> None:
-    import subprocess
-    import threading
-    import time
-
     # The service's first start failed and was retried ("engine start failed"), then loaded: a
     # checkpoint after that is recovery. A failed start with no load after it is not.
     run_dir = _run_dir(tmp_path, "", checkpoint=0)
-    launch = subprocess.Popen(["sleep", "60"])
-
-    def service_and_trainer() -> None:
-        time.sleep(0.2)
-        with open(run_dir / "logs" / "rollout0.log", "a") as log:
-            log.write("vllm engine loaded in 1.0s\nengine start failed (killed); starting it again in 1.0s\n")
-        time.sleep(0.3)
-        (run_dir / "checkpoints" / "LATEST").write_text("step_00000001")  # before the second load
-        time.sleep(0.3)
-        with open(run_dir / "logs" / "rollout0.log", "a") as log:
-            log.write("vllm engine loaded in 21.0s; serving weight version 0\n")
-        time.sleep(0.3)
-        (run_dir / "checkpoints" / "LATEST").write_text("step_00000002")
-
-    try:
-        threading.Thread(target=service_and_trainer, daemon=True).start()
-        what = chaos.went_on(launch, run_dir, timeout_s=10.0)
-    finally:
-        launch.kill()
+    events: list[str | int] = [
+        "vllm engine loaded in 1.0s\nengine start failed (killed); starting it again in 1.0s\n",
+        1,  # before the second load
+        "vllm engine loaded in 21.0s; serving weight version 0\n",
+        2,
+    ]
+    what = _went_on_after(run_dir, events)
     assert what.startswith("engine killed during its first start, started again; the run went on to "
                            "checkpoint 2"), what  # fmt: skip
