@@ -114,8 +114,10 @@ class Trainer:
         self.ref_model, self.old_model = built.ref_model, built.old_model
         self.flops_per_token = flops_per_token(self.model)
         # Past versions' weights: the frozen copy scores stale tokens under up to max_lag older
-        # versions; the sender's catch-up needs only the newest.
-        self.history = WeightHistory(keep=self.schedule.max_lag + 1 if self.old_model is not None else 1)
+        # versions, and the gate's localisation replays one version back (even in sync mode, where
+        # max_lag is 0); the sender's catch-up needs only the newest.
+        keep = max(self.schedule.max_lag + 1, 2) if self.old_model is not None else 1
+        self.history = WeightHistory(keep=keep)
         self._history_wanted = self.old_model is not None or bool(cfg.broadcast_address)
 
     def setup(self) -> None:

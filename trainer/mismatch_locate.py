@@ -17,7 +17,8 @@ every version the tokens were sampled at). Output, a `MismatchReport`:
   generation_config leak), repetition and presence penalties, raw logits, a bf16 head or bf16
   weights, RoPE theta, a left-truncated prompt, one tensor kept at v-1 (searched layer by layer), every
   same-shaped pair of tensors in a layer swapped, the whole model at v-1 (on every worker, or one),
-  the prompt's KV at v-1, the first token at v-1, the newest tag for every token, logprobs shifted
+  the prompt's KV from an older version (all but its last token, or the prompts' shared prefix in
+  whole KV blocks), the first token at v-1, the newest tag for every token, logprobs shifted
   by one, the last token's logprob alone. A fault with no replay (the engine conditioned on other
   prompt tokens) scores by what nothing else explains.
 
@@ -61,6 +62,7 @@ TOP = 3
 MISMATCH_REPORT = "mismatch_report"  # in the run directory: .json and .png
 PARSIMONY = 0.02  # what a change of several sampling settings gives up against one
 CAP_NATS = 10.0  # one token's largest share of the distance a hypothesis is scored by
+KV_BLOCKS = (16, 128)  # vLLM's KV block sizes: the GPU default, and the CPU backend's
 
 
 @dataclass(frozen=True)
@@ -204,17 +206,20 @@ class _Scorer:
         p = len(sample.prompt)
         return hidden[p - 1 : -1].float(), self.lm.get_output_embeddings().weight.float()
 
-    def stale_prefix_logits(self, sample: _Sample, version: int) -> torch.Tensor | None:
-        """The prompt (all but its last token) encoded at `version` - 1, the rest at `version`."""
-        p = len(sample.prompt)
-        if p < 2 or not self.load(version - 1):
+    def stale_prefix_logits(
+        self, sample: _Sample, version: int, stale: int, cached: int
+    ) -> torch.Tensor | None:
+        """The prompt's first `cached` tokens encoded at version `stale`, the rest of the sample at
+        `version` attending to them (a prefix cache hit on KV an older version computed)."""
+        if not 0 < cached < len(sample.prompt) or not self.load(stale):
             return None
         ids = self.torch.tensor([sample.prompt + sample.completion], device=self.device)
         with self.torch.no_grad():
-            cache = self.lm(input_ids=ids[:, : p - 1], use_cache=True).past_key_values
+            cache = self.lm(input_ids=ids[:, :cached], use_cache=True).past_key_values
             if not self.load(version):
                 return None
-            return self.lm(input_ids=ids[:, p - 1 : -1], past_key_values=cache).logits[0].float()
+            logits = self.lm(input_ids=ids[:, cached:-1], past_key_values=cache).logits[0].float()
+        return logits[len(sample.prompt) - 1 - cached :]
 
 
 def _chosen(
@@ -553,7 +558,7 @@ class _Hypotheses:
             self.offer("untied_head", self.score(untied), evidence)
 
     def context(self) -> None:
-        """RoPE theta, a left-truncated prompt, the prompt's KV from the previous version."""
+        """RoPE theta, a left-truncated prompt, the prompt's KV from an older version."""
         import torch
 
         scorer = self.scorer
@@ -579,12 +584,35 @@ class _Hypotheses:
             truncated.append((self.score(pred), keep))
         value, fraction = max(truncated)
         self.offer("truncated_context", value, f"the engine saw only the last {fraction:.0%} of each prompt")
-        prefix = []
-        for i, s in enumerate(self.samples):
-            logits = scorer.stale_prefix_logits(s, s.versions[0]) if len(set(s.versions)) == 1 else None
-            prefix += _chosen(logits, s, s.transform).tolist() if logits is not None else self.at_own(i, s)
-        evidence = "the prompt's KV matches the weights one version older"
-        self.offer("stale_prefix_kv", self.score(prefix), evidence)
+        self.stale_prefix()
+
+    def stale_prefix(self) -> None:
+        """The prompt's KV reused from an older version's forward: every held older version, and as
+        many prompt tokens as a cache would hold (all but the last; or the prompts' shared prefix in
+        whole KV blocks, which is all a hit across different prompts can cover)."""
+        shared = _common_prefix([s.prompt for s in self.samples])
+        held = self.history.versions()
+        best: tuple[float, str] = (0.0, "")
+        for cached_of in (lambda s: len(s.prompt) - 1, *(_in_blocks(shared, b) for b in KV_BLOCKS)):
+            for back in range(1, len(held)):
+                pred: list[float] = []
+                for i, s in enumerate(self.samples):
+                    v, logits = s.versions[0], None
+                    if len(set(s.versions)) == 1 and v - back in held:
+                        logits = self.scorer.stale_prefix_logits(s, v, v - back, cached_of(s))
+                    pred += (
+                        _chosen(logits, s, s.transform).tolist() if logits is not None else self.at_own(i, s)
+                    )
+                value = self.score(pred)
+                if value > best[0]:
+                    tokens = sorted({cached_of(s) for s in self.samples})
+                    span = f"{tokens[0]}" if len(tokens) == 1 else f"{tokens[0]}-{tokens[-1]}"
+                    older = "one version" if back == 1 else f"{back} versions"
+                    best = (
+                        value,
+                        f"the KV of the prompt's first {span} tokens matches the weights {older} older",
+                    )
+        self.offer("stale_prefix_kv", best[0], best[1] or "no older version's prompt KV explains it")
 
     def fresh(self, s: _Sample, logits: Callable[[], torch.Tensor]) -> list[float]:
         """The sample's logprobs from a new forward `logits()` at its (single) version; NaN per token
@@ -600,6 +628,21 @@ class _Hypotheses:
         for fault in UNREPLAYABLE:
             evidence = "no replay explains it: the engine may have seen other prompt tokens"
             self.offer(fault, 0.5 * (1.0 - explained), evidence)
+
+
+def _common_prefix(prompts: Sequence[list[int]]) -> int:
+    """How many leading tokens every prompt shares."""
+    n = min(len(p) for p in prompts)
+    for k in range(n):
+        if any(p[k] != prompts[0][k] for p in prompts):
+            return k
+    return n
+
+
+def _in_blocks(shared: int, block: int) -> Callable[[_Sample], int]:
+    """The prompt tokens a prefix cache of `block`-token blocks reuses from the `shared` prefix:
+    whole blocks only, and never the prompt's last token (the engine computes at least one)."""
+    return lambda s: (min(shared, len(s.prompt) - 1) // block) * block
 
 
 def _exponents(inv_freq):

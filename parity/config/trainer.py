@@ -126,13 +126,14 @@ class TrainerConfig(ServiceConfig):
     old_logprobs: OldLogprobs = Field(
         "behaviour",
         description="PPO old policy: behaviour = rollout logprobs; recompute = trainer at the rollout's "
-        "version (keeps max_lag+1 weight snapshots, one extra no-grad forward per version per micro-batch).",
+        "version (keeps max(max_lag+1, 2) weight snapshots, one extra no-grad forward per version per micro-batch).",
     )
     own_version_groups: int = Field(
         1,
         ge=0,
         description="Backend mismatch at each token's own version, every step: rescore this many groups "
-        "with stale tokens under the weights that sampled them (keeps max_lag+1 weight snapshots, on the "
+        "with stale tokens under the weights that sampled them (keeps max(max_lag+1, 2) weight snapshots: "
+        "the gate's localisation replays one version back; on the "
         "host when training on CUDA); lag-0 tokens are always measured. 0 turns it off.",
     )
     checkpoint_every: int = Field(

@@ -1,0 +1,140 @@
+"""The localiser's stale prefix-cache replay (trainer/mismatch_locate.py) on the tiny model, and the
+weight history it needs: an engine whose prefix cache served the prompts' shared system turn from KV
+an older version computed, in whole KV blocks (as vLLM's cache does across different prompts), is
+named as stale_prefix_kv, with how many prompt tokens were stale."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity.sampling import SamplingTransform, processed_logprobs
+from parity.v1 import common_pb2, rollouts_pb2
+from tests.fakes.trainer_helpers import make_trainer
+from trainer.mismatch_locate import _common_prefix, _in_blocks, locate
+from trainer.weight_history import WeightHistory
+
+SYSTEM_LEN, TAIL_LEN, COMPLETION_LEN = 40, 9, 6  # 40 shared tokens: two whole 16-token blocks
+TRANSFORM = SamplingTransform(temperature=1.0, top_k=0, top_p=1.0)
+
+
+def test_shared_prefix_and_whole_blocks() -> None:
+    assert _common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert _common_prefix([[7, 8], [7, 8]]) == 2
+
+    class Prompt:
+        prompt = list(range(50))
+
+    assert _in_blocks(40, 16)(Prompt) == 32  # the shared 40 tokens hold two whole blocks
+    assert _in_blocks(40, 128)(Prompt) == 0  # not one whole CPU block
+    assert _in_blocks(500, 16)(Prompt) == 48  # never the prompt's last token
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model: Path):
+    from trainer.policy import load_model
+
+    model = load_model(tiny_model).float().eval()
+    return model
+
+
+def _history(lm) -> WeightHistory:
+    """Version 0 = the tiny model; version 1 = every tensor moved by a few percent."""
+    generator = torch.Generator().manual_seed(0)
+    history = WeightHistory(keep=2)
+    v0 = [(n, p.detach().clone()) for n, p in lm.named_parameters()]
+    history.record(0, v0)
+    history.record(1, [(n, t + 0.05 * t.std() * torch.randn(t.shape, generator=generator)) for n, t in v0])
+    return history
+
+
+def _load(lm, weights: dict) -> None:
+    with torch.no_grad():
+        for name, param in lm.named_parameters():
+            param.copy_(weights[name])
+
+
+def _engine_logprobs(lm, history: WeightHistory, prompt: list[int], completion: list[int], cached: int):
+    """What an engine reports when the prompt's first `cached` tokens' KV came from version 0 and
+    the rest was computed at version 1."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        _load(lm, history.get(0))
+        cache = lm(input_ids=ids[:, :cached], use_cache=True).past_key_values
+        _load(lm, history.get(1))
+        logits = lm(input_ids=ids[:, cached:-1], past_key_values=cache).logits[0].float()
+    rows = logits[len(prompt) - 1 - cached :]
+    lp = processed_logprobs(rows, TRANSFORM).gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)
+    return lp.tolist()
+
+
+def _groups(lm, history: WeightHistory, cached: int) -> list:
+    generator = torch.Generator().manual_seed(1)
+    vocab = lm.get_output_embeddings().weight.shape[0]
+    system = torch.randint(3, vocab, (SYSTEM_LEN,), generator=generator).tolist()
+    groups = []
+    for g in range(2):
+        prompt = system + torch.randint(3, vocab, (TAIL_LEN,), generator=generator).tolist()
+        samples = []
+        for _ in range(2):
+            completion = torch.randint(3, vocab, (COMPLETION_LEN,), generator=generator).tolist()
+            samples.append(
+                rollouts_pb2.RolloutSample(
+                    token_ids=completion,
+                    logprobs=_engine_logprobs(lm, history, prompt, completion, cached),
+                    token_weight_versions=[1] * COMPLETION_LEN,
+                )
+            )
+        groups.append(
+            rollouts_pb2.RolloutGroup(
+                group_id=f"g{g}",
+                prompt_token_ids=prompt,
+                samples=samples,
+                sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=COMPLETION_LEN),
+                worker_id="worker-0",
+            )
+        )
+    return groups
+
+
+def test_a_prefix_cache_hit_on_older_kv_in_whole_blocks_is_named_with_its_length(lm) -> None:
+    history = _history(lm)
+    report = locate(lm, history, _groups(lm, history, cached=32), budget_s=5.0)
+    assert report is not None and report.k3 > 0
+    top = report.candidates[0]
+    assert top.fault == "stale_prefix_kv", report.candidates[:3]
+    assert top.score > 0.99, top
+    assert "first 32 tokens" in top.evidence and "one version older" in top.evidence, top
+
+
+def test_a_clean_engine_has_nothing_to_locate(lm) -> None:
+    history = _history(lm)
+    report = locate(lm, history, _clean(lm, history))
+    assert report is not None and report.k3 < 1e-9 and report.candidates == []
+
+
+def _clean(lm, history: WeightHistory) -> list:
+    groups = _groups(lm, history, cached=1)
+    _load(lm, history.get(1))
+    for group in groups:
+        for sample in group.samples:
+            ids = torch.tensor([list(group.prompt_token_ids) + list(sample.token_ids)])
+            with torch.no_grad():
+                rows = lm(input_ids=ids).logits[0].float()[len(group.prompt_token_ids) - 1 : -1]
+            lp = processed_logprobs(rows, TRANSFORM).gather(
+                -1, torch.tensor(list(sample.token_ids)).unsqueeze(-1)
+            )
+            sample.logprobs[:] = lp.squeeze(-1).tolist()
+    return groups
+
+
+def test_a_sync_mode_trainer_keeps_the_previous_version_for_the_localiser(
+    redis_url: str, tmp_path: Path
+) -> None:
+    trainer = make_trainer(redis_url, tmp_path, max_lag=0)
+    try:
+        assert trainer.old_model is not None and trainer.history.keep == 2
+    finally:
+        trainer.close()
