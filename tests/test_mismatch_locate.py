@@ -32,12 +32,21 @@ def test_shared_prefix_and_whole_blocks() -> None:
     assert _in_blocks(500, 16)(Prompt) == 48  # never the prompt's last token
 
 
-@pytest.fixture(scope="module")
-def lm(tiny_model: Path):
+@pytest.fixture(scope="module", params=[False, True], ids=["sdpa", "packed"])
+def lm(request: pytest.FixtureRequest, tiny_model: Path):
+    """The tiny model with plain SDPA, and with the packed attention the trainer's frozen copy runs."""
     from trainer.policy import load_model
 
-    model = load_model(tiny_model).float().eval()
-    return model
+    return load_model(tiny_model, packing=request.param).float().eval()
+
+
+def test_a_forward_after_a_kv_cache_equals_the_whole_forward(lm) -> None:
+    ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = lm(input_ids=ids[:, :32], use_cache=True).past_key_values
+        tail = lm(input_ids=ids[:, 32:], past_key_values=cache).logits[0]
+        whole = lm(input_ids=ids).logits[0]
+    assert torch.allclose(tail, whole[32:], atol=1e-5), float((tail - whole[32:]).abs().max())
 
 
 def _history(lm) -> WeightHistory:

@@ -69,6 +69,14 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
             [_segment_attention(query, key, value, segment, scaling, dropout) for segment in cu_seq_lens],
             dim=2,
         )
+    elif cu_seq_lens is None and query.shape[2] != key.shape[2]:
+        # After a KV cache (the localiser's prefix replays): the queries are the last positions, so
+        # the causal mask aligns to the bottom right; SDPA's is_causal aligns it to the top left.
+        q_len, k_len = query.shape[2], key.shape[2]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(diagonal=k_len - q_len)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, dropout_p=dropout
+        )
     elif cu_seq_lens is None:
         out = F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scaling, dropout_p=dropout
