@@ -10,9 +10,8 @@ bash scripts/setup.sh
 # Layer contracts (pyproject [tool.importlinter]): core <- domain <- services <- commands, tests never imported.
 .venv/bin/lint-imports
 # Four workers (PARITY_TEST_WORKERS, 0 = one process), each running whole test files, so a module's
-# services are started once. Most of the suite waits on vLLM start-up, subprocesses and timeouts:
-# with four workers on the 2-core box the suite used 128% CPU (user + sys over wall) and pytest took
-# 19m20s (`PARITY_TEST_WORKERS=4 /usr/bin/time -v bash .ci/run` on a fresh clone). Files start in
+# services are started once. Most of the suite waits on vLLM start-up, subprocesses and timeouts
+# (its time on the 2-core box: README, "Set up and run the whole test suite"). Files start in
 # tests/conftest.py LONGEST_FILES_FIRST order (xdist would otherwise start the files with the most
 # tests first).
 # OpenMP threads that wait sleep instead of spinning, and one torch thread per process where vLLM
