@@ -72,8 +72,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     elif cu_seq_lens is None and query.shape[2] != key.shape[2]:
         # After a KV cache (the localiser's prefix replays): the queries are the last positions, so
         # the causal mask aligns to the bottom right; SDPA's is_causal aligns it to the top left.
-        q_len, k_len = query.shape[2], key.shape[2]
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(diagonal=k_len - q_len)
+        mask = _causal_after_prefix(query.shape[2], key.shape[2], query.device)
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scaling, dropout_p=dropout
         )
@@ -123,8 +122,7 @@ def _segment_attention(query, key, value, segment, scaling, dropout):
             dropout_p=dropout,
         )
     prefix, length = prefix_end - prefix_start, end - start
-    allowed = torch.ones(length, prefix + length, dtype=torch.bool, device=query.device)
-    allowed[:, prefix:] = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    allowed = _causal_after_prefix(length, prefix + length, query.device)
     return F.scaled_dot_product_attention(
         query[:, :, start:end],
         torch.cat([key[:, :, prefix_start:prefix_end], key[:, :, start:end]], dim=2),
@@ -133,6 +131,14 @@ def _segment_attention(query, key, value, segment, scaling, dropout):
         scale=scaling,
         dropout_p=dropout,
     )
+
+
+def _causal_after_prefix(q_len: int, k_len: int, device):
+    """[q_len, k_len] boolean mask: the queries are the last q_len of k_len positions, each sees
+    every key before it and itself (causal aligned bottom right)."""
+    import torch
+
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
 
 
 def register() -> str:

@@ -26,8 +26,9 @@ Invariants:
     is retried with capped backoff, and so is a first start whose engine core was killed while it
     started (not one the engine refused: a bad checkpoint fails at once). Recovery has a budget:
     after `engine_restart_attempts` failures in a row (deaths and failed restarts; an engine that
-    served 10 x the backoff cap starts a fresh count) the service logs one line naming the engine and the last cause, stops and exits 1
-    (services/rollout/server.py), NOT_SERVING until it is gone.
+    served 10 x the backoff cap starts a fresh count) the service logs one line naming the engine
+    and the last cause, stops and exits 1 (services/rollout/server.py), NOT_SERVING until it is
+    gone.
   - Generate/GenerateStream RPCs are admitted up to `max_inflight_requests` and
     `max_inflight_tokens` (rollout.admission); the rest get RESOURCE_EXHAUSTED with a retry hint.
   - Every parity-relevant engine setting is logged at startup and returned by GetStatus.
