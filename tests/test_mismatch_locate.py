@@ -118,6 +118,28 @@ def test_a_prefix_cache_hit_on_older_kv_in_whole_blocks_is_named_with_its_length
     assert "first 32 tokens" in top.evidence and "one version older" in top.evidence, top
 
 
+def test_candidate_lengths_that_coincide_are_replayed_once(lm, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both groups share their whole 49-token prompt: "all but the last token" and "the shared
+    # prefix in 16-token blocks" are both 48 tokens, one replay per sample and version, not two.
+    from trainer import mismatch_locate
+
+    history = _history(lm)
+    groups = _groups(lm, history, cached=32)
+    groups[1].prompt_token_ids[:] = groups[0].prompt_token_ids
+    calls: list[tuple] = []
+    replay = mismatch_locate._Scorer.stale_prefix_logits
+
+    def counted(self, sample, version: int, stale: int, cached: int):
+        calls.append((tuple(sample.prompt), tuple(sample.completion), version, stale, cached))
+        return replay(self, sample, version, stale, cached)
+
+    monkeypatch.setattr(mismatch_locate._Scorer, "stale_prefix_logits", counted)
+    locate(lm, history, groups, budget_s=5.0)
+    replays = [c for c in calls if c[-1] > 0]  # 128-token blocks: 0 tokens, nothing to replay
+    assert {c[-1] for c in replays} == {48}, calls
+    assert len(replays) == len(set(replays)) == 4, calls  # 4 samples, one older version held
+
+
 def test_a_clean_engine_has_nothing_to_locate(lm) -> None:
     history = _history(lm)
     report = locate(lm, history, _clean(lm, history))

@@ -593,7 +593,12 @@ class _Hypotheses:
         shared = _common_prefix([s.prompt for s in self.samples])
         held = self.history.versions()
         best: tuple[float, str] = (0.0, "")
+        tried: set[tuple[int, ...]] = set()  # candidate lengths that coincide are replayed once
         for cached_of in (lambda s: len(s.prompt) - 1, *(_in_blocks(shared, b) for b in KV_BLOCKS)):
+            lengths = tuple(cached_of(s) for s in self.samples)
+            if lengths in tried:
+                continue
+            tried.add(lengths)
             for back in range(1, len(held)):
                 pred: list[float] = []
                 for i, s in enumerate(self.samples):
