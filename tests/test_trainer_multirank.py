@@ -9,6 +9,8 @@
   weights (its WSUM64 checksums), so rank 0 published the all-gathered full tensors.
 - SIGTERM to the service's process group (a supervisor's stop) stops every rank after rank 0
   finishes: STOP reaches rank 1, and both ranks wrote their checkpoint shards.
+- A gated mismatch (rollouts whose logprobs are shifted by one token) is localised by rank 0 alone,
+  on its whole frozen copy, with the same report as one rank's (logprobs_shifted first).
 - Killing rank 1 ends the service with a non-zero status and torchrun's report naming the rank,
   within seconds, instead of a hang; a rank dies with its agent (it lives in a session of its own,
   out of reach of a process-group stop).
@@ -191,6 +193,49 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
         assert state["checksums"] == [str(m.checksum) for m in checksum.describe(list(w2.items()))]
     finally:
         receiver.stop(10)
+
+
+@pytest.mark.slow
+def test_rank_0_localises_a_gated_mismatch_like_one_rank(
+    redis_url: str, tmp_path: Path, start_services, groups: list
+) -> None:
+    # Step 1's rollouts carry an engine fault (token i reports token i+1's logprob). The gate (warn)
+    # fires on two ranks and on one; rank 0 replays alone on its whole frozen copy while rank 1
+    # waits, and names what one rank names.
+    from trainer.loop import Trainer
+
+    faulty = []
+    for group in groups[:2]:
+        copy = type(group)()
+        copy.CopyFrom(group)
+        for sample in copy.samples:
+            sample.logprobs[:] = [*sample.logprobs[1:], sample.logprobs[-1]]
+        faulty.append(copy)
+    two_dir, one_dir = tmp_path / "two", tmp_path / "one"
+    for stream in ("loc:two", "loc:one"):
+        queue = RolloutQueue(redis_url, stream=stream)
+        for group in faulty:
+            queue.publish(group)
+    svc = start_services(
+        "trainer", *service_args(redis_url, "loc:two", two_dir, "--steps", "1", "--check.on_mismatch", "warn"),
+        name="trainer2", timeout_s=120,
+    )  # fmt: skip
+    assert svc.proc.wait(120) == 0, svc.log_tail(40)
+    one = Trainer(
+        config_for(
+            "trainer", model="tiny", redis_url=redis_url, stream="loc:one", run_dir=str(one_dir), steps=1,
+            groups_per_step=2, micro_batch_size=3, read_block_ms=100, max_lag=100, lr=LR, device="cpu",
+            **{"check.on_mismatch": "warn"},
+        )
+    )  # fmt: skip
+    one.setup()
+    one.run()
+    one.close()
+    reports = [json.loads((d / "mismatch_report.json").read_text()) for d in (two_dir, one_dir)]
+    named = [[(c["fault"], round(c["score"], 3)) for c in r["candidates"][:3]] for r in reports]
+    assert named[0] == named[1] and named[0][0][0] == "logprobs_shifted", named
+    log = svc.log_path.read_text()
+    assert "Localisation: " in log and "Most likely: logprobs_shifted" in log, log[-3000:]
 
 
 def rank_pids(agent_pid: int) -> dict[int, int]:
