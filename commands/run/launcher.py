@@ -40,6 +40,7 @@ from pathlib import Path
 
 from commands.run import records
 from commands.run.console import log
+from commands.run.cpu_binding import engine_bind_env
 from commands.run.held_out import PeriodicEval, run_eval
 from commands.run.resume import ResumeError, ResumePlan, format_diff, truncate_lineage
 from commands.run.resume import plan as plan_resume
@@ -362,9 +363,10 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str], resume: Resu
                     sup, config_path, redis_url, token, run, gate_env(cfg, record.get("preflight"))
                 )
             rollouts = [f"rollout{i}" for i in range(run.rollout_workers)]
+            binds = engine_bind_env(len(rollouts)) if cfg.rollout.engine == "vllm" else [{} for _ in rollouts]
             for index, name in enumerate(rollouts):
                 instance = env_for("rollout", worker_id=name, worker_index=index, auth_token=token)
-                sup.start("rollout", name, _child_env(config_path, redis_url, instance))
+                sup.start("rollout", name, {**_child_env(config_path, redis_url, instance), **binds[index]})
             log(
                 f"starting {len(rollouts)} rollout service(s) ({cfg.rollout.engine}, {model}); engine start takes a while"
             )
