@@ -186,24 +186,32 @@ def test_generation_goes_on_while_a_version_is_received(start_services, tiny_mod
     sender = threading.Thread(target=send)
     sender.start()
     reply: list = []
-    update = threading.Thread(
-        target=lambda: reply.append(
-            stub.UpdateWeights(
-                rollout_pb2.UpdateWeightsRequest(plan=plan), metadata=bearer(TOKEN), timeout=120
-            )
-        )
-    )
+    answered: list[float] = []
+
+    def update_weights() -> None:
+        request = rollout_pb2.UpdateWeightsRequest(plan=plan)
+        reply.append(stub.UpdateWeights(request, metadata=bearer(TOKEN), timeout=120))
+        answered.append(time.monotonic())
+
+    update = threading.Thread(target=update_weights)
     update.start()
-    latencies = []
+    latencies, finished = [], []
     while update.is_alive():
         t0 = time.monotonic()
         greedy(stub)
-        latencies.append(time.monotonic() - t0)
+        finished.append(time.monotonic())
+        latencies.append(finished[-1] - t0)
     update.join()
     sender.join(30)
     assert reply[0].outcome == rollout_pb2.UPDATE_OUTCOME_APPLIED, reply[0].error
     assert reply[0].transfer_seconds >= 2.5  # the slow transfer really happened
-    assert len(latencies) >= 3 and max(latencies) < 2.0, latencies  # generation went on throughout
+    # Generation went on while the version was received: greedy requests finished inside the
+    # transfer (it ended at the latest when the swap began, just before the reply). A receive that
+    # blocked the engine would let none finish there. (A bound on the slowest request was flaky: on a
+    # loaded box one request took 4.9 s while 26 others finished during the same update.)
+    end = answered[0] - reply[0].paused_seconds
+    during = [t for t in finished if end - reply[0].transfer_seconds < t < end]
+    assert len(during) >= 3, (reply[0].transfer_seconds, latencies)
     assert reply[0].paused_seconds < reply[0].transfer_seconds
     # vLLM on CPU prepares the swap while generating (rollout.prepared_swap, on by default): the
     # reply says how long that took, and the pause only copied and rebound

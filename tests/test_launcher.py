@@ -124,6 +124,29 @@ def test_child_death_is_reported_with_name_and_exit(tmp_path: Path) -> None:
     assert _wait_gone(marker) == []
 
 
+def test_a_trainer_that_finished_before_it_was_seen_serving_is_ready_not_dead(tmp_path: Path) -> None:
+    # A two-step trainer whose rollouts were already queued finished between two health polls on a
+    # loaded box, and the launcher reported "trainer exited unexpectedly (exit code 0)".
+    from parity.procs import ServiceProcess
+
+    def child(name: str, code: int) -> ServiceProcess:
+        proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+        proc.wait(30)
+        return ServiceProcess(
+            name=name, proc=proc, port_file=tmp_path / f"{name}.port", log_path=tmp_path / "x.log"
+        )
+
+    with Supervisor(tmp_path, uuid.uuid4().hex) as sup:
+        sup.children["trainer"] = child("trainer", 0)
+        with pytest.raises(ChildDied, match=r"exit code 0"):
+            sup.wait_ready(["trainer"], 5.0)
+        sup.wait_ready(["trainer"], 5.0, may_finish=frozenset({"trainer"}))
+        sup.check()  # expected to be gone from now on
+        sup.children["crashed"] = child("crashed", 1)
+        with pytest.raises(ChildDied, match=r"crashed exited unexpectedly \(exit code 1"):
+            sup.wait_ready(["crashed"], 5.0, may_finish=frozenset({"crashed"}))
+
+
 def test_metrics_follower_reads_only_complete_lines(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     follower = MetricsFollower(path)

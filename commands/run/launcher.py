@@ -447,7 +447,7 @@ def _start_trainer(
     env = {**_child_env(config_path, redis_url, env_for("trainer", auth_token=token)), **(gate or {})}
     sup.start(TRAINER, TRAINER, env)
     log("trainer starting")
-    sup.wait_ready([TRAINER], run.startup_timeout_s)
+    sup.wait_ready([TRAINER], run.startup_timeout_s, may_finish=frozenset({TRAINER}))
 
 
 def gate_env(cfg: ParityConfig, preflight_record: dict | None) -> dict[str, str]:

@@ -139,11 +139,21 @@ class Supervisor:
         self.children[name] = child
         return child
 
-    def wait_ready(self, names: list[str], timeout_s: float) -> None:
-        """Wait until each named child is SERVING, failing fast if any child dies meanwhile."""
+    def wait_ready(
+        self, names: list[str], timeout_s: float, may_finish: frozenset[str] = frozenset()
+    ) -> None:
+        """Wait until each named child is SERVING, failing fast if any child dies meanwhile.
+
+        A child in `may_finish` (the trainer) that exits 0 before it was seen SERVING has done its
+        work (its rollouts were already queued) and counts as ready; from then on it is expected to
+        be gone. On a loaded box a two-step trainer finished between two polls."""
         pending = list(names)
         deadline = time.monotonic() + timeout_s
         while pending:
+            for name in [n for n in pending if n in may_finish]:
+                if self.children[name].proc.poll() == 0:
+                    self.expect_exit.add(name)
+                    pending.remove(name)
             self.check()
             for name in list(pending):
                 child = self.children[name]
