@@ -380,13 +380,13 @@ class Trainer:
         # Rank 0 (the only rank that gates) holds a whole frozen copy for own-version rescoring and
         # the full weights of every held version (gathered when they were published): it replays
         # alone, with no collective. Sharded (old_logprobs recompute on several ranks), it cannot.
-        if self.old_model is None or (self.distributed and self.config.old_logprobs == "recompute"):
+        if self.old_model is None or (self.world_size > 1 and self.config.old_logprobs == "recompute"):
             return (
                 "not run (it replays on the trainer's whole frozen copy: own_version_groups > 0, "
                 "and on several ranks old_logprobs other than recompute)"
             )
         # The other ranks wait in a collective meanwhile: keep well inside its timeout.
-        budget_s = min(60.0, self.config.dist_timeout_s / 4) if self.distributed else 60.0
+        budget_s = min(60.0, self.config.dist_timeout_s / 4) if self.world_size > 1 else 60.0
         report = locate(self.old_model.lm, self.history, batch.groups, budget_s=budget_s)
         if report is None:
             return "not run (the history holds none of the step's weight versions)"

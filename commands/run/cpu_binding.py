@@ -6,9 +6,9 @@ cores while the rest idle. On a 2-core box, `parity run --model tiny --steps 20 
 --groups_per_step 4 --max_tokens 128` (one run each): both engines on core 0, weight transfers into
 their workers timed out (60 s) and the run reached step 6 in 5 minutes; unpinned ("nobind"), 20
 steps in 5m28s; one core each, 20 steps in 2m24s; no failed transfer in either. The launcher gives
-engine i its own contiguous slice of the
-cores this process may use (`VLLM_CPU_OMP_THREADS_BIND`, which vLLM's GPU platform ignores), or
-leaves them unpinned when there are fewer cores than engines. A value the user set is kept.
+engine i its own contiguous slice of the cores this process may use (`VLLM_CPU_OMP_THREADS_BIND`,
+which vLLM's GPU platform ignores), or leaves them unpinned when there are fewer cores than
+engines. A value the user set is kept.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def engine_binds(engines: int, cores: list[int]) -> list[str]:
-    """The bind value of each of `engines` engines over `cores` ("0-3", "4-7", ...; "nobind" for
+    """The bind value of each of `engines` engines over `cores` ("0,1", "2,3", ...; "nobind" for
     all when there are fewer cores than engines). One engine: [] (vLLM's own choice)."""
     if engines <= 1:
         return []
