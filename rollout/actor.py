@@ -168,7 +168,11 @@ class Actor:
         limit = backlog_limit(self.max_lag, self.groups_per_step)
         start = None
         async with self._admission:
-            while await self._backlog() + self._in_flight >= limit:
+            # In flight is read (the left operand) before the backlog: a group published between
+            # the two reads is then counted twice, never not at all. Read after it, the stream once
+            # held limit + 1 groups (the backlog read missed a publish whose group the decrement
+            # had already taken off in flight).
+            while self._in_flight + await self._backlog() >= limit:
                 start = start or time.monotonic()
                 await asyncio.sleep(POLL_S)
             self._in_flight += 1
