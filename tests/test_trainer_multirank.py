@@ -65,6 +65,29 @@ def service_args(redis_url: str, stream: str, run_dir: Path, *extra: str) -> lis
     ]  # fmt: skip
 
 
+def publish_to_both(redis_url: str, streams: tuple[str, str], groups: list) -> None:
+    """The same rollouts in the two-rank service's stream and the one-rank trainer's."""
+    for stream in streams:
+        queue = RolloutQueue(redis_url, stream=stream)
+        for group in groups:
+            queue.publish(group)
+
+
+def train_one_rank(redis_url: str, stream: str, run_dir: Path, steps: int, **extra: object) -> None:
+    """An in-process one-rank Trainer with service_args' settings, run to `steps`."""
+    from trainer.loop import Trainer
+
+    one = Trainer(
+        config_for(
+            "trainer", model="tiny", redis_url=redis_url, stream=stream, run_dir=str(run_dir), steps=steps,
+            groups_per_step=2, micro_batch_size=3, read_block_ms=100, max_lag=100, lr=LR, device="cpu", **extra,
+        )
+    )  # fmt: skip
+    one.setup()
+    one.run()
+    one.close()
+
+
 def checkpoint_weights(run_dir: Path, tiny_model: Path, step: int) -> dict[str, torch.Tensor]:
     from trainer.checkpoint import load_model_weights
 
@@ -88,7 +111,6 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
     redis_url: str, tmp_path: Path, start_services, groups: list, tiny_model: Path
 ) -> None:
     from parity.weights import checksum
-    from trainer.loop import Trainer
 
     broadcast = start_services(
         "broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "20", name="broadcast", timeout_s=90
@@ -97,10 +119,7 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
     try:
         receiver.wait_ready(90)
         two_dir, one_dir = tmp_path / "two", tmp_path / "one"
-        for stream in ("mr:two", "mr:one"):
-            queue = RolloutQueue(redis_url, stream=stream)
-            for group in groups:
-                queue.publish(group)
+        publish_to_both(redis_url, ("mr:two", "mr:one"), groups)
         svc = start_services(
             "trainer",
             *service_args(redis_url, "mr:two", two_dir, "--steps", "3", "--checkpoint_every", "1"),
@@ -121,16 +140,7 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
         shards = sorted((two_dir / "checkpoints" / "step_00000002" / "dcp").glob("*.distcp"))
         assert len(shards) == 2, shards  # each rank wrote its own
 
-        one = Trainer(
-            config_for(
-                "trainer", model="tiny", redis_url=redis_url, stream="mr:one", run_dir=str(one_dir),
-                steps=2, groups_per_step=2, micro_batch_size=3, read_block_ms=100, max_lag=100, lr=LR,
-                device="cpu", checkpoint_every=1,
-            )
-        )  # fmt: skip
-        one.setup()
-        one.run()
-        one.close()
+        train_one_rank(redis_url, "mr:one", one_dir, 2, checkpoint_every=1)
 
         rows_two, rows_one = metrics(two_dir), metrics(one_dir)
         assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [1, 2]
@@ -202,7 +212,6 @@ def test_rank_0_localises_a_gated_mismatch_like_one_rank(
     # Step 1's rollouts carry an engine fault (token i reports token i+1's logprob). The gate (warn)
     # fires on two ranks and on one; rank 0 replays alone on its whole frozen copy while rank 1
     # waits, and names what one rank names.
-    from trainer.loop import Trainer
 
     faulty = []
     for group in groups[:2]:
@@ -212,25 +221,13 @@ def test_rank_0_localises_a_gated_mismatch_like_one_rank(
             sample.logprobs[:] = [*sample.logprobs[1:], sample.logprobs[-1]]
         faulty.append(copy)
     two_dir, one_dir = tmp_path / "two", tmp_path / "one"
-    for stream in ("loc:two", "loc:one"):
-        queue = RolloutQueue(redis_url, stream=stream)
-        for group in faulty:
-            queue.publish(group)
+    publish_to_both(redis_url, ("loc:two", "loc:one"), faulty)
     svc = start_services(
         "trainer", *service_args(redis_url, "loc:two", two_dir, "--steps", "1", "--check.on_mismatch", "warn"),
         name="trainer2", timeout_s=120,
     )  # fmt: skip
     assert svc.proc.wait(120) == 0, svc.log_tail(40)
-    one = Trainer(
-        config_for(
-            "trainer", model="tiny", redis_url=redis_url, stream="loc:one", run_dir=str(one_dir), steps=1,
-            groups_per_step=2, micro_batch_size=3, read_block_ms=100, max_lag=100, lr=LR, device="cpu",
-            **{"check.on_mismatch": "warn"},
-        )
-    )  # fmt: skip
-    one.setup()
-    one.run()
-    one.close()
+    train_one_rank(redis_url, "loc:one", one_dir, 1, **{"check.on_mismatch": "warn"})
     reports = [json.loads((d / "mismatch_report.json").read_text()) for d in (two_dir, one_dir)]
     named = [[(c["fault"], round(c["score"], 3)) for c in r["candidates"][:3]] for r in reports]
     assert named[0] == named[1] and named[0][0][0] == "logprobs_shifted", named
