@@ -16,9 +16,11 @@ localiser's three most likely classes (a caught case passes only when they inclu
   false --rollout.update_mode keep` (after an update, prompts reuse the system turn's KV computed by
   the older weights; in the default recompute mode vLLM's pause clears the cache anyway);
 - model_dtype_head: bf16 rollouts with the head in the model's dtype (`--rollout.head_dtype model`),
-  against the bf16 control with the default float32 head: expected NOT caught, a known blind spot
+  against the bf16 control with the default float32 head: expected NOT caught by the running gate
   (the bf16 threshold sits above the bf16 body's own mismatch, which the head's precision does not
-  measurably raise; in float32 numerics the bf16 head is caught, `parity check --faults`);
+  measurably raise), but by the preflight's head-precision test: for the two bf16 cases and the
+  float32 control the bench also runs `parity check` with the same flags (what the skipped preflight
+  runs) and reports whether its top logprobs say the logits were rounded (`parity.head_lattice`);
 - generation_config_auto: `--rollout.generation_config auto` (the model's generation_config.json
   defaults reach the sampler; the tiny model has none, so nothing changes: a correct "not caught");
 - async scheduling: vLLM forces it off on CPU, so it cannot be set here (not run).
@@ -73,12 +75,15 @@ CASES: dict[str, tuple[list[str], str, bool, str]] = {
         [*BF16, "--rollout.head_dtype", "model"],
         "control_bfloat16",
         False,
-        "a known blind spot: under bf16 rollouts the gate's threshold sits above the bf16 body's own "
-        "mismatch, and a bf16 head adds less than that; in float32 numerics it is caught "
-        "(bf16_lm_head in `parity check --faults`)",
+        "the running gate cannot see it: under bf16 rollouts its threshold sits above the bf16 body's "
+        "own mismatch, and a bf16 head adds less than that; the preflight's head-precision test sees it",
     ),
 }
 
+
+# Cases also given to `parity check` (the preflight): whether its head-precision test must find
+# logits rounded below float32.
+HEAD_CHECK = {"control_float32": False, "control_bfloat16": False, "model_dtype_head": True}
 
 # The catalogue's class (parity/faults.py) each caught case is, which the localiser should name.
 FAULT_CLASS = {"raw_logprobs": "raw_logprobs", "prefix_cache_no_reset": "stale_prefix_kv"}
@@ -116,7 +121,9 @@ def run_case(name: str, out: Path, steps: int, seed: int) -> dict:
     likely: list[str] = []
     if report_path.exists():
         likely = [c["fault"] for c in json.loads(report_path.read_text())["candidates"][:3]]
+    head = check_head(flags, out / f"{name}-check") if name in HEAD_CHECK else None
     return {
+        "head_low_precision": head,
         "case": name,
         "flags": " ".join(flags),
         "control": control,
@@ -130,6 +137,16 @@ def run_case(name: str, out: Path, steps: int, seed: int) -> dict:
         "seconds": round(time.monotonic() - start, 1),
         "log": str(log_path),
     }
+
+
+def check_head(flags: list[str], out: Path) -> bool | None:
+    """`parity check` on tiny with `flags`: did its head-precision test find low-precision logits?"""
+    args = [sys.executable, "-m", "commands.main", "check", "--model", "tiny", *flags, "--check.out", str(out),
+            "--max_model_len", "512"]  # fmt: skip
+    subprocess.run(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+    report = out / "check.json"
+    head = json.loads(report.read_text())["rows"][0].get("head") if report.exists() else None
+    return None if not head or not head["measured"] else bool(head["low_precision"])
 
 
 def main() -> int:
@@ -154,6 +171,8 @@ def main() -> int:
         fault_class = FAULT_CLASS.get(name)
         if caught and fault_class is not None:  # and the localiser names it among its three most likely
             ok = ok and fault_class in result["likely"]
+        if name in HEAD_CHECK:  # and the preflight's head-precision test says what it should
+            ok = ok and result["head_low_precision"] == HEAD_CHECK[name]
         result["as_expected"] = ok
         results.append(result)
         k3 = ", ".join("-" if v is None else f"{v:.2e}" for v in result["gated_k3"])
@@ -161,6 +180,8 @@ def main() -> int:
               f"{'caught at step ' + str(result['caught_at_step']) if caught else 'not caught'} "
               f"of {result['steps_trained']} trained; gated k3 per step [{k3}]; "
               f"likely {result['likely'] or '-'}; {result['seconds']:.0f}s"
+              + ("" if name not in HEAD_CHECK else f"; preflight head test: "
+                 f"{ {True: 'LOW precision', False: 'float32', None: 'not measured'}[result['head_low_precision']] }")
               + (f" ({result['note']})" if result["note"] else ""), flush=True)  # fmt: skip
     summary = {"bench": "faults_vllm", "steps": args.steps, "seed": args.seed, "out": str(out),
                "passed": all(r["as_expected"] for r in results), "results": results}  # fmt: skip

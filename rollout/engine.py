@@ -73,6 +73,7 @@ class GenerationSpec:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    top_logprobs: int = 0  # per token, also the logprobs of this many most likely tokens
 
 
 @dataclass
@@ -86,6 +87,8 @@ class CompletionResult:
     text: str
     finish_reason: FinishReasonName
     token_context_versions: list[int] = field(default_factory=list)
+    # per token when the spec asked for top_logprobs: (token id, logprob), most likely first
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 def context_versions(token_versions: list[int], recompute_versions: set[int]) -> list[int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -113,6 +114,7 @@ class ReferenceEngine(RolloutEngine):
         generated: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         versions: list[list[int]] = [[] for _ in range(n)]
+        tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(n)]
         finished: list[str | None] = [None] * n
         sampled: list[torch.Tensor] = []
         cache = None
@@ -141,6 +143,7 @@ class ReferenceEngine(RolloutEngine):
                 tokens_n = torch.multinomial(probs_nv, 1, generator=generator).squeeze(-1).to(self.device)
             chosen_n = logprobs_nv.gather(-1, tokens_n.unsqueeze(-1)).squeeze(-1).cpu()
             tokens_n_host = tokens_n.cpu()
+            top_n = top_rows(logprobs_nv, spec.top_logprobs) if spec.top_logprobs else None
             for i in range(n):
                 if finished[i] is not None:
                     continue
@@ -148,6 +151,8 @@ class ReferenceEngine(RolloutEngine):
                 generated[i].append(tok)
                 logprobs[i].append(float(chosen_n[i]))
                 versions[i].append(version)
+                if top_n is not None:
+                    tops[i].append(top_n[i])
                 text = self.tokenizer.decode(generated[i], skip_special_tokens=True)
                 if (tok in self._eos_ids and not spec.ignore_eos) or any(s and s in text for s in spec.stop):
                     finished[i] = "stop"
@@ -155,7 +160,11 @@ class ReferenceEngine(RolloutEngine):
                     finished[i] = "length"
                 if finished[i] is not None:
                     reported, tags = self._reported(logprobs[i], versions[i])
-                    emit(CompletionResult(i, generated[i], reported, tags, text, finished[i]))
+                    emit(
+                        CompletionResult(
+                            i, generated[i], reported, tags, text, finished[i], top_logprobs=tops[i]
+                        )
+                    )
             if all(f is not None for f in finished):
                 return
             # Finished rows keep sampling so the batch stays rectangular; those tokens are discarded.
@@ -255,3 +264,13 @@ class ReferenceEngine(RolloutEngine):
 
     async def shutdown(self) -> None:
         self._unpaused.set()
+
+
+def top_rows(logprobs_nv, k: int) -> list[list[tuple[int, float]]]:
+    """Per row, the `k` most likely tokens and their logprobs, most likely first; tokens the sampling
+    transform excluded (logprob -inf) are left out."""
+    values, ids = logprobs_nv.float().topk(min(k, logprobs_nv.shape[-1]), dim=-1)
+    return [
+        [(int(t), float(v)) for t, v in zip(row_ids, row_values, strict=True) if math.isfinite(v)]
+        for row_ids, row_values in zip(ids.cpu().tolist(), values.cpu().tolist(), strict=True)
+    ]

@@ -27,6 +27,7 @@ MAX_SEED = 2**63 - 1  # torch generators take a signed 64-bit seed
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # vLLM's default cap (max_logprobs)
 
 
 def check_unknown_fields(message: Message, path: str = "") -> None:
@@ -110,6 +111,11 @@ def generation_spec(request, prompt_token_ids: list[int] | None, limits: Limits)
         raise invalid(
             "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters"
         )
+    if not 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid(
+            "sampling.top_logprobs",
+            f"must be in [0, {MAX_TOP_LOGPROBS}]; 0 returns none (got {s.top_logprobs})",
+        )
     return GenerationSpec(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
@@ -121,6 +127,7 @@ def generation_spec(request, prompt_token_ids: list[int] | None, limits: Limits)
         seed=int(s.seed) if s.seed else None,
         stop=tuple(s.stop),
         ignore_eos=bool(s.ignore_eos),
+        top_logprobs=int(s.top_logprobs),
     )
 
 

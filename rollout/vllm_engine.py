@@ -32,6 +32,7 @@ import ast
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import re
 import time
@@ -177,7 +178,7 @@ class VllmEngine(RolloutEngine):
             top_p=spec.top_p,
             top_k=spec.top_k,
             max_tokens=spec.max_tokens,
-            logprobs=0,
+            logprobs=spec.top_logprobs,  # 0: the sampled token's only
             seed=spec.seed,
             stop=list(spec.stop) or None,
             ignore_eos=spec.ignore_eos,
@@ -223,6 +224,7 @@ class VllmEngine(RolloutEngine):
         """One submission; yields nothing if it was aborted for a restart (module docstring)."""
         token_ids: dict[int, list[int]] = {i: [] for i in range(spec.n)}
         logprobs: dict[int, list[float]] = {i: [] for i in range(spec.n)}
+        tops: dict[int, list[list[tuple[int, float]]]] = {i: [] for i in range(spec.n)}
         texts: dict[int, list[str]] = {i: [] for i in range(spec.n)}
         done: set[int] = set()
         outputs = self._live_llm().generate(
@@ -241,9 +243,13 @@ class VllmEngine(RolloutEngine):
                 if comp.logprobs:
                     for tok, entry in zip(new_ids, comp.logprobs, strict=True):
                         logprobs[i].append(float(entry[tok].logprob))
+                        if spec.top_logprobs:
+                            tops[i].append(top_entries(entry, spec.top_logprobs))
                 if comp.finish_reason is not None and i not in done:
                     done.add(i)
-                    yield self._result(comp, token_ids[i], logprobs[i], "".join(texts[i]))
+                    result = self._result(comp, token_ids[i], logprobs[i], "".join(texts[i]))
+                    result.top_logprobs = tops[i]
+                    yield result
 
     def _result(self, comp, token_ids: list[int], logprobs: list[float], text: str) -> CompletionResult:
         spans = comp.weight_versions
@@ -437,14 +443,17 @@ class VllmEngine(RolloutEngine):
         params = [self.sampling_params(spec) for spec in specs] if params is None else params
         outputs = self.llm.generate([self._prompt(spec) for spec in specs], params, use_tqdm=False)
         results = []
-        for output in outputs:
+        for output, param in zip(outputs, params, strict=True):
             completions = []
             for comp in output.outputs:
                 ids = [int(t) for t in comp.token_ids]
                 logprobs = [
                     float(entry[t].logprob) for entry, t in zip(comp.logprobs or [], ids, strict=True)
                 ]
-                completions.append(self._result(comp, ids, logprobs, comp.text))
+                result = self._result(comp, ids, logprobs, comp.text)
+                if param.logprobs:
+                    result.top_logprobs = [top_entries(e, param.logprobs) for e in comp.logprobs]
+                completions.append(result)
             results.append(completions)
         return results
 
@@ -528,3 +537,13 @@ def encode_prompt(tokenizer, text: str, use_chat_template: bool) -> list[int]:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=True)]
+
+
+def top_entries(entry: dict, k: int) -> list[tuple[int, float]]:
+    """The `k` most likely tokens of one position's vLLM logprobs entry (token id -> Logprob with a
+    rank; the sampled token is there too, whatever its rank), most likely first; tokens the sampling
+    transform excluded (logprob -inf) are left out."""
+    ranked = sorted(
+        (lp.rank, tok, lp.logprob) for tok, lp in entry.items() if lp.rank is not None and lp.rank <= k
+    )
+    return [(int(tok), float(logprob)) for _, tok, logprob in ranked if math.isfinite(logprob)]

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from commands.check.check import CheckReport, main, make_row, run_check
+from commands.check.check import CheckReport, _verdict, main, make_row, run_check
 from commands.check.report import ScoredCompletion, completion_stats, worst_tokens
 from parity import mismatch
 from parity.config.check import DEFAULT_THRESHOLD
@@ -171,6 +171,9 @@ def test_correct_service_passes_the_gate_through_the_cli(
     assert row["stats"]["nonfinite_rollout"] == row["stats"]["nonfinite_trainer"] == 0
     assert row["stats"]["tokens"] >= 6 * 2  # every completion has at least one token
     assert row["settings"]["weight_version"] == 0
+    # the service returned top logprobs, and they say float32 logits
+    assert row["head"]["measured"] and row["head"]["low_precision"] is False, row["head"]
+    assert "head precision: float32-like" in printed
     assert (out / "check_hist.png").stat().st_size > 10_000
     # The launcher's call: a config, no files.
     config = config_for(
@@ -235,6 +238,26 @@ def test_each_broken_config_mismatches_more_than_the_correct_one(ablation, name:
     assert not rows[name].passed
     # Stale KV adds to whatever the update itself leaves.
     assert rows["prefix_cache_no_reset"].stats.mean_abs > rows["prefix_cache_reset"].stats.mean_abs
+
+
+@pytest.mark.slow
+def test_a_bf16_head_is_seen_in_the_top_logprobs_where_k3_cannot_tell_it_from_bf16_rollouts(ablation) -> None:
+    rows = _rows(ablation[0])
+    for name in ("base", "bf16_rollouts", "model_dtype_head"):
+        assert rows[name].head is not None and rows[name].head.measured, (name, rows[name].head)
+    # float32 logits, in an fp32 or a bf16 body: on no grid
+    assert not rows["base"].head.low_precision and not rows["bf16_rollouts"].head.low_precision
+    bf16_head = rows["model_dtype_head"].head
+    assert bf16_head.low_precision and bf16_head.on_grid > 0.99 and bf16_head.chance < 0.01, bf16_head
+    assert not rows["model_dtype_head"].passed
+    # The head test alone fails a row whose logprobs agree exactly (under bf16 rollouts a bf16 head
+    # adds about nothing to the body's own k3).
+    same = np.linspace(-3, -0.1, 40)
+    agreeing = make_row(
+        "h", "", {}, completions_from(same, same), ByteDecoder(), DEFAULT_THRESHOLD, head=bf16_head
+    )
+    assert agreeing.stats.k3 == 0 and not agreeing.passed and _verdict(agreeing) == "FAIL (head)"
+    assert "head precision: LOW" in _report([agreeing]).table
 
 
 @pytest.mark.slow

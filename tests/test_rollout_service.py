@@ -165,6 +165,37 @@ def test_reference_and_vllm_engines_agree_under_fp32(services) -> None:
         assert max_abs_diff(ours.logprobs, theirs.logprobs) < TOL
 
 
+def test_both_engines_return_the_same_top_logprobs_under_fp32(services) -> None:
+    """SamplingParams.top_logprobs: per token, the most likely tokens under the sampled distribution,
+    most likely first, the same from vLLM and the reference engine (tokens and values); they are what
+    `parity check`'s head-precision test reads (parity.head_lattice)."""
+    vllm, reference = services["guarded"], services["reference"]
+    if reference.version != vllm.version:
+        assert vllm.state() is not None
+        push_weights(reference.stub, vllm.state(), vllm.version, metadata=AUTH)
+
+    def top(stub, top_logprobs: int):
+        return stub.Generate(
+            rollout_pb2.GenerateRequest(
+                prompt_token_ids=prompt_ids(21, 20),
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=12, top_logprobs=top_logprobs),
+            ),
+            timeout=120,
+        ).completions[0]
+
+    assert len(top(vllm.stub, 0).top_logprobs) == 0
+    ours, theirs = top(vllm.stub, 5), top(reference.stub, 5)
+    assert list(ours.token_ids) == list(theirs.token_ids)
+    assert len(ours.top_logprobs) == len(theirs.top_logprobs) == len(ours.token_ids) == 12
+    for tok, lp, a, b in zip(
+        ours.token_ids, ours.logprobs, ours.top_logprobs, theirs.top_logprobs, strict=True
+    ):
+        assert len(a.token_ids) == len(b.token_ids) == 5 and list(a.token_ids) == list(b.token_ids)
+        assert list(a.logprobs) == sorted(a.logprobs, reverse=True)
+        assert max_abs_diff(a.logprobs, b.logprobs) < TOL
+        assert a.token_ids[0] == tok and abs(a.logprobs[0] - lp) < 1e-6  # greedy: the sampled token is first
+
+
 def test_processed_logprobs_match_independent_recompute(services, scorer: HfScorer) -> None:
     served = services["guarded"]
     scorer.load(served.state())
@@ -389,6 +420,8 @@ BAD_GENERATE = [
     ("top_p above 1", _request(top_p=1.5), "sampling.top_p"),
     ("top_p negative", _request(top_p=-0.2), "sampling.top_p"),
     ("top_k negative", _request(top_k=-1), "sampling.top_k"),
+    ("top_logprobs above 20", _request(top_logprobs=21), "sampling.top_logprobs"),
+    ("top_logprobs negative", _request(top_logprobs=-1), "sampling.top_logprobs"),
     ("unknown field", _with_unknown_field(), "GenerateRequest"),
 ]  # fmt: skip
 

@@ -49,6 +49,9 @@ from rollout.worker_extension import ParityWorkerExtension
 GENERATION_DEFAULTS = {"repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
 PREFIX_BLOCK_SIZE = 32
 CHECK_WORKER_EXTENSION = "commands.check.ablation.CheckWorkerExtension"
+# Top logprobs asked for per token: their gaps tell whether the engine's logits were float32
+# (parity.head_lattice); 8 give 7 gaps per position that the sampling transform keeps whole.
+TOP_LOGPROBS = 8
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,8 @@ class RawCompletion:
     prompt_index: int
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
+    # per token, the logprobs of the most likely tokens (TOP_LOGPROBS of them): the head-precision test
+    top_logprobs: tuple[tuple[float, ...], ...] = ()
 
 
 class CheckWorkerExtension(ParityWorkerExtension):
@@ -201,13 +206,19 @@ def generate(
             top_k=sampling.top_k,
             top_p=sampling.top_p,
             seed=sampling.seed * 100_003 + i,
+            top_logprobs=TOP_LOGPROBS,
         )
         for i, prompt in enumerate(prompts)
     ]
     params = [openai_request(engine, spec) for spec in specs] if openai_style else None
     results = engine.generate_in_process(specs, params)
     return [
-        RawCompletion(prompt_index=i, token_ids=tuple(c.token_ids), logprobs=tuple(c.logprobs))
+        RawCompletion(
+            prompt_index=i,
+            token_ids=tuple(c.token_ids),
+            logprobs=tuple(c.logprobs),
+            top_logprobs=tuple(tuple(lp for _, lp in top) for top in c.top_logprobs),
+        )
         for i, completions in enumerate(results)
         for c in completions
     ]

@@ -10,7 +10,10 @@ template) is tokenized here and sent as token ids, so both sides see identical p
 rollout side samples `samples_per_prompt` completions per prompt; the trainer side is
 `trainer.policy.token_logprobs` (fp32 head, the replayed sampling transform) on the same tokens.
 
-Gate: a configuration passes when no logprob is non-finite and mean k3 <= threshold. Exit codes:
+Gate: a configuration passes when no logprob is non-finite, mean k3 <= threshold, and the engine's
+logits were float32: the rollout side also returns each token's top logprobs, whose gaps lie on a
+power-of-two grid when the logits were rounded to bfloat16/float16 (`parity.head_lattice`; under bf16
+rollouts a bf16 head hides inside the body's own mismatch, so k3 alone misses it). Exit codes:
 0 passed, 1 above the threshold (or non-finite), 2 bad input. With --ablate only the first row
 (the configured settings) decides the exit code; the other rows are expected to fail.
 
@@ -31,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from commands.check.ablation import Ablation, RawCompletion, SamplingSetup
+from commands.check.ablation import TOP_LOGPROBS, Ablation, RawCompletion, SamplingSetup
 from commands.check.report import (
     ScoredCompletion,
     WorstToken,
@@ -43,6 +46,7 @@ from commands.check.report import (
 )
 from parity.config import ConfigError, ParityConfig, env_for, write_config
 from parity.config.entry import entrypoint
+from parity.head_lattice import HeadLattice, head_lattice
 from parity.mismatch import MismatchStats
 
 PARITY_SWITCHES = (
@@ -73,11 +77,13 @@ class CheckRow:
     log_ratios: list[float] = field(repr=False)
     passed: bool
     compare_with: str = ""
+    head: HeadLattice | None = None  # the head-precision test on the engine's top logprobs
 
     def as_dict(self) -> dict[str, object]:
         return {
             **_attributes(self, "name", "description", "compare_with", "settings", "passed"),
             "stats": self.stats.as_dict(),
+            "head": None if self.head is None else self.head.as_dict(),
             "worst_tokens": [w.as_dict() for w in self.worst],
         }
 
@@ -105,14 +111,17 @@ class CheckReport:
         head = (
             f"parity check: {self.model} via {self.source}; {self.num_prompts} prompts x "
             f"{s.samples_per_prompt} samples, max_tokens {s.max_tokens}, temperature {s.temperature}, "
-            f"top_p {s.top_p}, top_k {s.top_k}, seed {s.seed}; gate: no non-finite and mean k3 <= "
-            f"{self.threshold:g}"
+            f"top_p {s.top_p}, top_k {s.top_k}, seed {s.seed}; gate: no non-finite, mean k3 <= "
+            f"{self.threshold:g} and float32 logits"
         )
         settings = ", ".join(f"{k}={v}" for k, v in self.rows[0].settings.items())
         verdict = "PASSED" if self.passed else "FAILED"
         tail = f"{self.rows[0].name}: {verdict} (mean k3 {self.rows[0].stats.k3:.3g}, threshold {self.threshold:g})"
         first = f"{self.rows[0].name} settings: {settings}"
-        return "\n".join([head, first, format_table(rows), format_worst(self.rows[0].worst[:5]), tail])
+        lines = [head, first, format_table(rows), format_worst(self.rows[0].worst[:5])]
+        if self.rows[0].head is not None:
+            lines.append(f"{self.rows[0].name}: {self.rows[0].head.describe()}")
+        return "\n".join([*lines, tail])
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -131,7 +140,9 @@ def _attributes(obj: object, *names: str) -> dict[str, object]:
 def _verdict(row: CheckRow) -> str:
     if row.passed:
         return "pass"
-    return "FAIL (non-finite)" if row.stats.nonfinite_tokens else "FAIL"
+    if row.stats.nonfinite_tokens:
+        return "FAIL (non-finite)"
+    return "FAIL (head)" if row.head is not None and row.head.low_precision else "FAIL"
 
 
 def check_prompts(
@@ -205,8 +216,10 @@ def make_row(
     tokenizer,
     threshold: float,
     compare_with: str = "",
+    head: HeadLattice | None = None,
 ) -> CheckRow:
     stats = completion_stats(scored)
+    low_head = head is not None and head.low_precision
     decode = lambda ids: tokenizer.decode(list(ids))  # noqa: E731
     return CheckRow(
         name=name,
@@ -215,9 +228,16 @@ def make_row(
         stats=stats,
         worst=worst_tokens(scored, decode),
         log_ratios=completion_log_ratios(scored).tolist(),
-        passed=stats.nonfinite_tokens == 0 and stats.k3 <= threshold,  # NaN k3 fails too
+        passed=stats.nonfinite_tokens == 0 and stats.k3 <= threshold and not low_head,  # NaN k3 fails too
         compare_with=compare_with,
+        head=head,
     )
+
+
+def completions_head(completions: Sequence[RawCompletion], sampling: SamplingSetup) -> HeadLattice | None:
+    """The head-precision test on the completions' top logprobs; None when none were returned."""
+    tops = [top for c in completions for top in c.top_logprobs]
+    return head_lattice(tops, sampling.temperature) if tops else None
 
 
 def service_rollouts(
@@ -244,6 +264,7 @@ def service_rollouts(
                         max_tokens=sampling.max_tokens,
                         n=sampling.samples_per_prompt,
                         seed=sampling.seed * 100_003 + i + 1,  # 0 would mean unseeded
+                        top_logprobs=TOP_LOGPROBS,
                     ),
                 ),
                 timeout=timeout_s,
@@ -253,7 +274,8 @@ def service_rollouts(
         completions = []
         for i, fut in enumerate(futures):
             for comp in fut.result().completions:
-                completions.append(RawCompletion(i, tuple(comp.token_ids), tuple(comp.logprobs)))
+                tops = tuple(tuple(top.logprobs) for top in comp.top_logprobs)
+                completions.append(RawCompletion(i, tuple(comp.token_ids), tuple(comp.logprobs), tops))
     settings = MessageToDict(
         status.settings, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
@@ -305,6 +327,7 @@ def run_check(config: ParityConfig) -> CheckReport:
                 scored,
                 tokenizer,
                 check.threshold,
+                head=completions_head(completions, sampling),
             )
         ]
     report = CheckReport(
@@ -363,6 +386,7 @@ def _ablation_rows(
             tokenizer,
             config.check.threshold,
             ablation.compare_with if name != "base" else "",
+            head=completions_head(completions, sampling),
         )
 
     rows = run_ablation(

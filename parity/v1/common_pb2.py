@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16parity/v1/common.proto\x12\tparity.v1\"\x92\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"@\n\x11WeightVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"J\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"\x92\x01\n\nRendezvous\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\x12\x0e\n\x06secret\x18\x08 \x01(\t\"\x98\x02\n\x0cTransferPlan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.parity.v1.TensorMeta\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x03\x12\x38\n\x12\x63hecksum_algorithm\x18\x04 \x01(\x0e\x32\x1c.parity.v1.ChecksumAlgorithm\x12)\n\nrendezvous\x18\x05 \x01(\x0b\x32\x15.parity.v1.Rendezvous\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12\x12\n\nfull_bytes\x18\x07 \x01(\x03\x12*\n\x08\x63uda_ipc\x18\x08 \x01(\x0b\x32\x18.parity.v1.CudaIpcHandle\"\xb1\x02\n\rCudaIpcHandle\x12\x0e\n\x06nbytes\x18\x01 \x01(\x03\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\x05\x12\x16\n\x0estorage_handle\x18\x03 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x04 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x05 \x01(\x03\x12\x15\n\rtensor_offset\x18\x06 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x07 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x08 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\t \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\n \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\x0b \x01(\t\x12\x11\n\ttimeout_s\x18\x0c \x01(\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*a\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x01\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x02*Z\n\nUpdateMode\x12\x1b\n\x17UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10UPDATE_MODE_KEEP\x10\x01\x12\x19\n\x15UPDATE_MODE_RECOMPUTE\x10\x02*V\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43HECKSUM_ALGORITHM_WSUM64\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16parity/v1/common.proto\x12\tparity.v1\"\xa8\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x05\"@\n\x11WeightVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"J\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"\x92\x01\n\nRendezvous\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\x12\x0e\n\x06secret\x18\x08 \x01(\t\"\x98\x02\n\x0cTransferPlan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.parity.v1.TensorMeta\x12\x14\n\x0c\x62ucket_bytes\x18\x03 \x01(\x03\x12\x38\n\x12\x63hecksum_algorithm\x18\x04 \x01(\x0e\x32\x1c.parity.v1.ChecksumAlgorithm\x12)\n\nrendezvous\x18\x05 \x01(\x0b\x32\x15.parity.v1.Rendezvous\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12\x12\n\nfull_bytes\x18\x07 \x01(\x03\x12*\n\x08\x63uda_ipc\x18\x08 \x01(\x0b\x32\x18.parity.v1.CudaIpcHandle\"\xb1\x02\n\rCudaIpcHandle\x12\x0e\n\x06nbytes\x18\x01 \x01(\x03\x12\x14\n\x0c\x64\x65vice_index\x18\x02 \x01(\x05\x12\x16\n\x0estorage_handle\x18\x03 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x04 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x05 \x01(\x03\x12\x15\n\rtensor_offset\x18\x06 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x07 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x08 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\t \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\n \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\x0b \x01(\t\x12\x11\n\ttimeout_s\x18\x0c \x01(\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*a\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x01\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x02*Z\n\nUpdateMode\x12\x1b\n\x17UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10UPDATE_MODE_KEEP\x10\x01\x12\x19\n\x15UPDATE_MODE_RECOMPUTE\x10\x02*V\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43HECKSUM_ALGORITHM_WSUM64\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'parity.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1068
-  _globals['_FINISHREASON']._serialized_end=1188
-  _globals['_LOGPROBSMODE']._serialized_start=1190
-  _globals['_LOGPROBSMODE']._serialized_end=1287
-  _globals['_UPDATEMODE']._serialized_start=1289
-  _globals['_UPDATEMODE']._serialized_end=1379
-  _globals['_CHECKSUMALGORITHM']._serialized_start=1381
-  _globals['_CHECKSUMALGORITHM']._serialized_end=1467
+  _globals['_FINISHREASON']._serialized_start=1090
+  _globals['_FINISHREASON']._serialized_end=1210
+  _globals['_LOGPROBSMODE']._serialized_start=1212
+  _globals['_LOGPROBSMODE']._serialized_end=1309
+  _globals['_UPDATEMODE']._serialized_start=1311
+  _globals['_UPDATEMODE']._serialized_end=1401
+  _globals['_CHECKSUMALGORITHM']._serialized_start=1403
+  _globals['_CHECKSUMALGORITHM']._serialized_end=1489
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=184
-  _globals['_WEIGHTVERSIONSPAN']._serialized_start=186
-  _globals['_WEIGHTVERSIONSPAN']._serialized_end=250
-  _globals['_TENSORMETA']._serialized_start=252
-  _globals['_TENSORMETA']._serialized_end=326
-  _globals['_RENDEZVOUS']._serialized_start=329
-  _globals['_RENDEZVOUS']._serialized_end=475
-  _globals['_TRANSFERPLAN']._serialized_start=478
-  _globals['_TRANSFERPLAN']._serialized_end=758
-  _globals['_CUDAIPCHANDLE']._serialized_start=761
-  _globals['_CUDAIPCHANDLE']._serialized_end=1066
+  _globals['_SAMPLINGPARAMS']._serialized_end=206
+  _globals['_WEIGHTVERSIONSPAN']._serialized_start=208
+  _globals['_WEIGHTVERSIONSPAN']._serialized_end=272
+  _globals['_TENSORMETA']._serialized_start=274
+  _globals['_TENSORMETA']._serialized_end=348
+  _globals['_RENDEZVOUS']._serialized_start=351
+  _globals['_RENDEZVOUS']._serialized_end=497
+  _globals['_TRANSFERPLAN']._serialized_start=500
+  _globals['_TRANSFERPLAN']._serialized_end=780
+  _globals['_CUDAIPCHANDLE']._serialized_start=783
+  _globals['_CUDAIPCHANDLE']._serialized_end=1088
 # @@protoc_insertion_point(module_scope)

@@ -25,43 +25,45 @@ _sym_db = _symbol_database.Default()
 from parity.v1 import common_pb2 as parity_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17parity/v1/rollout.proto\x12\tparity.v1\x1a\x16parity/v1/common.proto\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.parity.v1.SamplingParams\x12\x19\n\x11use_chat_template\x18\x05 \x01(\x08\"\xf9\x01\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x1d\n\x15token_weight_versions\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.parity.v1.FinishReason\x12:\n\x14weight_version_spans\x18\x06 \x03(\x0b\x32\x1c.parity.v1.WeightVersionSpan\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x1e\n\x16token_context_versions\x18\x08 \x03(\x03\"\x9c\x01\n\x10GenerateResponse\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12*\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x15.parity.v1.Completion\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12.\n\rlogprobs_mode\x18\x04 \x01(\x0e\x32\x17.parity.v1.LogprobsMode\"D\n\x15GenerateStreamRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.parity.v1.GenerateRequest\"q\n\x16GenerateStreamResponse\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12)\n\ncompletion\x18\x02 \x01(\x0b\x32\x15.parity.v1.Completion\x12\x12\n\nrequest_id\x18\x03 \x01(\t\" \n\x1eRolloutServiceGetStatusRequest\"\xfb\x02\n\x0e\x45ngineSettings\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\rlogprobs_mode\x18\x03 \x01(\x0e\x32\x17.parity.v1.LogprobsMode\x12\x12\n\nhead_dtype\x18\x04 \x01(\t\x12\x13\n\x0bmodel_dtype\x18\x05 \x01(\t\x12\x16\n\x0eprefix_caching\x18\x06 \x01(\x08\x12$\n\x1creset_prefix_cache_on_update\x18\x07 \x01(\x08\x12\x18\n\x10\x61sync_scheduling\x18\x08 \x01(\x08\x12\x19\n\x11generation_config\x18\t \x01(\t\x12*\n\x0bupdate_mode\x18\n \x01(\x0e\x32\x15.parity.v1.UpdateMode\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05\x12\r\n\x05max_n\x18\x0c \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\r \x01(\x05\x12\x12\n\ntop_p_impl\x18\x0e \x01(\t\"\xae\x02\n\x1fRolloutServiceGetStatusResponse\x12+\n\x08settings\x18\x01 \x01(\x0b\x32\x19.parity.v1.EngineSettings\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12\x1c\n\x14num_running_requests\x18\x04 \x01(\x03\x12\x1e\n\x16generated_tokens_total\x18\x05 \x01(\x03\x12\x1c\n\x14paused_seconds_total\x18\x06 \x01(\x01\x12\x1d\n\x15updates_applied_total\x18\x07 \x01(\x03\x12\x1c\n\x14updates_failed_total\x18\x08 \x01(\x03\x12\x1d\n\x15\x65ngine_restarts_total\x18\t \x01(\x03\"\x87\x01\n\x14UpdateWeightsRequest\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.parity.v1.TransferPlan\x12*\n\x0bupdate_mode\x18\x02 \x01(\x0e\x32\x15.parity.v1.UpdateMode\x12\x1c\n\x14\x66\x61ult_corrupt_tensor\x18\x03 \x01(\t\"\x8e\x02\n\x15UpdateWeightsResponse\x12)\n\x07outcome\x18\x01 \x01(\x0e\x32\x18.parity.v1.UpdateOutcome\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tchecksums\x18\x04 \x03(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cswap_seconds\x18\x07 \x01(\x01\x12\x16\n\x0epaused_seconds\x18\x08 \x01(\x01\x12\x1c\n\x0fprepare_seconds\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_prepare_seconds\"=\n\x16PauseGenerationRequest\x12#\n\x04mode\x18\x01 \x01(\x0e\x32\x15.parity.v1.UpdateMode\"\x19\n\x17PauseGenerationResponse\"\x19\n\x17ResumeGenerationRequest\"\x1a\n\x18ResumeGenerationResponse*\x8a\x01\n\rUpdateOutcome\x12\x1e\n\x1aUPDATE_OUTCOME_UNSPECIFIED\x10\x00\x12\x1a\n\x16UPDATE_OUTCOME_APPLIED\x10\x01\x12\x19\n\x15UPDATE_OUTCOME_FAILED\x10\x02\x12\"\n\x1eUPDATE_OUTCOME_ALREADY_CURRENT\x10\x03\x32\x9d\x04\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x1a.parity.v1.GenerateRequest\x1a\x1b.parity.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12 .parity.v1.GenerateStreamRequest\x1a!.parity.v1.GenerateStreamResponse0\x01\x12\x62\n\tGetStatus\x12).parity.v1.RolloutServiceGetStatusRequest\x1a*.parity.v1.RolloutServiceGetStatusResponse\x12R\n\rUpdateWeights\x12\x1f.parity.v1.UpdateWeightsRequest\x1a .parity.v1.UpdateWeightsResponse\x12X\n\x0fPauseGeneration\x12!.parity.v1.PauseGenerationRequest\x1a\".parity.v1.PauseGenerationResponse\x12[\n\x10ResumeGeneration\x12\".parity.v1.ResumeGenerationRequest\x1a#.parity.v1.ResumeGenerationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17parity/v1/rollout.proto\x12\tparity.v1\x1a\x16parity/v1/common.proto\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.parity.v1.SamplingParams\x12\x19\n\x11use_chat_template\x18\x05 \x01(\x08\"\xa7\x02\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x1d\n\x15token_weight_versions\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.parity.v1.FinishReason\x12:\n\x14weight_version_spans\x18\x06 \x03(\x0b\x32\x1c.parity.v1.WeightVersionSpan\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x1e\n\x16token_context_versions\x18\x08 \x03(\x03\x12,\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x16.parity.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x9c\x01\n\x10GenerateResponse\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12*\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x15.parity.v1.Completion\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12.\n\rlogprobs_mode\x18\x04 \x01(\x0e\x32\x17.parity.v1.LogprobsMode\"D\n\x15GenerateStreamRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.parity.v1.GenerateRequest\"q\n\x16GenerateStreamResponse\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12)\n\ncompletion\x18\x02 \x01(\x0b\x32\x15.parity.v1.Completion\x12\x12\n\nrequest_id\x18\x03 \x01(\t\" \n\x1eRolloutServiceGetStatusRequest\"\xfb\x02\n\x0e\x45ngineSettings\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12.\n\rlogprobs_mode\x18\x03 \x01(\x0e\x32\x17.parity.v1.LogprobsMode\x12\x12\n\nhead_dtype\x18\x04 \x01(\t\x12\x13\n\x0bmodel_dtype\x18\x05 \x01(\t\x12\x16\n\x0eprefix_caching\x18\x06 \x01(\x08\x12$\n\x1creset_prefix_cache_on_update\x18\x07 \x01(\x08\x12\x18\n\x10\x61sync_scheduling\x18\x08 \x01(\x08\x12\x19\n\x11generation_config\x18\t \x01(\t\x12*\n\x0bupdate_mode\x18\n \x01(\x0e\x32\x15.parity.v1.UpdateMode\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05\x12\r\n\x05max_n\x18\x0c \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\r \x01(\x05\x12\x12\n\ntop_p_impl\x18\x0e \x01(\t\"\xae\x02\n\x1fRolloutServiceGetStatusResponse\x12+\n\x08settings\x18\x01 \x01(\x0b\x32\x19.parity.v1.EngineSettings\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0e\n\x06paused\x18\x03 \x01(\x08\x12\x1c\n\x14num_running_requests\x18\x04 \x01(\x03\x12\x1e\n\x16generated_tokens_total\x18\x05 \x01(\x03\x12\x1c\n\x14paused_seconds_total\x18\x06 \x01(\x01\x12\x1d\n\x15updates_applied_total\x18\x07 \x01(\x03\x12\x1c\n\x14updates_failed_total\x18\x08 \x01(\x03\x12\x1d\n\x15\x65ngine_restarts_total\x18\t \x01(\x03\"\x87\x01\n\x14UpdateWeightsRequest\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x17.parity.v1.TransferPlan\x12*\n\x0bupdate_mode\x18\x02 \x01(\x0e\x32\x15.parity.v1.UpdateMode\x12\x1c\n\x14\x66\x61ult_corrupt_tensor\x18\x03 \x01(\t\"\x8e\x02\n\x15UpdateWeightsResponse\x12)\n\x07outcome\x18\x01 \x01(\x0e\x32\x18.parity.v1.UpdateOutcome\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tchecksums\x18\x04 \x03(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cswap_seconds\x18\x07 \x01(\x01\x12\x16\n\x0epaused_seconds\x18\x08 \x01(\x01\x12\x1c\n\x0fprepare_seconds\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_prepare_seconds\"=\n\x16PauseGenerationRequest\x12#\n\x04mode\x18\x01 \x01(\x0e\x32\x15.parity.v1.UpdateMode\"\x19\n\x17PauseGenerationResponse\"\x19\n\x17ResumeGenerationRequest\"\x1a\n\x18ResumeGenerationResponse*\x8a\x01\n\rUpdateOutcome\x12\x1e\n\x1aUPDATE_OUTCOME_UNSPECIFIED\x10\x00\x12\x1a\n\x16UPDATE_OUTCOME_APPLIED\x10\x01\x12\x19\n\x15UPDATE_OUTCOME_FAILED\x10\x02\x12\"\n\x1eUPDATE_OUTCOME_ALREADY_CURRENT\x10\x03\x32\x9d\x04\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x1a.parity.v1.GenerateRequest\x1a\x1b.parity.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12 .parity.v1.GenerateStreamRequest\x1a!.parity.v1.GenerateStreamResponse0\x01\x12\x62\n\tGetStatus\x12).parity.v1.RolloutServiceGetStatusRequest\x1a*.parity.v1.RolloutServiceGetStatusResponse\x12R\n\rUpdateWeights\x12\x1f.parity.v1.UpdateWeightsRequest\x1a .parity.v1.UpdateWeightsResponse\x12X\n\x0fPauseGeneration\x12!.parity.v1.PauseGenerationRequest\x1a\".parity.v1.PauseGenerationResponse\x12[\n\x10ResumeGeneration\x12\".parity.v1.ResumeGenerationRequest\x1a#.parity.v1.ResumeGenerationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'parity.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_UPDATEOUTCOME']._serialized_start=2095
-  _globals['_UPDATEOUTCOME']._serialized_end=2233
+  _globals['_UPDATEOUTCOME']._serialized_start=2193
+  _globals['_UPDATEOUTCOME']._serialized_end=2331
   _globals['_GENERATEREQUEST']._serialized_start=63
   _globals['_GENERATEREQUEST']._serialized_end=219
   _globals['_COMPLETION']._serialized_start=222
-  _globals['_COMPLETION']._serialized_end=471
-  _globals['_GENERATERESPONSE']._serialized_start=474
-  _globals['_GENERATERESPONSE']._serialized_end=630
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=632
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=700
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=702
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=815
-  _globals['_ROLLOUTSERVICEGETSTATUSREQUEST']._serialized_start=817
-  _globals['_ROLLOUTSERVICEGETSTATUSREQUEST']._serialized_end=849
-  _globals['_ENGINESETTINGS']._serialized_start=852
-  _globals['_ENGINESETTINGS']._serialized_end=1231
-  _globals['_ROLLOUTSERVICEGETSTATUSRESPONSE']._serialized_start=1234
-  _globals['_ROLLOUTSERVICEGETSTATUSRESPONSE']._serialized_end=1536
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1539
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1674
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1677
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1947
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1949
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=2010
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=2012
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=2037
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=2039
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=2064
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=2066
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=2092
-  _globals['_ROLLOUTSERVICE']._serialized_start=2236
-  _globals['_ROLLOUTSERVICE']._serialized_end=2777
+  _globals['_COMPLETION']._serialized_end=517
+  _globals['_TOPLOGPROBS']._serialized_start=519
+  _globals['_TOPLOGPROBS']._serialized_end=569
+  _globals['_GENERATERESPONSE']._serialized_start=572
+  _globals['_GENERATERESPONSE']._serialized_end=728
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=730
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=798
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=800
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=913
+  _globals['_ROLLOUTSERVICEGETSTATUSREQUEST']._serialized_start=915
+  _globals['_ROLLOUTSERVICEGETSTATUSREQUEST']._serialized_end=947
+  _globals['_ENGINESETTINGS']._serialized_start=950
+  _globals['_ENGINESETTINGS']._serialized_end=1329
+  _globals['_ROLLOUTSERVICEGETSTATUSRESPONSE']._serialized_start=1332
+  _globals['_ROLLOUTSERVICEGETSTATUSRESPONSE']._serialized_end=1634
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1637
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1772
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1775
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2045
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=2047
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=2108
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=2110
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=2135
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=2137
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=2162
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=2164
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=2190
+  _globals['_ROLLOUTSERVICE']._serialized_start=2334
+  _globals['_ROLLOUTSERVICE']._serialized_end=2875
 # @@protoc_insertion_point(module_scope)

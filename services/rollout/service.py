@@ -101,6 +101,10 @@ def completion_proto(result: CompletionResult) -> rollout_pb2.Completion:
             for v, s, e in compress_versions(result.token_weight_versions)
         ],
         index=result.index,
+        top_logprobs=[
+            rollout_pb2.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+            for top in result.top_logprobs
+        ],
     )
 
 
