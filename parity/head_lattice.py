@@ -6,7 +6,7 @@ output format can be seen directly, though. Within one position, every processed
 `z / T - lse` with one shared `lse`, so the gap between two of them, times the temperature, is the
 gap between two logits `z`. A bfloat16 logit keeps 8 significant bits: one of magnitude in
 [2^e, 2^(e+1)) is a multiple of 2^(e-7), so the gaps between a position's top logits are multiples
-of a coarse power of two (2^-6 on the tiny model, 2^-3 on SmolLM2-135M). Float32 logits keep 24 bits
+of a coarse power of two (2^-5 on the tiny model, 2^-3 on SmolLM2-135M). Float32 logits keep 24 bits
 and their gaps fall on such a grid only by chance, 2 x tolerance / spacing of the time.
 
 `head_lattice` takes the top logprobs of many positions and finds the coarsest grid 2^-m (m <= 12)
@@ -39,7 +39,7 @@ class HeadLattice:
     gaps: int  # non-zero gaps between a position's most likely logprob and the others
     exponent: int | None  # the coarsest grid 2^-exponent that most gaps lie on; None: no grid
     on_grid: float  # the share of gaps on that grid (NaN without a grid or without gaps)
-    chance: float  # the share that float32 logits put there by chance
+    chance: float  # the share that float32 logits put on that grid by chance (NaN without a grid)
 
     @property
     def measured(self) -> bool:
@@ -65,8 +65,8 @@ class HeadLattice:
         return {
             "gaps": self.gaps,
             "exponent": self.exponent,
-            "on_grid": None if math.isnan(self.on_grid) else self.on_grid,
-            "chance": self.chance,
+            "on_grid": None if math.isnan(self.on_grid) else self.on_grid,  # JSON has no NaN
+            "chance": None if math.isnan(self.chance) else self.chance,
             "measured": self.measured,
             "low_precision": self.low_precision,
         }
@@ -96,4 +96,4 @@ def head_lattice(top_logprobs: Iterable[Sequence[float]], temperature: float) ->
         on_grid = float(np.mean(off < TOLERANCE))
         if (on_grid - chance) / (1 - chance) >= ON_GRID:
             return HeadLattice(len(gaps), exponent, on_grid, chance)
-    return HeadLattice(len(gaps), None, math.nan, min(1.0, 2 * TOLERANCE * 2.0**FINEST))
+    return HeadLattice(len(gaps), None, math.nan, math.nan)

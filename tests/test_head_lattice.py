@@ -4,6 +4,7 @@ here, vLLM in tests/test_check.py and tests/test_rollout_service.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def test_float32_logits_lie_on_no_grid(temperature: float) -> None:
     head = head_lattice(top_logprobs(torch.float32, temperature), temperature)
     assert head.measured and head.gaps == 200 * 7
     assert not head.low_precision and head.exponent is None and math.isnan(head.on_grid)
+    assert head.as_dict()["on_grid"] is None and head.as_dict()["chance"] is None  # JSON has no NaN
     assert "float32-like" in head.describe()
 
 
@@ -52,6 +54,7 @@ def test_too_few_gaps_decide_nothing_and_ties_and_excluded_tokens_are_not_gaps()
     assert head.gaps == 14 < MIN_GAPS and not head.measured and not head.low_precision
     assert "not measured" in head.describe()
     assert head_lattice([], 1.0).gaps == 0 and not head_lattice([], 1.0).measured
+    assert json.loads(json.dumps(head_lattice([], 1.0).as_dict(), allow_nan=False))["gaps"] == 0
     # a tie lies on every grid, and -inf is a token the sampling transform excluded: neither is a gap
     assert logit_gaps([[-1.0, -1.0, -1.5, -math.inf], [-0.1]], 1.0).tolist() == [0.5]
     assert logit_gaps([[-1.5, -1.0]], 2.0).tolist() == [1.0]  # sorted, times the temperature
