@@ -247,11 +247,16 @@ class VllmEngine(RolloutEngine):
                             tops[i].append(top_entries(entry, spec.top_logprobs))
                 if comp.finish_reason is not None and i not in done:
                     done.add(i)
-                    result = self._result(comp, token_ids[i], logprobs[i], "".join(texts[i]))
-                    result.top_logprobs = tops[i]
-                    yield result
+                    yield self._result(comp, token_ids[i], logprobs[i], "".join(texts[i]), tops[i])
 
-    def _result(self, comp, token_ids: list[int], logprobs: list[float], text: str) -> CompletionResult:
+    def _result(
+        self,
+        comp,
+        token_ids: list[int],
+        logprobs: list[float],
+        text: str,
+        top_logprobs: list[list[tuple[int, float]]],
+    ) -> CompletionResult:
         spans = comp.weight_versions
         if spans is None:
             # vLLM reports no spans for an empty completion; otherwise they must exist.
@@ -263,6 +268,8 @@ class VllmEngine(RolloutEngine):
         )
         if len(logprobs) != len(token_ids):
             raise RuntimeError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
+        if top_logprobs and len(top_logprobs) != len(token_ids):
+            raise RuntimeError(f"{len(top_logprobs)} rows of top logprobs for {len(token_ids)} tokens")
         finish_reason = str(comp.finish_reason)  # vLLM's names are ours; anything else counts as stop
         return CompletionResult(
             index=comp.index,
@@ -272,6 +279,7 @@ class VllmEngine(RolloutEngine):
             token_context_versions=self.context_versions(versions),
             text=text,
             finish_reason=finish_reason if finish_reason in FINISH_REASONS else "stop",  # type: ignore[arg-type]
+            top_logprobs=top_logprobs,
         )
 
     async def _pause(self, mode: Literal["keep", "recompute"]) -> None:
@@ -450,10 +458,8 @@ class VllmEngine(RolloutEngine):
                 logprobs = [
                     float(entry[t].logprob) for entry, t in zip(comp.logprobs or [], ids, strict=True)
                 ]
-                result = self._result(comp, ids, logprobs, comp.text)
-                if param.logprobs:
-                    result.top_logprobs = [top_entries(e, param.logprobs) for e in comp.logprobs]
-                completions.append(result)
+                tops = [top_entries(e, param.logprobs) for e in comp.logprobs] if param.logprobs else []
+                completions.append(self._result(comp, ids, logprobs, comp.text, tops))
             results.append(completions)
         return results
 

@@ -14,6 +14,7 @@ a private Redis) and call it with the `openai` client over loopback.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from pathlib import Path
@@ -225,9 +226,37 @@ def test_a_chat_completion_carries_token_ids_logprobs_and_weight_versions(endpoi
         assert choice.weight_versions == [0] * n and all(lp <= 0 for lp in choice.token_logprobs)
         assert [c.logprob for c in choice.logprobs.content] == choice.token_logprobs
         assert choice.message.content == tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+        assert all(c.top_logprobs == [] for c in choice.logprobs.content)  # none asked for
     assert reply.usage.completion_tokens == sum(len(c.token_ids) for c in reply.choices)
     text = client(base_url).completions.create(model="tiny", prompt="12+7=", max_tokens=6, seed=3)
     assert len(text.choices[0].token_ids) == len(text.choices[0].logprobs.token_logprobs) <= 6
+    assert text.choices[0].logprobs.top_logprobs is None
+
+
+@pytest.mark.slow
+def test_top_logprobs_are_the_most_likely_tokens_of_the_distribution_sampled_from(endpoint) -> None:
+    base_url, _ = endpoint
+    messages = [{"role": "user", "content": "What is 12+7?"}]
+    reply = client(base_url).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0.8, top_p=0.9, seed=5,
+        logprobs=True, top_logprobs=4,
+    )  # fmt: skip
+    content = reply.choices[0].logprobs.content
+    assert len(content) == len(reply.choices[0].token_ids) > 0
+    for entry in content:
+        top = [t.logprob for t in entry.top_logprobs]
+        assert 0 < len(top) <= 4 and top == sorted(top, reverse=True), top
+        assert top[0] >= entry.logprob - 1e-6  # the sampled token is never likelier than the likeliest
+        assert sum(math.exp(lp) for lp in top) <= 1 + 1e-5
+        # the sampled token, when among the top 4, carries the same logprob there
+        same = [t.logprob for t in entry.top_logprobs if t.token == entry.token]
+        assert all(abs(lp - entry.logprob) < 1e-6 for lp in same)
+    text = client(base_url).completions.create(model="tiny", prompt="12+7=", max_tokens=6, seed=3, logprobs=2)
+    rows = text.choices[0].logprobs.top_logprobs
+    assert len(rows) == len(text.choices[0].token_ids) and all(0 < len(row) <= 2 for row in rows)
+    logprobs = text.choices[0].logprobs
+    for row, token, lp in zip(rows, logprobs.tokens, logprobs.token_logprobs, strict=True):
+        assert max(row.values()) >= lp - 1e-6 and (token not in row or abs(row[token] - lp) < 1e-6)
 
 
 @pytest.mark.slow
@@ -301,6 +330,8 @@ def test_edited_history_and_bad_requests_get_openai_errors_and_the_service_stays
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": first, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": first, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": first, "logprobs": "yes"}, "logprobs"),
         ({"messages": [{"role": "user", "content": "x " * 60}], "max_tokens": 200}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x " * 300}]}, "messages"),
     ]

@@ -11,6 +11,11 @@ OpenAI client (`rollout.openai_port`; off by default). aiohttp, on the gRPC serv
                                 to run.stream (the actor's Redis stream)
     GET  /v1/models
 
+Every token's own logprob is always returned (`logprobs` need not be set). `top_logprobs: K` (chat)
+or `logprobs: K` (completions), K <= 20, adds each position's K most likely tokens; like the sampled
+token's logprob they are under the distribution sampled from (temperature, top-k, top-p applied),
+and tokens that distribution excludes are left out.
+
 A call belongs to an episode session when it names one: the `X-Parity-Session` header, or a
 `session_id` body field (the OpenAI client's `extra_body`). Without one a call is stateless and
 nothing is recorded. Within a session the server keeps the exact token sequence (rollout/sessions.py):
@@ -49,7 +54,7 @@ from parity.v1 import common_pb2, rollout_pb2
 from rollout import sessions as session_book
 from rollout.engine import CompletionResult
 from rollout.sessions import GroupBook, MessageTemplate, SamplingKey, SessionBook, SessionRefused
-from rollout.validation import generation_spec
+from rollout.validation import MAX_TOP_LOGPROBS, generation_spec
 
 log = logging.getLogger("parity.rollout.openai")
 
@@ -138,6 +143,15 @@ def _number(body: dict, name: str, kind: type, default, low=None, high=None):
     if (low is not None and value < low) or (high is not None and value > high):
         raise ApiError(400, f"{name}: must be in [{low}, {high}] (got {value})", name)
     return kind(value)
+
+
+def _named_rows(tokenizer, rows: list[list[tuple[int, float]]]) -> list[list[tuple[str, float]]]:
+    """Each position's top logprobs as (token text, logprob), most likely first."""
+    named = []
+    for row in rows:
+        names = tokenizer.convert_ids_to_tokens([token_id for token_id, _ in row])
+        named.append([(name, logprob) for name, (_, logprob) in zip(names, row, strict=True)])
+    return named
 
 
 class OpenAIServer:
@@ -271,7 +285,7 @@ class OpenAIServer:
             raise ApiError(400, f"session_id: longer than {MAX_SESSION_ID_CHARS} characters", "session_id")
         return session_id
 
-    def _sampling(self, body: dict) -> common_pb2.SamplingParams:
+    def _sampling(self, body: dict, kind: str) -> common_pb2.SamplingParams:
         if body.get("stream"):
             raise ApiError(
                 400,
@@ -288,10 +302,18 @@ class OpenAIServer:
                 "tool_choice: only auto or none (tool calls are not parsed from the reply)",
                 "tool_choice",
             )
-        if body.get("top_logprobs"):
-            raise ApiError(
-                400, "top_logprobs: not supported (each token's own logprob is returned)", "top_logprobs"
-            )
+        # the K most likely tokens per position, under the distribution sampled from (processed
+        # logprobs): chat's `top_logprobs`, the legacy completions API's integer `logprobs`
+        if kind == "chat":
+            if not isinstance(body.get("logprobs", False), (bool, type(None))):
+                raise ApiError(400, "logprobs: must be a boolean", "logprobs")
+            top_logprobs = _number(body, "top_logprobs", int, 0, 0, MAX_TOP_LOGPROBS)
+        else:
+            if body.get("top_logprobs") is not None:
+                raise ApiError(
+                    400, "top_logprobs: a chat field; the completions API takes `logprobs: K`", "top_logprobs"
+                )
+            top_logprobs = _number(body, "logprobs", int, 0, 0, MAX_TOP_LOGPROBS)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         stop = body.get("stop") or []
         if isinstance(stop, str):
@@ -313,6 +335,7 @@ class OpenAIServer:
             seed=seed,
             stop=stop,
             ignore_eos=ignore_eos,
+            top_logprobs=top_logprobs,
         )
 
     def _template_for(self, tokenizer) -> MessageTemplate:
@@ -340,7 +363,7 @@ class OpenAIServer:
     async def _call(self, request: web.Request, kind: str) -> web.Response:
         body = await self._body(request)
         prompt_param = "messages" if kind == "chat" else "prompt"
-        sampling = self._sampling(body)
+        sampling = self._sampling(body, kind)
         session_id = self._session_id(request, body)
         servicer = self.servicer
         servicer.check_available()
@@ -408,12 +431,19 @@ class OpenAIServer:
                 "weight_versions": r.token_weight_versions,
                 "context_versions": r.token_context_versions or r.token_weight_versions,
             }
+            # per position, (token, logprob) of the most likely tokens, when the request asked
+            tops = _named_rows(tokenizer, r.top_logprobs) or [[] for _ in tokens]
             if kind == "chat":
                 choice["message"] = {"role": "assistant", "content": r.text}
                 choice["logprobs"] = {
                     "content": [
-                        {"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-                        for t, lp in zip(tokens, r.logprobs, strict=True)
+                        {
+                            "token": t,
+                            "logprob": lp,
+                            "bytes": None,
+                            "top_logprobs": [{"token": tt, "logprob": tlp, "bytes": None} for tt, tlp in top],
+                        }
+                        for t, lp, top in zip(tokens, r.logprobs, tops, strict=True)
                     ]
                 }
             else:
@@ -421,7 +451,7 @@ class OpenAIServer:
                 choice["logprobs"] = {
                     "tokens": tokens,
                     "token_logprobs": r.logprobs,
-                    "top_logprobs": None,
+                    "top_logprobs": [dict(top) for top in tops] if r.top_logprobs else None,
                     "text_offset": None,
                 }
             choices.append(choice)
