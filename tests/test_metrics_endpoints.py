@@ -1,7 +1,7 @@
 """The three services running together: their /metrics, and one rollout's trace across them.
 
 One pipeline is started for the whole module (real processes: broadcast, rollout with its actor on
-the tiny vLLM model, trainer, a private redis-server) with the standard OTEL_* variables pointing
+the tiny model's reference engine, trainer, a private redis-server) with the standard OTEL_* variables pointing
 at an OTLP/gRPC receiver inside this test, so spans travel exactly as they would to a collector.
 It runs until the trainer has published version 1 and the rollout service serves it.
 
@@ -166,7 +166,7 @@ def pipeline(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
                 "--model", "tiny", "--max_model_len", "512", "--broadcast_address", broadcast,
                 "--worker_id", "w0", "--actor", "true", "--redis_url", redis_server,
                 "--group_size", "2", "--max_tokens", "8", "--groups_per_step", "2", "--max_lag", "2",
-                "--concurrency", "2", "--metrics_port", str(ports["rollout"]),
+                "--concurrency", "2", "--metrics_port", str(ports["rollout"]), "--engine", "reference",
             ],
             log_dir=log_dir,
             env=env,

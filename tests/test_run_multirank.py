@@ -1,6 +1,7 @@
 """`parity run --trainer.nproc 2` end to end: the launcher supervises a trainer that re-launches
 itself under torchrun (two gloo ranks on CPU) next to its own redis-server, the broadcast service
-and a real vLLM rollout service.
+and a real rollout service on the reference engine (the trainer is what is tested here; the
+launcher's own tests run vLLM).
 
 One short sync run of the tiny model proves, from the outside:
 - the run exits 0 with every step in metrics.jsonl, own-version mismatch (issue 17, scored on
@@ -49,6 +50,7 @@ def test_parity_run_with_a_two_rank_trainer(tmp_path: Path, tiny_model: Path) ->
         "--model", "tiny", "--steps", str(STEPS), "--trainer.nproc", "2", "--mode", "sync",
         "--skip_preflight", "--groups_per_step", "2", "--group_size", "4", "--max_tokens", "8",
         "--eval_size", "0", "--max_model_len", "256", "--startup_timeout_s", "300", "--out", str(out),
+        "--rollout.engine", "reference",  # the two-rank trainer is what is tested (module docstring)
     ]  # fmt: skip
     env = {**os.environ, MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
