@@ -16,7 +16,8 @@ What must hold, per completion, in both update modes:
   - logprobs before the switch match an independent transformers recompute under the old weights;
   - after the switch, `recompute` mode matches the new weights over KV recomputed by the new weights
     (a plain full recompute), and `keep` mode matches the new weights over the old weights' KV.
-Tolerance 2e-4 per token, as in test_rollout_service.py (float32 on both sides).
+Tolerance 2e-4 per token, as in test_rollout_service.py (float32 on both sides). One engine runs
+both modes in turn (the second update starts from the first one's weights).
 """
 
 from __future__ import annotations
@@ -83,28 +84,52 @@ async def _generate_with_update(engine, prompt: list[int], new_state: dict, vers
     return tokens, logprobs, spans, seen_at_pause, update
 
 
-@pytest.mark.parametrize("mode", ["keep", "recompute"])
-def test_inflight_update_switches_versions_exactly_where_the_pause_landed(
-    tiny_model: Path, mode: str
-) -> None:
+MODES = ("keep", "recompute")
+
+
+@pytest.fixture(scope="module")
+def inflight_runs(tiny_model: Path) -> dict:
+    """Both modes on one engine, one after the other (a vLLM start is the costliest step of the
+    suite): keep moves it from the checkpoint to weights A, recompute from A to weights B. Per mode:
+    (old weights, new weights, old version, prompt, the run), or the exception the run raised."""
     from parity.config.rollout import RolloutConfig
     from rollout.vllm_engine import VllmEngine
 
-    config = RolloutConfig(max_model_len=512, update_mode=mode, kv_cache_gib=1.0)
+    config = RolloutConfig(max_model_len=512, kv_cache_gib=1.0)  # the mode is per update
     prompt = [random.Random(5).randrange(3, 259) for _ in range(12)]
-    new_state = perturbed_state_dict(tiny_model, seed=1234)
+    states = {mode: perturbed_state_dict(tiny_model, seed=1234 + i) for i, mode in enumerate(MODES)}
     engine = VllmEngine(config, tiny_model, seed=3)
+    runs: dict = {}
 
     async def scenario():
         await engine.start()
         try:
-            old_version = engine.weight_version
-            result = await _generate_with_update(engine, prompt, new_state, old_version + 1, mode)
-            return old_version, result
+            serving = None  # the weights the engine serves: the checkpoint's
+            for mode in MODES:
+                old_version = engine.weight_version
+                try:
+                    result = await _generate_with_update(engine, prompt, states[mode], old_version + 1, mode)
+                except AssertionError as exc:
+                    runs[mode] = exc
+                    continue
+                runs[mode] = (serving, states[mode], old_version, prompt, result)
+                if result[-1].outcome == "applied":
+                    serving = states[mode]
         finally:
             await engine.shutdown()
 
-    old_version, (tokens, logprobs, spans, seen_at_pause, update) = asyncio.run(scenario())
+    asyncio.run(scenario())
+    return runs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_inflight_update_switches_versions_exactly_where_the_pause_landed(
+    inflight_runs: dict, tiny_model: Path, mode: str
+) -> None:
+    run = inflight_runs[mode]
+    if isinstance(run, BaseException):
+        raise run
+    old_state, new_state, old_version, prompt, (tokens, logprobs, spans, seen_at_pause, update) = run
     assert update.outcome == "applied", update.error
     new_version = update.weight_version
     assert new_version == old_version + 1
@@ -119,13 +144,13 @@ def test_inflight_update_switches_versions_exactly_where_the_pause_landed(
         switch_at = versions.index(new_version) if new_version in versions else len(versions)
         assert versions == [old_version] * switch_at + [new_version] * (len(versions) - switch_at), i
         assert switch_at >= seen_at_pause[i], (i, switch_at, seen_at_pause[i])
-        scorer.load(None)
+        scorer.load(old_state)
         before = scorer.score(prompt, ids, SamplingTransform())[:switch_at]
         if switch_at == len(ids):
             continue  # ended (EOS) between the last delta we saw and the pause
         switched += 1
         if mode == "keep":
-            expected = scorer.score_keep(prompt, ids, switch_at, None, new_state, SamplingTransform())
+            expected = scorer.score_keep(prompt, ids, switch_at, old_state, new_state, SamplingTransform())
         else:
             scorer.load(new_state)
             expected = before + scorer.score(prompt, ids, SamplingTransform())[switch_at:]
