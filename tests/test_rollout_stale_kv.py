@@ -13,7 +13,7 @@ Two paths, one scenario each:
   - through the service's own pause (`engine.pause`, what PauseGeneration runs): the admission gate;
   - with the gate bypassed, so the request sits in vLLM's waiting queue across the swap, as a
     request submitted a moment before the update's pause does: the restart.
-Each completion is checked token by token against an independent transformers recompute under the
+One engine runs both scenarios in turn. Each completion is checked token by token against an independent transformers recompute under the
 new weights (prompt and completion, no cache), within 2e-4, and must carry the new version as both
 its weight and its context version. Disabling the guards makes the test fail: the stale request's
 first token is off the new weights by 11.1 nats here (tiny model, perturbed weights); disabling the
@@ -43,17 +43,17 @@ async def _collect(stream) -> list:
 
 
 async def _race(
-    engine, cached_prompt: list[int], other_prompt: list[int], new_state: dict, bypass_gate: bool
+    engine, cached_prompt: list[int], other_prompt: list[int], new_state: dict, bypass_gate: bool, tag: str
 ):
     """Warm the cache, keep a group decoding, pause, queue a cached-prompt request, update, resume."""
     from rollout.engine import GenerationSpec
 
-    warm = GenerationSpec("warm", cached_prompt, n=1, max_tokens=2, temperature=1.0, seed=1)
+    warm = GenerationSpec(f"warm-{tag}", cached_prompt, n=1, max_tokens=2, temperature=1.0, seed=1)
     await _collect(engine.generate(warm))  # the prompt's blocks are now cached at version 0
-    long = GenerationSpec("long", other_prompt, n=2, max_tokens=150, temperature=1.0, seed=2)
+    long = GenerationSpec(f"long-{tag}", other_prompt, n=2, max_tokens=150, temperature=1.0, seed=2)
     long_task = asyncio.create_task(_collect(engine.generate(long)))
     for _ in range(2000):
-        admission = engine._admissions.get("long")
+        admission = engine._admissions.get(f"long-{tag}")
         if admission is not None and admission.produced:
             break
         await asyncio.sleep(0.005)
@@ -63,11 +63,11 @@ async def _race(
     await engine.pause("keep")  # PauseGeneration(keep)
     if bypass_gate:  # the request enters vLLM now, as one submitted just before the pause does
         engine._admission_open.set()
-    queued = GenerationSpec("queued", cached_prompt, n=2, max_tokens=6, temperature=1.0, seed=3)
+    queued = GenerationSpec(f"queued-{tag}", cached_prompt, n=2, max_tokens=6, temperature=1.0, seed=3)
     queued_task = asyncio.create_task(_collect(engine.generate(queued)))
     await asyncio.sleep(0.3)
     if bypass_gate:
-        assert "queued" in engine._admissions, "the bypassed request never reached vLLM"
+        assert f"queued-{tag}" in engine._admissions, "the bypassed request never reached vLLM"
         engine._admission_open.clear()
 
     plan, sender_rdv, tensors = transfer_plan(new_state, engine.weight_version + 1)
@@ -81,28 +81,51 @@ async def _race(
     return update, await queued_task, await long_task
 
 
-@pytest.mark.parametrize("bypass_gate", [False, True], ids=["admission_gate", "restart_after_swap"])
-def test_request_in_the_pause_window_is_served_by_the_new_weights_only(
-    tiny_model: Path, bypass_gate: bool
-) -> None:
+GATES = {"admission_gate": False, "restart_after_swap": True}  # scenario -> bypass the gate
+
+
+@pytest.fixture(scope="module")
+def races(tiny_model: Path) -> dict:
+    """Both scenarios on one engine, one after the other (a vLLM start is the costliest step of the
+    suite), each with its own prompts and next weights. Per scenario: (cached prompt, new weights,
+    the race's result, requests restarted during it), or the exception the race raised."""
     from parity.config.rollout import RolloutConfig
     from rollout.vllm_engine import VllmEngine
 
-    rng = random.Random(17)
-    cached_prompt = [rng.randrange(3, 259) for _ in range(PROMPT_TOKENS)]
-    other_prompt = [rng.randrange(3, 259) for _ in range(12)]
-    new_state = perturbed_state_dict(tiny_model, seed=4321)
     config = RolloutConfig(max_model_len=512, update_mode="keep", prefix_caching=True, kv_cache_gib=1.0)
     engine = VllmEngine(config, tiny_model, seed=3)
+    results: dict = {}
 
     async def scenario():
         await engine.start()
         try:
-            return await _race(engine, cached_prompt, other_prompt, new_state, bypass_gate)
+            for i, (name, bypass_gate) in enumerate(GATES.items()):
+                rng = random.Random(17 + i)
+                cached_prompt = [rng.randrange(3, 259) for _ in range(PROMPT_TOKENS)]
+                other_prompt = [rng.randrange(3, 259) for _ in range(12)]
+                new_state = perturbed_state_dict(tiny_model, seed=4321 + i)
+                restarted = engine.restarted_requests_total
+                try:
+                    race = await _race(engine, cached_prompt, other_prompt, new_state, bypass_gate, name)
+                except AssertionError as exc:
+                    results[name] = exc
+                    continue
+                results[name] = (cached_prompt, new_state, race, engine.restarted_requests_total - restarted)
         finally:
             await engine.shutdown()
 
-    update, queued, long = asyncio.run(scenario())
+    asyncio.run(scenario())
+    return results
+
+
+@pytest.mark.parametrize("name", GATES)
+def test_request_in_the_pause_window_is_served_by_the_new_weights_only(
+    races: dict, tiny_model: Path, name: str
+) -> None:
+    race = races[name]
+    if isinstance(race, BaseException):
+        raise race
+    cached_prompt, new_state, (update, queued, long), restarted = race
     assert update.outcome == "applied", update.error
     new_version = update.weight_version
     assert any(new_version in c.token_weight_versions for c in long), "the update did not land mid-group"
@@ -119,4 +142,4 @@ def test_request_in_the_pause_window_is_served_by_the_new_weights_only(
     for completion in long:  # kept sequences: old-version prompt KV, so a mixed context after the switch
         versions, contexts = completion.token_weight_versions, completion.token_context_versions
         assert contexts == [versions[0]] * len(versions)
-    assert engine.restarted_requests_total == (1 if bypass_gate else 0)
+    assert restarted == (1 if GATES[name] else 0)
