@@ -61,24 +61,26 @@ async def _race(
         raise AssertionError("the long group produced no token")
 
     await engine.pause("keep")  # PauseGeneration(keep)
-    if bypass_gate:  # the request enters vLLM now, as one submitted just before the pause does
-        engine._admission_open.set()
-    queued = GenerationSpec(f"queued-{tag}", cached_prompt, n=2, max_tokens=6, temperature=1.0, seed=3)
-    queued_task = asyncio.create_task(_collect(engine.generate(queued)))
-    await asyncio.sleep(0.3)
-    if bypass_gate:
-        assert f"queued-{tag}" in engine._admissions, "the bypassed request never reached vLLM"
-        engine._admission_open.clear()
+    try:  # resumed whatever happens: the next scenario runs on this engine
+        if bypass_gate:  # the request enters vLLM now, as one submitted just before the pause does
+            engine._admission_open.set()
+        queued = GenerationSpec(f"queued-{tag}", cached_prompt, n=2, max_tokens=6, temperature=1.0, seed=3)
+        queued_task = asyncio.create_task(_collect(engine.generate(queued)))
+        await asyncio.sleep(0.3)
+        if bypass_gate:
+            assert f"queued-{tag}" in engine._admissions, "the bypassed request never reached vLLM"
+            engine._admission_open.clear()
 
-    plan, sender_rdv, tensors = transfer_plan(new_state, engine.weight_version + 1)
-    errors: list[BaseException] = []
-    sender = threading.Thread(target=send_as_rank0, args=(sender_rdv, tensors, plan.bucket_bytes, errors))
-    sender.start()
-    update = await engine.update_weights(plan, "keep", keep_paused=True)
-    await asyncio.to_thread(sender.join, 60)
-    assert not errors, errors[0]
-    await engine.resume()  # ResumeGeneration
-    return update, await queued_task, await long_task
+        plan, sender_rdv, tensors = transfer_plan(new_state, engine.weight_version + 1)
+        errors: list[BaseException] = []
+        sender = threading.Thread(target=send_as_rank0, args=(sender_rdv, tensors, plan.bucket_bytes, errors))
+        sender.start()
+        update = await engine.update_weights(plan, "keep", keep_paused=True)
+        await asyncio.to_thread(sender.join, 60)
+        assert not errors, errors[0]
+    finally:
+        await engine.resume()  # ResumeGeneration
+    return update, *await asyncio.wait_for(asyncio.gather(queued_task, long_task), 120)
 
 
 GATES = {"admission_gate": False, "restart_after_swap": True}  # scenario -> bypass the gate
@@ -106,8 +108,10 @@ def races(tiny_model: Path) -> dict:
                 new_state = perturbed_state_dict(tiny_model, seed=4321 + i)
                 restarted = engine.restarted_requests_total
                 try:
-                    race = await _race(engine, cached_prompt, other_prompt, new_state, bypass_gate, name)
-                except AssertionError as exc:
+                    race = await asyncio.wait_for(
+                        _race(engine, cached_prompt, other_prompt, new_state, bypass_gate, name), 300
+                    )
+                except Exception as exc:  # this scenario's failure; the other still runs
                     results[name] = exc
                     continue
                 results[name] = (cached_prompt, new_state, race, engine.restarted_requests_total - restarted)
