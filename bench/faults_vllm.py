@@ -25,6 +25,10 @@ localiser's three most likely classes (a caught case passes only when they inclu
   defaults reach the sampler; the tiny model has none, so nothing changes: a correct "not caught");
 - async scheduling: vLLM forces it off on CPU, so it cannot be set here (not run).
 
+Each line also gives the trainer's running head test at the last step (trainer/head_watch.py:
+sibling samples' logit gaps; "not measured" below 32 gaps, which takes more than 4 steps here). It
+acts only where the run expects a float32 head, so it reports model_dtype_head without stopping it.
+
 Prints one line per run and a JSON summary as the last line. Each run takes about a minute on the
 2-core box (mostly vLLM's start).
 """
@@ -122,8 +126,12 @@ def run_case(name: str, out: Path, steps: int, seed: int) -> dict:
     if report_path.exists():
         likely = [c["fault"] for c in json.loads(report_path.read_text())["candidates"][:3]]
     head = check_head(flags, out / f"{name}-check") if name in HEAD_CHECK else None
+    last = rows[-1] if rows else {}
     return {
         "head_low_precision": head,
+        # the trainer's running head test at the last step (1, 0, None: not measured yet) and its gaps
+        "running_head_low_precision": last.get("head_low_precision"),
+        "running_head_gaps": last.get("head_gaps"),
         "case": name,
         "flags": " ".join(flags),
         "control": control,
@@ -182,6 +190,8 @@ def main() -> int:
               f"likely {result['likely'] or '-'}; {result['seconds']:.0f}s"
               + ("" if name not in HEAD_CHECK else f"; preflight head test: "
                  f"{ {True: 'LOW precision', False: 'float32', None: 'not measured'}[result['head_low_precision']] }")
+              + f"; running head test: { {1.0: 'LOW precision', 0.0: 'float32'}.get(result['running_head_low_precision'], 'not measured') }"
+                f" ({result['running_head_gaps']} gaps)"
               + (f" ({result['note']})" if result["note"] else ""), flush=True)  # fmt: skip
     summary = {"bench": "faults_vllm", "steps": args.steps, "seed": args.seed, "out": str(out),
                "passed": all(r["as_expected"] for r in results), "results": results}  # fmt: skip

@@ -86,7 +86,11 @@ def logit_gaps(top_logprobs: Iterable[Sequence[float]], temperature: float) -> n
 def head_lattice(top_logprobs: Iterable[Sequence[float]], temperature: float) -> HeadLattice:
     """`top_logprobs`: per position, the logprobs of its most likely tokens (any order) under the
     processed distribution at `temperature` (0, greedy, reads as 1)."""
-    gaps = logit_gaps(top_logprobs, temperature)
+    return lattice_of_gaps(logit_gaps(top_logprobs, temperature))
+
+
+def lattice_of_gaps(gaps: np.ndarray) -> HeadLattice:
+    """The test on logit gaps already taken (non-zero, times the temperature): `logit_gaps`."""
     if len(gaps) == 0:
         return HeadLattice(0, None, math.nan, math.nan)
     for exponent in range(FINEST + 1):

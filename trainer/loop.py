@@ -36,6 +36,7 @@ from trainer.build import build_models
 from trainer.checkpoint import CheckpointStore, TrainerState, atomic_write_text
 from trainer.consumer import Batch, RolloutConsumer
 from trainer.device import reset_peak_memory
+from trainer.head_watch import HeadWatch, expects_float32_head
 from trainer.mismatch_gate import GATED_METRIC, MismatchGate, running_threshold
 from trainer.mismatch_locate import MISMATCH_REPORT, locate
 from trainer.nonfinite import record_skipped_step
@@ -79,6 +80,7 @@ class Trainer:
         check = run_config.check
         threshold, source = running_threshold(run_config)
         self.gate = MismatchGate(threshold, check.gate_steps, check.on_mismatch, source)
+        self.head_watch = HeadWatch(expects_float32_head(run_config), check.on_mismatch)
         self.model_name = run_config.model.name
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -302,6 +304,7 @@ class Trainer:
                 metrics.update(speed_metrics(stats, self._speed, step_time_s))
                 metrics.update(own_version_metrics(stats, own))
                 metrics.update(episode_metrics(batch))
+                metrics.update(self.head_watch.observe(batch.groups))
             metrics.update(timings)
             span.set_attribute(tracing.ATTR_TOKENS, prepared.num_tokens)
             span.set_attribute("parity.groups", len(batch.groups))
@@ -373,6 +376,7 @@ class Trainer:
         # After the step is recorded: with on_mismatch=stop this raises MismatchGateError, which ends
         # the run with the gate's message (the step's rollouts are trained and accounted for).
         self.gate.observe(metrics["step"], metrics, explain=lambda: self.locate_mismatch(batch))
+        self.head_watch.judge(metrics["step"])  # the engine's logits: float32 as expected?
 
     def locate_mismatch(self, batch: Batch) -> str:
         """Where the step's mismatch lives and its likely fault classes (trainer/mismatch_locate.py),

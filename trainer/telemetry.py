@@ -81,6 +81,9 @@ EXTRA_GAUGES = (
     "own_version_tokens",
     "own_version_score_s",
     "backlog",
+    "head_gaps",
+    "head_low_precision",
+    "head_grid_exponent",
 )
 COUNTERS = ("rollouts_trained", "dropped_stale", "duplicates_skipped")
 # Gauges the trainer sets outside a step's metrics (Telemetry.set_gauge, at each publish).

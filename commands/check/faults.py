@@ -63,6 +63,7 @@ def run_fault(
 
     from parity.config import ParityConfig
     from parity.rollout_queue import RolloutQueue
+    from trainer.head_watch import HEAD_TEST
     from trainer.loop import Trainer
     from trainer.mismatch_gate import GATED_METRIC, MismatchGateError
     from trainer.mismatch_locate import MISMATCH_REPORT
@@ -108,7 +109,11 @@ def run_fault(
                 caught = step
                 where = str(exc).partition("Localisation: ")[2]
                 metrics = trainer.last_metrics
-                signal = f"{GATED_METRIC}={metrics[GATED_METRIC]:.2e}"
+                signal = (
+                    f"head_grid_exponent={metrics['head_grid_exponent']:g} ({metrics['head_gaps']} gaps)"
+                    if str(exc).startswith(HEAD_TEST)  # the running head test, not the k3 gate
+                    else f"{GATED_METRIC}={metrics[GATED_METRIC]:.2e}"
+                )
                 written = run_dir / f"{MISMATCH_REPORT}.json"
                 if written.exists():  # the trainer's own localisation, written when the gate fired
                     report = json.loads(written.read_text())
