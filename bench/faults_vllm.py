@@ -79,8 +79,9 @@ CASES: dict[str, tuple[list[str], str, bool, str]] = {
         [*BF16, "--rollout.head_dtype", "model"],
         "control_bfloat16",
         False,
-        "the running gate cannot see it: under bf16 rollouts its threshold sits above the bf16 body's "
-        "own mismatch, and a bf16 head adds less than that; the preflight's head-precision test sees it",
+        "the running k3 gate cannot see it: under bf16 rollouts its threshold sits above the bf16 body's "
+        "own mismatch, and a bf16 head adds less than that; the preflight's head-precision test sees it, "
+        "and so does the trainer's running head test once it has 32 gaps",
     ),
 }
 
