@@ -112,8 +112,8 @@ class HeadWatch:
             return ""
         message = (
             f"{HEAD_TEST} at step {step}: {self.lattice.describe()}; the run expects a float32 "
-            "head (rollout.head_dtype float32): the engine's logprobs are not the float32 ones the "
-            "trainer compares them with"
+            "head (rollout.head_dtype float32, or float32 rollouts): the engine's logprobs are not the "
+            "float32 ones the trainer compares them with"
         )
         if self.action == "stop":
             raise MismatchGateError(message)
