@@ -122,9 +122,3 @@ class HeadWatch:
             log.warning("%s (check.on_mismatch=warn: training goes on)", message)
             return message
         return ""
-
-
-def expects_float32_head(run_config) -> bool:
-    """Whether the run's engine should compute its logits in float32."""
-    rollout = run_config.rollout
-    return rollout.head_dtype == "float32" or rollout.dtype == "float32"

@@ -36,7 +36,7 @@ from trainer.build import build_models
 from trainer.checkpoint import CheckpointStore, TrainerState, atomic_write_text
 from trainer.consumer import Batch, RolloutConsumer
 from trainer.device import reset_peak_memory
-from trainer.head_watch import HeadWatch, expects_float32_head
+from trainer.head_watch import HeadWatch
 from trainer.mismatch_gate import GATED_METRIC, MismatchGate, running_threshold
 from trainer.mismatch_locate import MISMATCH_REPORT, locate
 from trainer.nonfinite import record_skipped_step
@@ -80,7 +80,8 @@ class Trainer:
         check = run_config.check
         threshold, source = running_threshold(run_config)
         self.gate = MismatchGate(threshold, check.gate_steps, check.on_mismatch, source)
-        self.head_watch = HeadWatch(expects_float32_head(run_config), check.on_mismatch)
+        expect_float32_head = run_config.rollout.effective_head_dtype == "float32"
+        self.head_watch = HeadWatch(expect_float32_head, check.on_mismatch)
         self.model_name = run_config.model.name
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,7 @@ def _reduced_precision(run_config) -> list[str]:
             (f"rollout.dtype {rollout.dtype}", rollout.dtype != "float32"),
             (
                 f"rollout.head_dtype {rollout.head_dtype}",
-                rollout.head_dtype != "float32" and rollout.dtype != "float32",
+                rollout.effective_head_dtype != "float32",
             ),
             (f"trainer.precision {trainer.precision}", trainer.precision != "fp32"),
             (f"trainer.dtype {trainer.dtype}", trainer.dtype != "float32"),

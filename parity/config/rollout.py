@@ -241,13 +241,18 @@ class RolloutConfig(ServiceConfig):
     def effective_max_inflight_tokens(self) -> int:
         return self.max_inflight_tokens or self.max_num_seqs * self.max_model_len
 
+    @property
+    def effective_head_dtype(self) -> str:
+        """The dtype the engine's lm_head computes the logits in."""
+        return "float32" if self.head_dtype == "float32" else self.dtype
+
     def parity_settings(self, model: str) -> dict[str, object]:
         """The settings that decide train-inference parity, for the startup log."""
         return {
             "engine": self.engine,
             "model": model,
             "model_dtype": self.dtype,
-            "head_dtype": "float32" if self.head_dtype == "float32" else self.dtype,
+            "head_dtype": self.effective_head_dtype,
             "logprobs_mode": self.logprobs_mode,
             "prefix_caching": self.prefix_caching,
             "reset_prefix_cache_on_update": self.reset_prefix_cache_on_update,

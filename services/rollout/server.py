@@ -85,7 +85,7 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     config = run_config.rollout
     settings = config.parity_settings(run_config.model.name)
     log.info("parity settings: %s", json.dumps(settings, sort_keys=True))
-    if config.dtype == "bfloat16" and config.head_dtype != "float32":
+    if config.effective_head_dtype == "bfloat16":
         log.warning("bf16 head: expect ~2x the train-inference mismatch of an fp32 head")
     if config.logprobs_mode == "raw":
         log.warning("raw logprobs: they do NOT match the sampled distribution (temperature/top-k/top-p)")

@@ -212,7 +212,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             logprobs_mode=common_pb2.LOGPROBS_MODE_PROCESSED
             if c.logprobs_mode == "processed"
             else common_pb2.LOGPROBS_MODE_RAW,
-            head_dtype="float32" if c.head_dtype == "float32" else c.dtype,
+            head_dtype=c.effective_head_dtype,
             model_dtype=c.dtype,
             prefix_caching=c.prefix_caching,
             reset_prefix_cache_on_update=c.reset_prefix_cache_on_update,
