@@ -31,7 +31,13 @@ import pytest
 
 from parity.sampling import SamplingTransform
 from parity.versions import expand_spans, parse_version_label
-from tests.fakes.rollout_helpers import HfScorer, perturbed_state_dict, send_as_rank0, transfer_plan
+from tests.fakes.rollout_helpers import (
+    HfScorer,
+    perturbed_state_dict,
+    run_on_one_engine,
+    send_as_rank0,
+    transfer_plan,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -101,29 +107,19 @@ def inflight_runs(tiny_model: Path) -> dict:
     prompt = [random.Random(5).randrange(3, 259) for _ in range(12)]
     states = {mode: perturbed_state_dict(tiny_model, seed=1234 + i) for i, mode in enumerate(MODES)}
     engine = VllmEngine(config, tiny_model, seed=3)
-    runs: dict = {}
+    serving: list = [None]  # the weights the engine serves: the checkpoint's
 
-    async def scenario():
-        await engine.start()
-        try:
-            serving = None  # the weights the engine serves: the checkpoint's
-            for mode in MODES:
-                old_version = engine.weight_version
-                try:
-                    result = await asyncio.wait_for(
-                        _generate_with_update(engine, prompt, states[mode], old_version + 1, mode), 300
-                    )
-                except Exception as exc:  # this mode's failure; the other still runs
-                    runs[mode] = exc
-                    continue
-                runs[mode] = (serving, states[mode], old_version, prompt, result)
-                if result[-1].outcome == "applied":
-                    serving = states[mode]
-        finally:
-            await engine.shutdown()
+    def scenario(mode: str):
+        async def run():
+            old, old_version = serving[0], engine.weight_version
+            result = await _generate_with_update(engine, prompt, states[mode], old_version + 1, mode)
+            if result[-1].outcome == "applied":
+                serving[0] = states[mode]
+            return old, states[mode], old_version, prompt, result
 
-    asyncio.run(scenario())
-    return runs
+        return run
+
+    return run_on_one_engine(engine, {mode: scenario(mode) for mode in MODES})
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -30,7 +30,13 @@ from pathlib import Path
 import pytest
 
 from parity.sampling import SamplingTransform
-from tests.fakes.rollout_helpers import HfScorer, perturbed_state_dict, send_as_rank0, transfer_plan
+from tests.fakes.rollout_helpers import (
+    HfScorer,
+    perturbed_state_dict,
+    run_on_one_engine,
+    send_as_rank0,
+    transfer_plan,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -96,30 +102,22 @@ def races(tiny_model: Path) -> dict:
 
     config = RolloutConfig(max_model_len=512, update_mode="keep", prefix_caching=True, kv_cache_gib=1.0)
     engine = VllmEngine(config, tiny_model, seed=3)
-    results: dict = {}
 
-    async def scenario():
-        await engine.start()
-        try:
-            for i, (name, bypass_gate) in enumerate(GATES.items()):
-                rng = random.Random(17 + i)
-                cached_prompt = [rng.randrange(3, 259) for _ in range(PROMPT_TOKENS)]
-                other_prompt = [rng.randrange(3, 259) for _ in range(12)]
-                new_state = perturbed_state_dict(tiny_model, seed=4321 + i)
-                restarted = engine.restarted_requests_total
-                try:
-                    race = await asyncio.wait_for(
-                        _race(engine, cached_prompt, other_prompt, new_state, bypass_gate, name), 300
-                    )
-                except Exception as exc:  # this scenario's failure; the other still runs
-                    results[name] = exc
-                    continue
-                results[name] = (cached_prompt, new_state, race, engine.restarted_requests_total - restarted)
-        finally:
-            await engine.shutdown()
+    def scenario(i: int, name: str, bypass_gate: bool):
+        async def run():
+            rng = random.Random(17 + i)
+            cached_prompt = [rng.randrange(3, 259) for _ in range(PROMPT_TOKENS)]
+            other_prompt = [rng.randrange(3, 259) for _ in range(12)]
+            new_state = perturbed_state_dict(tiny_model, seed=4321 + i)
+            restarted = engine.restarted_requests_total
+            race = await _race(engine, cached_prompt, other_prompt, new_state, bypass_gate, name)
+            return cached_prompt, new_state, race, engine.restarted_requests_total - restarted
 
-    asyncio.run(scenario())
-    return results
+        return run
+
+    return run_on_one_engine(
+        engine, {name: scenario(i, name, bypass) for i, (name, bypass) in enumerate(GATES.items())}
+    )
 
 
 @pytest.mark.parametrize("name", GATES)

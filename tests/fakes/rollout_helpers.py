@@ -3,6 +3,8 @@
 - `HfScorer` recomputes the logprobs of given completion tokens with transformers and
   `parity.sampling` (float32), independently of either rollout engine. `score_keep` replays an
   in-flight keep-mode update: KV before the switch from the old weights, the rest from the new.
+- `run_on_one_engine` runs several scenarios on one started engine (a vLLM start is the costliest
+  step of the suite), each bounded and with its failure kept apart from the others.
 - `push_weights` plays the broadcast service's part of the update protocol for one worker: it
   hosts the TCPStore, joins as rank 0, and sends the tensors with the real `TransferGroup` (gloo)
   while the worker's `UpdateWeights` RPC runs. Only the broadcast *service* is stood in.
@@ -10,9 +12,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from parity.sampling import SamplingTransform, token_logprobs
@@ -161,3 +164,25 @@ def push_weights(stub, state: dict, version: int, metadata=(), timeout_s: float 
     if errors:
         raise errors[0]
     return reply
+
+
+def run_on_one_engine(
+    engine, scenarios: dict[str, Callable[[], Awaitable]], timeout_s: float = 300.0
+) -> dict[str, object]:
+    """Start `engine`, await each scenario in turn (at most `timeout_s` each), shut it down. Per name:
+    what the scenario returned, or the exception it raised (the next scenario still runs)."""
+    results: dict[str, object] = {}
+
+    async def run_all() -> None:
+        await engine.start()
+        try:
+            for name, scenario in scenarios.items():
+                try:
+                    results[name] = await asyncio.wait_for(scenario(), timeout_s)
+                except Exception as exc:  # this scenario's failure; the next one still runs
+                    results[name] = exc
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run_all())
+    return results
