@@ -13,6 +13,10 @@ Invariants:
   - keep mode: a running group continues with its cached KV under the new weights (as vLLM does).
     recompute mode: a running group re-runs prefill over prompt + generated tokens after the swap.
   - The n completions of a group are one batch [n, L]; requests are not batched with each other.
+  - Generation runs on the engine's own generation threads; the pause's wait for the model lock and
+    the staging of an update run on a separate control thread. A request waiting out a pause holds
+    its thread, so on a shared pool the pause could queue behind the very requests it had stopped:
+    UpdateWeights hung with 24 requests in flight on the default executor's 6 threads.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -56,6 +61,8 @@ class ReferenceEngine(RolloutEngine):
         # Tests only (rollout.fault, validated with enable_fault_injection): a parity fault from a version on.
         self._fault = parse_fault(config.fault, "rollout.fault") if config.fault else None
         self._previous_update: dict | None = None  # what the last update asked for (stale_weights)
+        self._generation_threads = ThreadPoolExecutor(thread_name_prefix="reference-generate")
+        self._control_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference-control")
 
     def _fault_at(self, version: int) -> str:
         """The injected fault's name when it is active at `version`, else ""."""
@@ -200,7 +207,7 @@ class ReferenceEngine(RolloutEngine):
         self._running += 1
         try:
             await self.admitted()
-            worker = loop.run_in_executor(None, run)
+            worker = loop.run_in_executor(self._generation_threads, run)
             while True:
                 item = await queue.get()
                 if item is None:
@@ -215,7 +222,8 @@ class ReferenceEngine(RolloutEngine):
 
     async def _pause(self, mode: Literal["keep", "recompute"]) -> None:
         self._unpaused.clear()
-        await asyncio.to_thread(self._model_lock.acquire)  # wait for the running step
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._control_thread, self._model_lock.acquire)  # the running step
         try:
             if mode == "recompute":
                 self._recompute_epoch += 1
@@ -226,7 +234,9 @@ class ReferenceEngine(RolloutEngine):
         self._unpaused.set()
 
     async def _stage(self, plan, fault_corrupt_tensor: str) -> dict:
-        staged = await asyncio.to_thread(receive_and_verify, plan, self.device, fault_corrupt_tensor)
+        staged = await asyncio.get_running_loop().run_in_executor(
+            self._control_thread, receive_and_verify, plan, self.device, fault_corrupt_tensor
+        )
         report = staged.report()
         if not staged.error:
             params = self.model.state_dict()
@@ -264,6 +274,9 @@ class ReferenceEngine(RolloutEngine):
 
     async def shutdown(self) -> None:
         self._unpaused.set()
+        # Requests already queued still run to their end (the service drains them first).
+        self._generation_threads.shutdown(wait=False)
+        self._control_thread.shutdown(wait=False)
 
 
 def top_rows(logprobs_nv, k: int) -> list[list[tuple[int, float]]]:

@@ -1,0 +1,46 @@
+"""The reference engine pauses with more requests in flight than any thread pool has threads.
+
+A request waiting out a pause holds a thread. When generation and the pause's wait for the model
+lock shared asyncio's default executor (at most 32 threads, fewer on small boxes), the pause queued
+behind the requests it had just stopped and never ran: a `parity run` with an eval and the actor in
+flight hung in UpdateWeights until its deadline. Real engine, tiny model, in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+REQUESTS = 40  # more than the default executor's largest size (32)
+
+
+def test_a_pause_with_more_requests_than_threads_returns_and_every_request_finishes(tiny_model: Path) -> None:
+    from parity.config.rollout import RolloutConfig
+    from rollout.engine import GenerationSpec
+    from rollout.reference_engine import ReferenceEngine
+
+    engine = ReferenceEngine(RolloutConfig(engine="reference", max_model_len=512), tiny_model)
+
+    async def one(i: int) -> list:
+        spec = GenerationSpec(f"r{i}", list(range(10, 20)), n=1, max_tokens=100, temperature=1.0, seed=i,
+                              ignore_eos=True)  # fmt: skip
+        return [r async for r in engine.generate(spec, stream=True)]
+
+    async def scenario() -> tuple[list, int]:
+        await engine.start()
+        try:
+            tasks = [asyncio.create_task(one(i)) for i in range(REQUESTS)]
+            while engine._running < REQUESTS:  # every request admitted; most wait for a thread
+                await asyncio.sleep(0.01)
+            await asyncio.wait_for(engine.pause("keep"), timeout=60)
+            paused_at = engine.weight_version
+            await engine.resume()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
+            return results, paused_at
+        finally:
+            await engine.shutdown()
+
+    results, paused_at = asyncio.run(scenario())
+    assert paused_at == 0
+    assert len(results) == REQUESTS
+    assert all(len(r) == 1 and len(r[0].token_ids) == 100 for r in results)
