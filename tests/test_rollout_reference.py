@@ -153,6 +153,55 @@ def test_requests_during_shutdown_are_unavailable_and_inflight_ones_finish(
     assert service.proc.wait(60) == 0
 
 
+_EVALUATE = """
+import sys
+from commands.run.evaluation import evaluate
+from tests.reward_helpers import make_task
+print("evaluating", flush=True)
+evaluate(sys.argv[1], make_task(), num_prompts=3, max_tokens=8, use_chat_template=False, label="x",
+         pass_k=2, timeout_s=600.0)
+"""
+
+
+@pytest.mark.slow
+def test_an_interrupted_evaluation_stops_at_once_with_its_requests_in_flight(
+    start_services, tiny_model: Path
+) -> None:
+    """Ctrl-C during a held-out evaluation whose requests cannot be served (generation paused):
+    the evaluation stops within seconds, not when its Generate calls time out (600 s)."""
+    service = start_services(
+        "rollout", "--engine", "reference", "--model", str(tiny_model), "--auth_token", TOKEN
+    )
+    stub = _stub(service)
+    stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(), metadata=bearer(TOKEN))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _EVALUATE, service.address],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "evaluating"
+        time.sleep(3.0)  # its Generate calls are sent and wait for the resume
+        assert proc.poll() is None, proc.stdout.read()
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the evaluation was still running 30 s after SIGINT")
+        output = proc.stdout.read()
+        assert time.monotonic() - started < 30
+        assert proc.returncode != 0 and "KeyboardInterrupt" in output, output[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stub.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), metadata=bearer(TOKEN))
+    # the service is unharmed: a request is served after the resume
+    reply = stub.Generate(
+        rollout_pb2.GenerateRequest(prompt_token_ids=[5, 6], sampling=_sampling()), timeout=60
+    )
+    assert len(reply.completions) == 2
+
+
 @pytest.mark.slow
 def test_actor_publishes_scored_groups_with_backpressure(
     start_services, tiny_model: Path, redis_url: str

@@ -164,10 +164,16 @@ def evaluate(
             )
             sampled.seed = sampling.seed
         requests += _requests(prompts, fmt, sampled)
-    with grpc.insecure_channel(address) as chan:
+    chan = grpc.insecure_channel(address)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(requests))))
+    try:
         stub = rollout_pb2_grpc.RolloutServiceStub(chan)
-        with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(requests)))) as pool:
-            replies = list(pool.map(lambda r: _generate(stub, r, timeout_s), requests))
+        replies = list(pool.map(lambda r: _generate(stub, r, timeout_s), requests))
+    finally:
+        # On an interrupt, closing the channel cancels the RPCs in flight and the pool is not
+        # waited for: Ctrl-C stops the run now, not when the last Generate times out.
+        chan.close()
+        pool.shutdown(wait=False, cancel_futures=True)
     answers, samples = replies[: len(prompts)], replies[len(prompts) :]
     batches = [(p, [a[0].text]) for p, a in zip(prompts, answers, strict=True)]
     if pass_k:
