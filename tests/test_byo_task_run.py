@@ -48,12 +48,19 @@ def _run(flags: list[str], out: Path, redis_url: str) -> dict:
         marker,
         log_path,
     )
+    rc: int | None = None  # None: still running at the deadline (the log tail says where)
     try:
         rc = proc.wait(timeout=420)
+    except subprocess.TimeoutExpired:
+        pass
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-            proc.wait(60)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # its services follow it (PR_SET_PDEATHSIG)
+                proc.wait(10)
     output = log_path.read_text()
     config = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
     entries = redis.Redis.from_url(redis_url).xrange(config["stream"]) if config else []

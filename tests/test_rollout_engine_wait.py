@@ -22,9 +22,18 @@ MAX_TOKENS = 256
 
 
 def _named(prefix: str) -> psutil.Process:
-    """The descendant of this process whose name (comm) starts with `prefix`."""
-    found = [p for p in psutil.Process().children(recursive=True) if p.name().startswith(prefix)]
-    assert len(found) == 1, [(p.pid, p.name()) for p in psutil.Process().children(recursive=True)]
+    """The live descendant of this process whose name (comm) starts with `prefix`. An engine that an
+    earlier test in this worker started can leave its exited core as an unreaped zombie (CI saw one)."""
+
+    def live(p: psutil.Process) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    children = [p for p in psutil.Process().children(recursive=True) if live(p)]
+    found = [p for p in children if p.name().startswith(prefix)]
+    assert len(found) == 1, [(p.pid, p.name(), p.status()) for p in children]
     return found[0]
 
 
