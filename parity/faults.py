@@ -18,6 +18,9 @@ from dataclasses import dataclass
 ENV_VAR = "PARITY_FAULT"
 REPETITION_PENALTY = 1.3  # what repetition_penalty_unreplayed applies
 PRESENCE_PENALTY = 0.5  # what presence_penalty_unreplayed applies
+# Classes that only multi-turn episodes can show: the fault check runs them (and a clean control)
+# with two model turns per sample.
+MULTI_TURN_FAULTS = ("episode_retokenized",)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,10 @@ FAULTS: dict[str, Fault] = {
         Fault("prompt_token_drift", "tokenization",
               "the engine conditions on a prompt whose first token differs from the recorded one (chat "
               "template or tokenizer drift): every completion logprob is scored on another context"),
+        Fault("episode_retokenized", "tokenization (multi-turn)",
+              "the episode loop keeps the conversation as text and encodes it again before each model "
+              "turn; the sample records the tokens the model sampled, so a later turn's logprobs were "
+              "computed on another context wherever the decode-then-encode round trip changed tokens"),
         Fault("rope_theta", "model config",
               "the engine's RoPE theta is 2x the trainer's: attention drifts with distance from each token"),
         Fault("bf16_lm_head", "model numerics",

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from parity.faults import (
     ENV_VAR,
     FAULTS,
+    MULTI_TURN_FAULTS,
     PRESENCE_PENALTY,
     REPETITION_PENALTY,
     Fault,
@@ -35,7 +36,16 @@ from parity.v1 import common_pb2, rollouts_pb2
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ENV_VAR", "FAULTS", "Fault", "FaultSpec", "ReferenceEngine", "fault_from_env", "parse_fault"]
+__all__ = [
+    "ENV_VAR",
+    "FAULTS",
+    "MULTI_TURN_FAULTS",
+    "Fault",
+    "FaultSpec",
+    "ReferenceEngine",
+    "fault_from_env",
+    "parse_fault",
+]
 
 
 class ReferenceEngine:
@@ -45,10 +55,16 @@ class ReferenceEngine:
 
     GENERATION_CONFIG = SamplingTransform(0.7, 20, 0.8)  # Qwen2.5-Instruct-style defaults
 
-    def __init__(self, model, fault: FaultSpec | None = None, worker_id: str = "worker-0") -> None:
+    def __init__(
+        self, model, fault: FaultSpec | None = None, worker_id: str = "worker-0", tokenizer=None
+    ) -> None:
+        if fault is not None and fault.fault.name == "episode_retokenized" and tokenizer is None:
+            raise ValueError("episode_retokenized needs the model's tokenizer (its round trip is the fault)")
         self.model = copy.deepcopy(model).eval()
         self.fault = fault
         self.worker_id = worker_id
+        self.tokenizer = tokenizer
+        self.retokenized_turns = 0  # later model turns whose context the round trip changed
         self.version = 0
         self._previous: dict[str, torch.Tensor] | None = None  # what the last update asked for
         self._before: dict[str, torch.Tensor] | None = None  # what the engine held before it
@@ -189,6 +205,34 @@ class ReferenceEngine:
             out.append((tokens, logprobs, versions))
         return out
 
+    def episodes(
+        self,
+        prompt: Sequence[int],
+        length: int,
+        n: int,
+        requested: SamplingTransform,
+        observation: Sequence[int],
+        generator,
+    ) -> list[tuple[list[int], list[bool], list[float], list[int]]]:
+        """`n` two-turn episodes: a model turn, the environment's `observation`, a second model turn
+        (each turn its own request, as rollout/episodes.py plays them). Per episode: (tokens, loss
+        mask, logprobs and version tags of the model's tokens). The second turn's context is the
+        exact tokens so far; with episode_retokenized, their decode-then-encode round trip."""
+        out = []
+        for tokens, logprobs, versions in self.sample(prompt, length, n, requested, generator):
+            history = [*tokens, *observation]
+            context = history
+            if self._on("episode_retokenized"):
+                text = self.tokenizer.decode(history, skip_special_tokens=False)
+                context = [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+                self.retokenized_turns += context != history
+            ((second, logprobs2, versions2),) = self.sample(
+                [*prompt, *context], length, 1, requested, generator
+            )
+            mask = [True] * len(tokens) + [False] * len(observation) + [True] * len(second)
+            out.append(([*history, *second], mask, logprobs + logprobs2, versions + versions2))
+        return out
+
     def group(
         self,
         group_id: str,
@@ -197,8 +241,10 @@ class ReferenceEngine:
         requested: SamplingTransform,
         length: int,
         generator,
+        observation: Sequence[int] = (),
     ) -> rollouts_pb2.RolloutGroup:
-        """One RolloutGroup as the rollout service would publish it (requested transform recorded)."""
+        """One RolloutGroup as the rollout service would publish it (requested transform recorded);
+        with an `observation`, of two-turn episodes (`episodes`)."""
         out = rollouts_pb2.RolloutGroup(
             group_id=group_id,
             prompt_token_ids=list(prompt),
@@ -213,17 +259,41 @@ class ReferenceEngine:
             worker_id=self.worker_id,
         )
         all_versions: list[int] = []
-        completions = self.sample(prompt, length, len(rewards), requested, generator)
-        for index, (reward, (tokens, logprobs, versions)) in enumerate(
-            zip(rewards, completions, strict=True)
+        if observation:
+            episodes = self.episodes(prompt, length, len(rewards), requested, observation, generator)
+        else:
+            episodes = [
+                (tokens, [], logprobs, versions)
+                for tokens, logprobs, versions in self.sample(
+                    prompt, length, len(rewards), requested, generator
+                )
+            ]
+        for index, (reward, (tokens, mask, logprobs, versions)) in enumerate(
+            zip(rewards, episodes, strict=True)
         ):
             all_versions += versions
-            out.samples.add(
+            sample = out.samples.add(
                 rollout_id=f"{group_id}/{index}",
                 token_ids=tokens,
                 logprobs=logprobs,
                 token_weight_versions=versions,
                 reward=float(reward),
+                loss_mask=mask,
             )
+            if mask:
+                for role, start, end in _turns(mask):
+                    sample.turns.add(role=role, start=start, end=end)
         out.min_weight_version, out.max_weight_version = min(all_versions), max(all_versions)
         return out
+
+
+def _turns(mask: Sequence[bool]) -> list[tuple[int, int, int]]:
+    """(role, start, end) of each run of model (True) or environment (False) tokens in `mask`."""
+    out: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            role = rollouts_pb2.TURN_ROLE_MODEL if mask[start] else rollouts_pb2.TURN_ROLE_ENVIRONMENT
+            out.append((role, start, i))
+            start = i
+    return out

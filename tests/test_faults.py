@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from commands.check.faults import run_fault
-from rollout.faults import FAULTS, fault_from_env, parse_fault
+from rollout.faults import FAULTS, MULTI_TURN_FAULTS, fault_from_env, parse_fault
 from trainer.mismatch_gate import GATED_METRIC, MismatchGate, MismatchGateError
 from trainer.mismatch_locate import MISMATCH_REPORT
 
@@ -29,11 +29,15 @@ def fresh_stream(redis_url: str):
     return redis_url
 
 
-def test_clean_control_is_never_stopped(fresh_stream: str, tmp_path: Path, tiny_model: Path) -> None:
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
+def test_clean_control_is_never_stopped(
+    multi_turn: bool, fresh_stream: str, tmp_path: Path, tiny_model: Path
+) -> None:
     result = run_fault(
-        None, tiny_model, fresh_stream, tmp_path, steps=STEPS + 1, inject_version=INJECT_VERSION
-    )
-    assert result.caught_step is None and result.steps_run == STEPS + 1
+        None, tiny_model, fresh_stream, tmp_path, steps=STEPS + 1, inject_version=INJECT_VERSION,
+        multi_turn=multi_turn,
+    )  # fmt: skip
+    assert result.caught_step is None and result.steps_run == STEPS + 1, result
     assert not (tmp_path / f"{MISMATCH_REPORT}.json").exists()
 
 
@@ -51,6 +55,9 @@ def test_fault_is_caught_at_the_first_faulty_step(
     assert [c["fault"] for c in report["candidates"][:3]] == list(result.likely)
     assert (tmp_path / f"{MISMATCH_REPORT}.png").stat().st_size > 10_000
     assert f"Most likely: {result.likely[0]}" in result.where
+    if name in MULTI_TURN_FAULTS:  # where: the later model turns, the first one clean
+        turns = report["by_turn"]
+        assert turns["first model turn"]["distance"] < 1e-5 < turns["later model turns"]["distance"], turns
 
 
 def test_report_says_where_one_stale_worker_is(fresh_stream: str, tmp_path: Path, tiny_model: Path) -> None:

@@ -19,8 +19,11 @@ every version the tokens were sampled at). Output, a `MismatchReport`:
   same-shaped pair of tensors in a layer swapped, the whole model at v-1 (on every worker, or one),
   the prompt's KV from an older version (all but its last token, or the prompts' shared prefix in
   whole KV blocks), the first token at v-1, the newest tag for every token, logprobs shifted
-  by one, the last token's logprob alone. A fault with no replay (the engine conditioned on other
-  prompt tokens) scores by what nothing else explains.
+  by one, the last token's logprob alone, and in multi-turn episodes the later model turns
+  conditioned on the decode-then-encode round trip of the episode so far (with the model's
+  tokenizer). A fault with no replay (the engine conditioned on other prompt tokens) scores by what
+  nothing else explains.
+- In episodes, the mismatch is also split by model turn (the first, and the later ones).
 
 Costs: it runs only when the gate acts. The tensor searches (whole layers at v-1, then each tensor
 of the two best layers; every same-shaped pair in a layer swapped) use `max_tensor_samples` samples
@@ -90,6 +93,7 @@ class MismatchReport:
     by_version: dict[str, Slice] = field(default_factory=dict)
     by_tag: dict[str, Slice] = field(default_factory=dict)
     by_sampling: dict[str, Slice] = field(default_factory=dict)
+    by_turn: dict[str, Slice] = field(default_factory=dict)  # episodes only: first / later model turns
     candidates: list[Candidate] = field(default_factory=list)
 
     def top(self, n: int = TOP) -> list[str]:
@@ -98,7 +102,8 @@ class MismatchReport:
     def summary(self) -> str:
         """One paragraph: where the mismatch is largest, and the likeliest classes."""
         parts = []
-        for name, table in (("position", self.by_position), ("worker", self.by_worker)):
+        tables = (("position", self.by_position), ("worker", self.by_worker), ("turn", self.by_turn))
+        for name, table in tables:
             measured = {k: s for k, s in table.items() if s.tokens}
             if len(measured) > 1:
                 worst = max(measured, key=lambda k: measured[k].distance)
@@ -129,6 +134,15 @@ class _Sample:
     versions: list[int]  # per model token
     transform: SamplingTransform
     worker: str
+
+    def turn_starts(self) -> list[int]:
+        """Per model token, the completion index where its model turn starts (0: the first turn)."""
+        out, start = [], 0
+        for k, at in enumerate(self.model_at):
+            if k and at != self.model_at[k - 1] + 1:
+                start = at
+            out.append(start)
+        return out
 
 
 def samples_of(groups: Sequence[Any], max_samples: int) -> list[_Sample]:
@@ -297,8 +311,10 @@ def locate(
     max_samples: int = 16,
     max_tensor_samples: int = 2,
     budget_s: float = 60.0,
+    tokenizer_dir: str | Path | None = None,
 ) -> MismatchReport | None:
-    """The report for these groups, or None when no sample's versions are held by `history`."""
+    """The report for these groups, or None when no sample's versions are held by `history`.
+    `tokenizer_dir` (the model's) enables the re-tokenized-history replay of multi-turn episodes."""
     samples = [
         s for s in samples_of(groups, max_samples) if all(history.get(v) is not None for v in set(s.versions))
     ]
@@ -318,6 +334,7 @@ def locate(
     hypotheses.tensors(max_tensor_samples, budget_s)
     hypotheses.head()
     hypotheses.context()
+    hypotheses.retokenized(tokenizer_dir)
     hypotheses.unreplayable()
     report.candidates = sorted(
         (Candidate(f, round(v, 4), e) for f, (v, e) in hypotheses.found.items()), key=lambda c: -c.score
@@ -374,6 +391,11 @@ class _Hypotheses:
             lambda i, j: "newest" if samples[i].versions[j] == max(samples[i].versions) else "older"
         )
         report.by_sampling = table(lambda i, j: _describe(samples[i].transform))
+        starts = [s.turn_starts() for s in samples]
+        if any(len(set(x)) > 1 for x in starts):
+            report.by_turn = table(
+                lambda i, j: "first model turn" if starts[i][j] == 0 else "later model turns"
+            )
 
     def assemble(self, per_sample: Callable[[int, _Sample], Sequence[float]]) -> list[float]:
         return [x for i, s in enumerate(self.samples) for x in per_sample(i, s)]
@@ -627,6 +649,47 @@ class _Hypotheses:
         self.scorer.load(s.versions[0])
         return _chosen(logits(), s, s.transform).tolist()
 
+    def retokenized(self, tokenizer_dir: str | Path | None) -> None:
+        """Each later model turn of an episode conditioned on the round trip decode(encode(...)) of
+        the episode's tokens before it, as a loop that keeps the conversation as text would have
+        prompted the engine; the first turn at the trainer's own."""
+        starts = [s.turn_starts() for s in self.samples]
+        if tokenizer_dir is None or not any(len(set(x)) > 1 for x in starts):
+            return
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        scorer, torch, changed = self.scorer, self.scorer.torch, 0
+        pred: list[float] = []
+        for i, s in enumerate(self.samples):
+            own = self.at_own(i, s)
+            if len(set(starts[i])) == 1 or len(set(s.versions)) > 1:
+                pred += own
+                continue
+            scorer.load(s.versions[0])
+            per_token = list(own)
+            for start in sorted(set(starts[i]) - {0}):  # one forward per later turn
+                ks = [k for k, x in enumerate(starts[i]) if x == start]
+                end = s.model_at[ks[-1]] + 1
+                history = s.completion[:start]
+                text = tokenizer.decode(history, skip_special_tokens=False)
+                again = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+                changed += again != history
+                context = [*s.prompt, *again]
+                ids = torch.tensor([[*context, *s.completion[start:end]]], device=scorer.device)
+                with torch.no_grad():
+                    logits = scorer.lm(input_ids=ids).logits[0, len(context) - 1 : -1].float()
+                lp = processed_logprobs(logits, s.transform)
+                for k in ks:
+                    at = s.model_at[k] - start
+                    per_token[k] = float(lp[at, s.completion[s.model_at[k]]])
+            pred += per_token
+        evidence = (
+            f"later model turns match their history re-tokenized from text ({changed} later turns had a "
+            "changed history)"
+        )
+        self.offer("episode_retokenized", self.score(pred), evidence)
+
     def unreplayable(self) -> None:
         """A fault with no replay scores by what nothing else explains."""
         explained = max((v for v, _ in self.found.values()), default=0.0)
@@ -703,11 +766,12 @@ def plot(report: MismatchReport, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-    for ax, (title, table) in zip(
-        axes[:3], (("by position", report.by_position), ("by worker", report.by_worker),
-                   ("by weight version", report.by_version)), strict=True
-    ):  # fmt: skip
+    tables = [("by position", report.by_position), ("by worker", report.by_worker),
+              ("by weight version", report.by_version)]  # fmt: skip
+    if report.by_turn:
+        tables.append(("by model turn", report.by_turn))
+    fig, axes = plt.subplots(1, len(tables) + 1, figsize=(4 * (len(tables) + 1), 3.6))
+    for ax, (title, table) in zip(axes[:-1], tables, strict=True):
         names = list(table)
         values = [max(table[n].distance, 1e-12) for n in names]
         ax.bar(names, values, color="tab:red")
@@ -715,9 +779,9 @@ def plot(report: MismatchReport, path: Path) -> Path:
         ax.set_title(f"mean |delta| {title}")
         ax.tick_params(axis="x", rotation=30)
     top = report.candidates[:8][::-1]
-    axes[3].barh([c.fault for c in top], [c.score for c in top], color="tab:blue")
-    axes[3].set_xlim(0, 1)
-    axes[3].set_title("share explained, by fault class")
+    axes[-1].barh([c.fault for c in top], [c.score for c in top], color="tab:blue")
+    axes[-1].set_xlim(0, 1)
+    axes[-1].set_title("share explained, by fault class")
     fig.suptitle(f"train-inference mismatch: k3 {report.k3:.2e} over {report.tokens} tokens")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -29,12 +29,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from parity.sampling import SamplingTransform
-from rollout.faults import FAULTS, FaultSpec, ReferenceEngine
+from rollout.faults import FAULTS, MULTI_TURN_FAULTS, FaultSpec, ReferenceEngine
 
 TRANSFORM = SamplingTransform(0.8, 40, 0.95)
 STREAM = "bench:faults"
 WORKERS = 2  # one group per worker per step
 PROMPT_LEN, LENGTH, REWARDS = 8, 8, (1.0, 0.0, 0.0, 1.0)
+OBSERVATION_LEN = 4  # multi-turn runs: the environment's tokens between the two model turns
+MULTI_TURN_CONTROL = "clean (multi-turn control)"
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,10 @@ def run_fault(
     inject_version: int = 2,
     threshold: float = 1e-6,
     seed: int = 0,
+    multi_turn: bool | None = None,
 ) -> FaultResult:
-    """One in-process run with fault `name` (None: clean control)."""
+    """One in-process run with fault `name` (None: clean control). Samples are two-turn episodes
+    when `multi_turn` (None: when the class is one of MULTI_TURN_FAULTS)."""
     import torch
 
     from parity.config import ParityConfig
@@ -81,7 +85,14 @@ def run_fault(
     trainer.setup()
     queue = RolloutQueue(redis_url, stream=STREAM)
     spec = FaultSpec(FAULTS[name], inject_version) if name else None
-    engines = [ReferenceEngine(trainer.model, spec, f"worker-{i}") for i in range(WORKERS)]
+    if multi_turn is None:
+        multi_turn = name in MULTI_TURN_FAULTS
+    tokenizer = None
+    if multi_turn:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engines = [ReferenceEngine(trainer.model, spec, f"worker-{i}", tokenizer) for i in range(WORKERS)]
     generator = torch.Generator().manual_seed(seed)
     vocab = trainer.model.get_output_embeddings().weight.shape[0]
     injected = caught = None
@@ -95,10 +106,21 @@ def run_fault(
             for engine in engines:
                 engine.update(version, trainer.model.state_dict())
                 prompt = [int(t) for t in torch.randint(3, vocab, (PROMPT_LEN,), generator=generator)]
-                queue.publish(
-                    engine.group(f"s{step}-{engine.worker_id}", prompt, REWARDS, TRANSFORM, LENGTH, generator)
+                observation = (
+                    [int(t) for t in torch.randint(3, vocab, (OBSERVATION_LEN,), generator=generator)]
+                    if multi_turn
+                    else []
                 )
-            if spec is not None and spec.active(version) and injected is None:
+                group = engine.group(
+                    f"s{step}-{engine.worker_id}", prompt, REWARDS, TRANSFORM, LENGTH, generator, observation
+                )
+                queue.publish(group)
+            # The first step with a faulty token; a re-tokenizing loop only has one where the round trip
+            # changed some context.
+            faulty = spec is not None and spec.active(version)
+            if name in MULTI_TURN_FAULTS:
+                faulty = faulty and sum(e.retokenized_turns for e in engines) > 0
+            if faulty and injected is None:
                 injected = step
             batch = trainer.consumer.collect(WORKERS, version, 1, lambda: False)
             if batch is None:
@@ -126,7 +148,8 @@ def run_fault(
             signal = "not caught; max " + (f"{clean_max:.2e}" if clean_max is not None else "none measured")
     finally:
         trainer.close()
-    return FaultResult(name or "clean (control)", injected, caught, signal, step, likely, where)
+    label = name or (MULTI_TURN_CONTROL if multi_turn else "clean (control)")
+    return FaultResult(label, injected, caught, signal, step, likely, where)
 
 
 def markdown(results: list[FaultResult], threshold: float) -> str:
@@ -146,8 +169,10 @@ def markdown(results: list[FaultResult], threshold: float) -> str:
 
 
 def passed(results: list[FaultResult]) -> bool:
-    control, faults = results[0], results[1:]
-    return control.caught_step is None and all(
+    """Every control never caught; every class caught at its first faulty step and named."""
+    controls = [r for r in results if r.fault not in FAULTS]
+    faults = [r for r in results if r.fault in FAULTS]
+    return all(r.caught_step is None for r in controls) and all(
         r.caught_step is not None and r.caught_step == r.injected_step and r.fault in r.likely for r in faults
     )
 
@@ -161,8 +186,8 @@ def run_catalogue(
     seed: int = 0,
     progress=print,
 ) -> list[FaultResult]:
-    """The control and each class in turn (run directories, reports included, under `out`);
-    writes faults.md and faults.json there."""
+    """The control (and a multi-turn control when a multi-turn class is run) and each class in
+    turn (run directories, reports included, under `out`); writes faults.md and faults.json there."""
     from parity import models
     from parity.procs import start_redis, stop_groups
 
@@ -177,15 +202,21 @@ def run_catalogue(
     )
     start = time.perf_counter()
     results = []
+    runs: list[tuple[str | None, bool | None]] = [(None, False)]
+    if any(n in MULTI_TURN_FAULTS for n in names):
+        runs.append((None, True))
+    runs += [(n, None) for n in names]
     try:
-        for index, name in enumerate([None, *names]):
-            run_dir = out / (name or "clean")
+        for index, (name, multi_turn) in enumerate(runs):
+            run_dir = out / (name or ("clean-multi-turn" if multi_turn else "clean"))
             shutil.rmtree(run_dir, ignore_errors=True)
-            result = run_fault(name, model_dir, redis_url, run_dir, steps, inject_version, threshold, seed)
+            result = run_fault(
+                name, model_dir, redis_url, run_dir, steps, inject_version, threshold, seed, multi_turn
+            )
             results.append(result)
             caught = "not caught" if result.caught_step is None else f"caught at step {result.caught_step}"
             progress(
-                f"[{index + 1}/{len(names) + 1}] {result.fault}: {caught}"
+                f"[{index + 1}/{len(runs)}] {result.fault}: {caught}"
                 + (f"; most likely {', '.join(result.likely)}" if result.likely else "")
             )
             subprocess.run(
