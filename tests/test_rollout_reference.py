@@ -90,11 +90,15 @@ def test_reference_engine_is_the_trainers_numerics_and_updates_in_flight(
     # with the next version.
     request = rollout_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=_sampling(max_tokens=150, n=4))
     old_state, switched, version = None, 0, 0
-    while not switched and version < 4:
+    while not switched and version < 8:
         version += 1
         new_state = perturbed_state_dict(tiny_model, seed=6 + version)
         reply = stub.Generate.future(request, timeout=120)
-        while stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).num_running_requests == 0:
+        # Until the request runs; one that has already ended (or failed) leaves this try unswitched.
+        while (
+            stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).num_running_requests == 0
+            and not reply.done()
+        ):
             time.sleep(0.02)
         time.sleep(0.05)
         stub.PauseGeneration(rollout_pb2.PauseGenerationRequest(), metadata=bearer(TOKEN))
@@ -132,6 +136,7 @@ def test_requests_during_shutdown_are_unavailable_and_inflight_ones_finish(
     )
     future = stub.Generate.future(long_request, timeout=120)
     while stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).num_running_requests == 0:
+        assert not future.done(), "the long request ended before it was seen running"
         time.sleep(0.02)
     service.signal(signal.SIGTERM)
     # A request that arrives before the service has handled SIGTERM is served; once it has, new
@@ -154,12 +159,13 @@ def test_requests_during_shutdown_are_unavailable_and_inflight_ones_finish(
 
 
 _EVALUATE = """
-import sys
+import faulthandler, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view when it does not stop
 from commands.run.evaluation import evaluate
 from tests.reward_helpers import make_task
 print("evaluating", flush=True)
 evaluate(sys.argv[1], make_task(), num_prompts=3, max_tokens=8, use_chat_template=False, label="x",
-         pass_k=2, timeout_s=600.0)
+         timeout_s=600.0)
 """
 
 
@@ -187,7 +193,10 @@ def test_an_interrupted_evaluation_stops_at_once_with_its_requests_in_flight(
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            pytest.fail("the evaluation was still running 30 s after SIGINT")
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2.0)
+            proc.kill()
+            pytest.fail(f"the evaluation was still running 30 s after SIGINT:\n{proc.stdout.read()[-6000:]}")
         output = proc.stdout.read()
         assert time.monotonic() - started < 30
         assert proc.returncode != 0 and "KeyboardInterrupt" in output, output[-2000:]

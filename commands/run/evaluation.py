@@ -16,12 +16,15 @@ Invariants:
   a partial-credit reward, if a task has one, shows in `reward_mean`, not in accuracy).
 - Every completion's token weight versions are recorded, so an evaluation can prove which weights
   answered (`weight_versions`).
+- An interrupt (Ctrl-C) stops an evaluation at once: its requests run on daemon threads, which an
+  exiting process does not wait for, and closing the channel cancels the RPCs in flight.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -81,6 +84,45 @@ def _generate(
             if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+def _generate_all(
+    stub: rollout_pb2_grpc.RolloutServiceStub, requests: list, concurrency: int, timeout_s: float
+) -> list[list[rollout_pb2.Completion]]:
+    """Every request's completions, in request order, at most `concurrency` at once on daemon
+    threads (a pool's threads would be joined at exit, and an interrupted run would wait for its
+    RPCs); the first failure is raised."""
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    for item in enumerate(requests):
+        todo.put(item)
+
+    def work() -> None:
+        while True:
+            try:
+                index, request = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.put((index, _generate(stub, request, timeout_s), None))
+            except Exception as exc:  # handed to the caller, which raises it
+                done.put((index, None, exc))
+                return
+
+    for n in range(max(1, min(concurrency, len(requests)))):
+        threading.Thread(target=work, name=f"eval-{n}", daemon=True).start()
+    replies: list = [None] * len(requests)
+    for _ in requests:
+        while True:
+            try:
+                index, reply, error = done.get(timeout=1.0)  # a bounded wait: Ctrl-C lands at once
+                break
+            except queue.Empty:
+                continue
+        if error is not None:
+            raise error
+        replies[index] = reply
+    return replies
 
 
 @dataclass(frozen=True)
@@ -165,15 +207,10 @@ def evaluate(
             sampled.seed = sampling.seed
         requests += _requests(prompts, fmt, sampled)
     chan = grpc.insecure_channel(address)
-    pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(requests))))
     try:
-        stub = rollout_pb2_grpc.RolloutServiceStub(chan)
-        replies = list(pool.map(lambda r: _generate(stub, r, timeout_s), requests))
+        replies = _generate_all(rollout_pb2_grpc.RolloutServiceStub(chan), requests, concurrency, timeout_s)
     finally:
-        # On an interrupt, closing the channel cancels the RPCs in flight and the pool is not
-        # waited for: Ctrl-C stops the run now, not when the last Generate times out.
-        chan.close()
-        pool.shutdown(wait=False, cancel_futures=True)
+        chan.close()  # on an interrupt: cancels the RPCs in flight
     answers, samples = replies[: len(prompts)], replies[len(prompts) :]
     batches = [(p, [a[0].text]) for p, a in zip(prompts, answers, strict=True)]
     if pass_k:
