@@ -158,8 +158,13 @@ def test_requests_during_shutdown_are_unavailable_and_inflight_ones_finish(
     assert service.proc.wait(60) == 0
 
 
+# Ctrl-C as a terminal delivers it, whatever this pytest worker passes on: in the suite a child once
+# inherited SIGINT ignored or blocked (its main thread sat in the wait loop 30 s after SIGINT). The
+# launcher, evaluate()'s caller, installs its own SIGINT handler the same way.
 _EVALUATE = """
 import faulthandler, signal, sys
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+signal.signal(signal.SIGINT, signal.default_int_handler)
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view when it does not stop
 from commands.run.evaluation import evaluate
 from tests.reward_helpers import make_task
