@@ -13,10 +13,11 @@ Invariants:
   - keep mode: a running group continues with its cached KV under the new weights (as vLLM does).
     recompute mode: a running group re-runs prefill over prompt + generated tokens after the swap.
   - The n completions of a group are one batch [n, L]; requests are not batched with each other.
-  - Generation runs on the engine's own generation threads; the pause's wait for the model lock and
-    the staging of an update run on a separate control thread. A request waiting out a pause holds
-    its thread, so on a shared pool the pause could queue behind the very requests it had stopped:
-    UpdateWeights hung with 24 requests in flight on the default executor's 6 threads.
+  - Generation runs on the engine's own generation threads; the pause's wait for the model lock runs
+    on a thread of its own, and so does the staging of an update (a pause never waits for a
+    transfer). A request waiting out a pause holds its thread, so on a shared pool the pause could
+    queue behind the very requests it had stopped: UpdateWeights hung with 24 requests in flight on
+    the default executor's 6 threads.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class ReferenceEngine(RolloutEngine):
         self._fault = parse_fault(config.fault, "rollout.fault") if config.fault else None
         self._previous_update: dict | None = None  # what the last update asked for (stale_weights)
         self._generation_threads = ThreadPoolExecutor(thread_name_prefix="reference-generate")
-        self._control_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference-control")
+        self._pause_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference-pause")
+        self._stage_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference-stage")
 
     def _fault_at(self, version: int) -> str:
         """The injected fault's name when it is active at `version`, else ""."""
@@ -223,7 +225,7 @@ class ReferenceEngine(RolloutEngine):
     async def _pause(self, mode: Literal["keep", "recompute"]) -> None:
         self._unpaused.clear()
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._control_thread, self._model_lock.acquire)  # the running step
+        await loop.run_in_executor(self._pause_thread, self._model_lock.acquire)  # the running step
         try:
             if mode == "recompute":
                 self._recompute_epoch += 1
@@ -235,7 +237,7 @@ class ReferenceEngine(RolloutEngine):
 
     async def _stage(self, plan, fault_corrupt_tensor: str) -> dict:
         staged = await asyncio.get_running_loop().run_in_executor(
-            self._control_thread, receive_and_verify, plan, self.device, fault_corrupt_tensor
+            self._stage_thread, receive_and_verify, plan, self.device, fault_corrupt_tensor
         )
         report = staged.report()
         if not staged.error:
@@ -276,7 +278,8 @@ class ReferenceEngine(RolloutEngine):
         self._unpaused.set()
         # Requests already queued still run to their end (the service drains them first).
         self._generation_threads.shutdown(wait=False)
-        self._control_thread.shutdown(wait=False)
+        self._pause_thread.shutdown(wait=False)
+        self._stage_thread.shutdown(wait=False)
 
 
 def top_rows(logprobs_nv, k: int) -> list[list[tuple[int, float]]]:
