@@ -19,8 +19,9 @@ ENV_VAR = "PARITY_FAULT"
 REPETITION_PENALTY = 1.3  # what repetition_penalty_unreplayed applies
 PRESENCE_PENALTY = 0.5  # what presence_penalty_unreplayed applies
 # Classes that only multi-turn episodes can show: the fault check runs them (and a clean control)
-# with two model turns per sample.
-MULTI_TURN_FAULTS = ("episode_retokenized",)
+# with two model turns per sample, the first sampled one weight version before the second (an update
+# arriving between turns, as it does in async runs of long episodes).
+MULTI_TURN_FAULTS = ("episode_retokenized", "episode_version_tag")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ FAULTS: dict[str, Fault] = {
               "the episode loop keeps the conversation as text and encodes it again before each model "
               "turn; the sample records the tokens the model sampled, so a later turn's logprobs were "
               "computed on another context wherever the decode-then-encode round trip changed tokens"),
+        Fault("episode_version_tag", "version accounting (multi-turn)",
+              "a weight update lands between two model turns and the episode loop tags every token "
+              "with the version its first turn was sampled at: the later turn, sampled at v, is "
+              "rescored at v-1 (one step of policy drift on the later turns only)"),
         Fault("rope_theta", "model config",
               "the engine's RoPE theta is 2x the trainer's: attention drifts with distance from each token"),
         Fault("bf16_lm_head", "model numerics",

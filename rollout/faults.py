@@ -64,10 +64,11 @@ class ReferenceEngine:
         self.fault = fault
         self.worker_id = worker_id
         self.tokenizer = tokenizer
-        self.retokenized_turns = 0  # later model turns whose context the round trip changed
+        self.faulty_turns = 0  # later model turns a multi-turn fault changed (context or tags)
         self.version = 0
         self._previous: dict[str, torch.Tensor] | None = None  # what the last update asked for
         self._before: dict[str, torch.Tensor] | None = None  # what the engine held before it
+        self._before_version = 0
         self._first_head = self.model.get_output_embeddings().weight.detach().clone()
         self._stale_model = None
 
@@ -102,7 +103,7 @@ class ReferenceEngine:
             if self._on("untied_head", version):
                 self.model.get_output_embeddings().weight = torch.nn.Parameter(self._first_head.clone())
         self._previous = {k: v.detach().clone() for k, v in state_dict.items()}
-        self._before = current
+        self._before, self._before_version = current, self.version
         self._stale_model = None
         self.version = version
 
@@ -216,19 +217,36 @@ class ReferenceEngine:
     ) -> list[tuple[list[int], list[bool], list[float], list[int]]]:
         """`n` two-turn episodes: a model turn, the environment's `observation`, a second model turn
         (each turn its own request, as rollout/episodes.py plays them). Per episode: (tokens, loss
-        mask, logprobs and version tags of the model's tokens). The second turn's context is the
-        exact tokens so far; with episode_retokenized, their decode-then-encode round trip."""
+        mask, logprobs and version tags of the model's tokens).
+
+        After an update to a newer version, the first turn is sampled at the weights the engine held
+        before it and the second at the current ones, as when an update lands between turns; each turn is tagged with
+        the version that sampled it (with episode_version_tag, both with the first turn's). The
+        second turn's context is the exact tokens so far (with episode_retokenized, their
+        decode-then-encode round trip)."""
+        version = self.version
+        straddles = self._before is not None and self._before_version < version
+        if straddles:  # the first turn at the version before the last update
+            current, self.model, self.version = self.model, self._stale(), self._before_version
+        try:
+            first = self.sample(prompt, length, n, requested, generator)
+        finally:
+            if straddles:
+                self.model, self.version = current, version
         out = []
-        for tokens, logprobs, versions in self.sample(prompt, length, n, requested, generator):
+        for tokens, logprobs, versions in first:
             history = [*tokens, *observation]
             context = history
             if self._on("episode_retokenized"):
                 text = self.tokenizer.decode(history, skip_special_tokens=False)
                 context = [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
-                self.retokenized_turns += context != history
+                self.faulty_turns += context != history
             ((second, logprobs2, versions2),) = self.sample(
                 [*prompt, *context], length, 1, requested, generator
             )
+            if self._on("episode_version_tag") and versions2 != versions[:1] * len(versions2):
+                versions2 = versions[:1] * len(versions2)
+                self.faulty_turns += 1
             mask = [True] * len(tokens) + [False] * len(observation) + [True] * len(second)
             out.append(([*history, *second], mask, logprobs + logprobs2, versions + versions2))
         return out

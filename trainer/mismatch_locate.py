@@ -335,6 +335,7 @@ def locate(
     hypotheses.head()
     hypotheses.context()
     hypotheses.retokenized(tokenizer_dir)
+    hypotheses.turn_versions()
     hypotheses.unreplayable()
     report.candidates = sorted(
         (Candidate(f, round(v, 4), e) for f, (v, e) in hypotheses.found.items()), key=lambda c: -c.score
@@ -663,13 +664,12 @@ class _Hypotheses:
         pred: list[float] = []
         for i, s in enumerate(self.samples):
             own = self.at_own(i, s)
-            if len(set(starts[i])) == 1 or len(set(s.versions)) > 1:
-                pred += own
-                continue
-            scorer.load(s.versions[0])
             per_token = list(own)
-            for start in sorted(set(starts[i]) - {0}):  # one forward per later turn
+            for start in sorted(set(starts[i]) - {0}):  # one forward per later turn, at its version
                 ks = [k for k, x in enumerate(starts[i]) if x == start]
+                turn_versions = {s.versions[k] for k in ks}
+                if len(turn_versions) > 1 or not scorer.load(turn_versions.pop()):
+                    continue  # a turn across an update (or a version not held): its own logprobs
                 end = s.model_at[ks[-1]] + 1
                 history = s.completion[:start]
                 text = tokenizer.decode(history, skip_special_tokens=False)
@@ -689,6 +689,22 @@ class _Hypotheses:
             "changed history)"
         )
         self.offer("episode_retokenized", self.score(pred), evidence)
+
+    def turn_versions(self) -> None:
+        """Each later model turn at the weights one version newer than its tags, as when an update
+        lands between turns and the episode keeps its first turn's version for every token."""
+        starts = [s.turn_starts() for s in self.samples]
+        if not any(len(set(x)) > 1 for x in starts):
+            return
+
+        def newer_later_turns(i: int, s: _Sample) -> list[float]:
+            versions = [v + 1 if starts[i][k] else v for k, v in enumerate(s.versions)]
+            if any(self.history.get(v) is None for v in versions):
+                return self.at_own(i, s)
+            return self.at_own(i, s, versions=versions)
+
+        evidence = "later model turns match the weights one version newer than their tags"
+        self.offer("episode_version_tag", self.score(self.assemble(newer_later_turns)), evidence)
 
     def unreplayable(self) -> None:
         """A fault with no replay scores by what nothing else explains."""

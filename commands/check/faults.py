@@ -115,11 +115,11 @@ def run_fault(
                     f"s{step}-{engine.worker_id}", prompt, REWARDS, TRANSFORM, LENGTH, generator, observation
                 )
                 queue.publish(group)
-            # The first step with a faulty token; a re-tokenizing loop only has one where the round trip
-            # changed some context.
+            # The first step with a faulty token; a multi-turn class only has one where it changed a
+            # turn (the round trip changed some context; an update landed between turns).
             faulty = spec is not None and spec.active(version)
             if name in MULTI_TURN_FAULTS:
-                faulty = faulty and sum(e.retokenized_turns for e in engines) > 0
+                faulty = faulty and sum(e.faulty_turns for e in engines) > 0
             if faulty and injected is None:
                 injected = step
             batch = trainer.consumer.collect(WORKERS, version, 1, lambda: False)
