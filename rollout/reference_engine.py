@@ -17,7 +17,8 @@ Invariants:
     on a thread of its own, and so does the staging of an update (a pause never waits for a
     transfer). A request waiting out a pause holds its thread, so on a shared pool the pause could
     queue behind the very requests it had stopped: UpdateWeights hung with 24 requests in flight on
-    the default executor's 6 threads.
+    the default executor's 6 threads. A pause cancelled while it waits (a deadline) hands the lock
+    back as soon as its thread takes it.
 """
 
 from __future__ import annotations
@@ -224,8 +225,14 @@ class ReferenceEngine(RolloutEngine):
 
     async def _pause(self, mode: Literal["keep", "recompute"]) -> None:
         self._unpaused.clear()
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._pause_thread, self._model_lock.acquire)  # the running step
+        acquired = asyncio.get_running_loop().run_in_executor(self._pause_thread, self._model_lock.acquire)
+        try:
+            await asyncio.shield(acquired)  # waits out the running step
+        except asyncio.CancelledError:
+            # The thread still takes the lock once the step ends: hand it back then, or every later
+            # step and swap would wait for it forever.
+            acquired.add_done_callback(lambda _: self._model_lock.release())
+            raise
         try:
             if mode == "recompute":
                 self._recompute_epoch += 1

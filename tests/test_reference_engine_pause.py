@@ -3,7 +3,8 @@
 A request waiting out a pause holds a thread. When generation and the pause's wait for the model
 lock shared asyncio's default executor (at most 32 threads, fewer on small boxes), the pause queued
 behind the requests it had just stopped and never ran: a `parity run` with an eval and the actor in
-flight hung in UpdateWeights until its deadline. Real engine, tiny model, in-process.
+flight hung in UpdateWeights until its deadline. And a pause cancelled while it waits for the
+running step must not keep the model lock it takes afterwards. Real engine, tiny model, in-process.
 """
 
 from __future__ import annotations
@@ -44,3 +45,28 @@ def test_a_pause_with_more_requests_than_threads_returns_and_every_request_finis
     assert paused_at == 0
     assert len(results) == REQUESTS
     assert all(len(r) == 1 and len(r[0].token_ids) == 100 for r in results)
+
+
+def test_a_pause_cancelled_while_it_waits_for_the_running_step_leaves_the_model_lock_free(
+    tiny_model: Path,
+) -> None:
+    from parity.config.rollout import RolloutConfig
+    from rollout.reference_engine import ReferenceEngine
+
+    engine = ReferenceEngine(RolloutConfig(engine="reference", max_model_len=512), tiny_model)
+
+    async def scenario() -> bool:
+        engine._model_lock.acquire()  # a generation step is running
+        pause = asyncio.create_task(engine._pause("keep"))
+        await asyncio.sleep(0.2)  # the pause's thread now waits for the lock
+        pause.cancel()  # as when a PauseGeneration call's deadline passes
+        await asyncio.gather(pause, return_exceptions=True)
+        engine._model_lock.release()  # the step ends: the pause's thread takes the lock
+        # A later step (or swap) must get it within a moment.
+        free = await asyncio.to_thread(engine._model_lock.acquire, True, 5.0)
+        if free:
+            engine._model_lock.release()
+        await engine.shutdown()
+        return free
+
+    assert asyncio.run(scenario())
