@@ -21,7 +21,7 @@ every version the tokens were sampled at). Output, a `MismatchReport`:
   whole KV blocks), the first token at v-1, the newest tag for every token, logprobs shifted
   by one, the last token's logprob alone, and in multi-turn episodes the later model turns
   conditioned on the decode-then-encode round trip of the episode so far (with the model's
-  tokenizer). A fault with no replay (the engine conditioned on other prompt tokens) scores by what
+  tokenizer) or at one version newer than their tags. A fault with no replay (the engine conditioned on other prompt tokens) scores by what
   nothing else explains.
 - In episodes, the mismatch is also split by model turn (the first, and the later ones).
 
@@ -367,6 +367,8 @@ class _Hypotheses:
         self.base = self.assemble(lambda i, s: self.at_own(i, s))
         self.base_distance = _distance(self.base, self.rollout)
         self.found: dict[str, tuple[float, str]] = {}
+        self.starts = [s.turn_starts() for s in samples]  # per model token, where its turn starts
+        self.episodes = any(len(set(x)) > 1 for x in self.starts)  # some sample has a later turn
 
     def where(self, report: MismatchReport) -> None:
         """The mismatch by position, worker, version, tag age and sampling setting."""
@@ -392,8 +394,8 @@ class _Hypotheses:
             lambda i, j: "newest" if samples[i].versions[j] == max(samples[i].versions) else "older"
         )
         report.by_sampling = table(lambda i, j: _describe(samples[i].transform))
-        starts = [s.turn_starts() for s in samples]
-        if any(len(set(x)) > 1 for x in starts):
+        starts = self.starts
+        if self.episodes:
             report.by_turn = table(
                 lambda i, j: "first model turn" if starts[i][j] == 0 else "later model turns"
             )
@@ -654,8 +656,8 @@ class _Hypotheses:
         """Each later model turn of an episode conditioned on the round trip decode(encode(...)) of
         the episode's tokens before it, as a loop that keeps the conversation as text would have
         prompted the engine; the first turn at the trainer's own."""
-        starts = [s.turn_starts() for s in self.samples]
-        if tokenizer_dir is None or not any(len(set(x)) > 1 for x in starts):
+        starts = self.starts
+        if tokenizer_dir is None or not self.episodes:
             return
         from transformers import AutoTokenizer
 
@@ -693,8 +695,8 @@ class _Hypotheses:
     def turn_versions(self) -> None:
         """Each later model turn at the weights one version newer than its tags, as when an update
         lands between turns and the episode keeps its first turn's version for every token."""
-        starts = [s.turn_starts() for s in self.samples]
-        if not any(len(set(x)) > 1 for x in starts):
+        starts = self.starts
+        if not self.episodes:
             return
 
         def newer_later_turns(i: int, s: _Sample) -> list[float]:
