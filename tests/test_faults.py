@@ -120,7 +120,7 @@ def test_catalogue_run_writes_its_table_and_passes_only_when_every_class_is_caug
     # A class caught but not named among the three most likely does not pass.
     named_wrong = [results[0], replace(results[1], likely=("rope_theta",))]
     assert not passed(named_wrong)
-    with pytest.raises(ValueError, match=r"check\.faults: unknown fault nope"):
+    with pytest.raises(ValueError, match=r"check\.fault_classes: unknown fault nope"):
         run_catalogue(tmp_path, ["nope"])
 
 
@@ -173,3 +173,39 @@ def test_with_bf16_parity_run_calibrates_the_running_gate_on_its_preflight() -> 
     assert gate_env(config(), preflight) == {}  # float32: the fixed 1e-6, not the preflight's
     assert gate_env(config(rollout={"dtype": "bfloat16"}), {"ran": False}) == {}  # the trainer's 1e-1
     assert gate_env(config(rollout={"dtype": "bfloat16"}, check={"gate_threshold": 5e-3}), preflight) == {}
+
+
+def test_parity_check_faults_runs_the_chosen_classes_on_the_chosen_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from commands.check.check import main
+
+    out = tmp_path / "faults"
+    rc = main(
+        ["--faults", "--fault_classes", "raw_logprobs", "--fault_model", "tiny", "--check.out", str(out)]
+    )
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "in-process runs on tiny (check.fault_model)" in printed
+    assert [r["fault"] for r in json.loads((out / "faults.json").read_text())] == [
+        "clean (control)",
+        "raw_logprobs",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--fault_classes", "raw_logprobs,nope"], "check.fault_classes: unknown fault nope"),
+        (["--fault_model", "/nonexistent/model"], "check.fault_model:"),
+    ],
+    ids=["unknown-class", "unknown-model"],
+)
+def test_parity_check_faults_names_a_bad_class_or_model(
+    flags: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from commands.check.check import main
+
+    assert main(["--faults", *flags, "--check.out", str(tmp_path / "faults")]) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "faults").exists()  # refused before any run

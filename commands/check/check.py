@@ -485,7 +485,16 @@ def _faults(config: ParityConfig) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     out = Path(config.check.out)
-    results = run_catalogue(out, threshold=1e-6, seed=config.run.seed)
+    names = [n.strip() for n in config.check.fault_classes.split(",") if n.strip()] or None
+    # model.name describes the engine a plain check tests; the catalogue's runs have their own model.
+    print(f"parity check --faults: in-process runs on {config.check.fault_model} (check.fault_model)")
+    try:
+        results = run_catalogue(
+            out, names, threshold=1e-6, seed=config.run.seed, model=config.check.fault_model
+        )
+    except ValueError as exc:  # an unknown class or model, named
+        print(f"parity check: error: {exc}", file=sys.stderr)
+        return 2
     print(markdown(results, 1e-6))
     print(f"wrote {out}/faults.md, faults.json and each class's run directory (mismatch_report.json, .png)")
     return 0 if passed(results) else 1

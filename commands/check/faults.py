@@ -1,7 +1,7 @@
 """`parity check --faults`: every fault class of the catalogue (parity/faults.py), injected into an
 in-process run, when the running gate caught it and what its localisation named.
 
-Each run: the real `trainer.loop.Trainer` on the tiny model, a private redis-server, and two
+Each run: the real `trainer.loop.Trainer` on the tiny model (or `--model`), a private redis-server, and two
 `rollout.faults.ReferenceEngine` workers (worker-0, worker-1) that load the trainer's weights after
 every update and each sample one group per step at the trainer's version (temperature 0.8, top-k 40,
 top-p 0.95). The fault is
@@ -9,8 +9,9 @@ active from weight version `--inject_version` (version v is trained at step v + 
 gate runs with gate_steps 1, on_mismatch stop and `--threshold`, so "caught at" is the step at
 which the gate stopped the run; a clean control runs the same steps and must not be caught.
 
-    parity check --faults [--check.out DIR]            # the table, and each class's report under DIR
+    parity check --faults [--fault_classes A,B] [--fault_model tiny] [--check.out DIR]
     python -m bench.faults [--steps 4] [--inject_version 2] [--threshold 1e-6] [--seed 0] [--out DIR]
+                           [--faults A,B] [--model tiny]
 
 Passes (exit 0) when the control is never caught and every class is caught at the first step that
 trains on a faulty token with the class among its localisation's three most likely.
@@ -185,18 +186,25 @@ def run_catalogue(
     threshold: float = 1e-6,
     seed: int = 0,
     progress=print,
+    model: str = "tiny",
 ) -> list[FaultResult]:
     """The control (and a multi-turn control when a multi-turn class is run) and each class in
-    turn (run directories, reports included, under `out`); writes faults.md and faults.json there."""
+    turn on `model` (run directories, reports included, under `out`); writes faults.md and
+    faults.json there."""
     from parity import models
     from parity.procs import start_redis, stop_groups
 
     names = names or list(FAULTS)
     unknown = [n for n in names if n not in FAULTS]
     if unknown:
-        raise ValueError(f"check.faults: unknown fault {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+        raise ValueError(
+            f"check.fault_classes: unknown fault {', '.join(unknown)}; known: {', '.join(FAULTS)}"
+        )
+    try:
+        model_dir = models.prepare(model)
+    except models.ModelError as exc:
+        raise ValueError(f"check.fault_model: {exc}") from exc
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = models.prepare("tiny")
     redis_child, redis_url = start_redis(
         Path(tempfile.mkdtemp(prefix="parity-faults-redis-")), password="", die_with_launcher=True
     )
@@ -239,13 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and the sampling")
     parser.add_argument("--faults", default="", help="comma-separated subset (default: all)")
+    parser.add_argument("--model", default="tiny", help="tiny (default), smollm2-135m, or a model directory")
     parser.add_argument(
         "--out", default="", help="run directories, reports and faults.md here (default: a temp dir)"
     )
     args = parser.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="parity-faults-"))
     names = [n for n in args.faults.split(",") if n] or None
-    results = run_catalogue(out, names, args.steps, args.inject_version, args.threshold, args.seed)
+    results = run_catalogue(
+        out, names, args.steps, args.inject_version, args.threshold, args.seed, model=args.model
+    )
     print(markdown(results, args.threshold))
     print(f"wrote {out}/faults.md, faults.json and each class's run directory")
     return 0 if passed(results) else 1

@@ -59,8 +59,18 @@ class CheckConfig(Section):
     faults: bool = Field(
         False,
         description="Instead of checking an engine: inject every fault class of the catalogue into an "
-        "in-process run on the tiny model and report when the running gate caught it and what its "
-        "localisation named (docs/ab_study.md).",
+        "in-process run (on `check.fault_model`) and report when the running gate caught it and what "
+        "its localisation named (docs/ab_study.md).",
+    )
+    fault_classes: str = Field(
+        "",
+        description="--faults: a comma-separated subset of the catalogue's classes (empty: all of them).",
+    )
+    fault_model: str = Field(
+        "tiny",
+        min_length=1,
+        description="--faults: the model of the in-process runs (a name or directory as for model.name); "
+        "tiny takes seconds a class, smollm2-135m about a minute.",
     )
     update_scale: float = Field(
         0.05, gt=0, description="--ablate: relative size of the weight update in the prefix-cache rows."
