@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -100,6 +101,7 @@ def run_fault(
     likely: tuple[str, ...] = ()
     where = ""
     clean_max: float | None = None  # the gated metric's largest value on the steps that passed
+    measured = 0  # steps that passed with the gated metric measured (some informative token)
     signal = ""
     try:
         for step in range(1, steps + 1):
@@ -142,11 +144,17 @@ def run_fault(
                     report = json.loads(written.read_text())
                     likely = tuple(c["fault"] for c in report["candidates"][:3])
                 break
-            clean = [v for v in (metrics.get(GATED_METRIC), clean_max) if v is not None]
-            clean_max = max(clean) if clean else None
+            value = metrics.get(GATED_METRIC)
+            if value is not None and math.isfinite(value):  # a step with no informative token: not measured
+                clean_max = value if clean_max is None else max(clean_max, value)
+                measured += 1
             trainer._publish()  # as Trainer.run does after every step (publish_every 1)
         else:
-            signal = "not caught; max " + (f"{clean_max:.2e}" if clean_max is not None else "none measured")
+            signal = (
+                f"not caught; max {clean_max:.2e} ({measured} of {step} steps measured)"
+                if clean_max is not None
+                else f"not caught; none of {step} steps measured"
+            )
     finally:
         trainer.close()
     label = name or (MULTI_TURN_CONTROL if multi_turn else "clean (control)")
