@@ -220,10 +220,10 @@ class ReferenceEngine:
         mask, logprobs and version tags of the model's tokens).
 
         After an update to a newer version, the first turn is sampled at the weights the engine held
-        before it and the second at the current ones, as when an update lands between turns; each turn is tagged with
-        the version that sampled it (with episode_version_tag, both with the first turn's). The
-        second turn's context is the exact tokens so far (with episode_retokenized, their
-        decode-then-encode round trip)."""
+        before it and the second at the current ones, as when an update lands between turns; each
+        turn is tagged with the version that sampled it (with episode_version_tag, both with the
+        first turn's). The second turn's context is the exact tokens so far (with
+        episode_retokenized, their decode-then-encode round trip)."""
         version = self.version
         straddles = self._before is not None and self._before_version < version
         if straddles:  # the first turn at the version before the last update

@@ -21,8 +21,8 @@ every version the tokens were sampled at). Output, a `MismatchReport`:
   whole KV blocks), the first token at v-1, the newest tag for every token, logprobs shifted
   by one, the last token's logprob alone, and in multi-turn episodes the later model turns
   conditioned on the decode-then-encode round trip of the episode so far (with the model's
-  tokenizer) or at one version newer than their tags. A fault with no replay (the engine conditioned on other prompt tokens) scores by what
-  nothing else explains.
+  tokenizer) or at one version newer than their tags. A fault with no replay (the engine
+  conditioned on other prompt tokens) scores by what nothing else explains.
 - In episodes, the mismatch is also split by model turn (the first, and the later ones).
 
 Costs: it runs only when the gate acts. The tensor searches (whole layers at v-1, then each tensor

@@ -478,14 +478,14 @@ def _main(config: ParityConfig) -> int:
 
 
 def _faults(config: ParityConfig) -> int:
-    from commands.check.faults import markdown, passed, run_catalogue
+    from commands.check.faults import class_names, markdown, passed, run_catalogue
 
     if config.check.ablate or config.check.rollout_address:
         print("parity check: error: check.faults runs its own engines; drop --ablate and --rollout_address",
               file=sys.stderr)  # fmt: skip
         return 2
     out = Path(config.check.out)
-    names = [n.strip() for n in config.check.fault_classes.split(",") if n.strip()] or None
+    names = class_names(config.check.fault_classes)
     # model.name describes the engine a plain check tests; the catalogue's runs have their own model.
     print(f"parity check --faults: in-process runs on {config.check.fault_model} (check.fault_model)")
     try:

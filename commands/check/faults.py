@@ -1,13 +1,13 @@
 """`parity check --faults`: every fault class of the catalogue (parity/faults.py), injected into an
 in-process run, when the running gate caught it and what its localisation named.
 
-Each run: the real `trainer.loop.Trainer` on the tiny model (or `--model`), a private redis-server, and two
-`rollout.faults.ReferenceEngine` workers (worker-0, worker-1) that load the trainer's weights after
-every update and each sample one group per step at the trainer's version (temperature 0.8, top-k 40,
-top-p 0.95). The fault is
-active from weight version `--inject_version` (version v is trained at step v + 1). The running
-gate runs with gate_steps 1, on_mismatch stop and `--threshold`, so "caught at" is the step at
-which the gate stopped the run; a clean control runs the same steps and must not be caught.
+Each run: the real `trainer.loop.Trainer` on the tiny model (or `--model`), a private
+redis-server, and two `rollout.faults.ReferenceEngine` workers (worker-0, worker-1) that load the
+trainer's weights after every update and each sample one group per step at the trainer's version
+(temperature 0.8, top-k 40, top-p 0.95). The fault is active from weight version
+`--inject_version` (version v is trained at step v + 1). The running gate runs with gate_steps 1,
+on_mismatch stop and `--threshold`, so "caught at" is the step at which the gate stopped the run; a
+clean control runs the same steps and must not be caught.
 
     parity check --faults [--fault_classes A,B] [--fault_model tiny] [--check.out DIR]
     python -m bench.faults [--steps 4] [--inject_version 2] [--threshold 1e-6] [--seed 0] [--out DIR]
@@ -187,6 +187,11 @@ def passed(results: list[FaultResult]) -> bool:
     )
 
 
+def class_names(value: str) -> list[str] | None:
+    """A comma-separated list of fault classes; None (every class) when it names none."""
+    return [n.strip() for n in value.split(",") if n.strip()] or None
+
+
 def run_catalogue(
     out: Path,
     names: list[str] | None = None,
@@ -265,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="parity-faults-"))
-    names = [n for n in args.faults.split(",") if n] or None
+    names = class_names(args.faults)
     results = run_catalogue(
         out, names, args.steps, args.inject_version, args.threshold, args.seed, model=args.model
     )
