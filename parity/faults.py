@@ -1,8 +1,12 @@
 """The catalogue of train-inference parity faults (issue 36): every known way a rollout backend
 breaks parity, by name, with where it lives and what it does to the data the trainer receives.
 
-`rollout.faults.ReferenceEngine` injects each one (tests and the fault check only);
-`trainer.mismatch_locate` names the most likely ones when the running gate fires.
+Two engines inject them, both with the per-class data transforms below (`engine_transform`,
+`corrupt_update`, `penalised`, `conditioned_prompt`, `reported`, `double_rope_theta`):
+`rollout.faults.ReferenceEngine` in-process (tests and `parity check --faults`), and the live
+reference engine `rollout.reference_engine.ReferenceEngine` of a `parity run` (`rollout.fault`;
+the two multi-turn classes in the episode loop, rollout/episodes.py). `trainer.mismatch_locate`
+names the most likely ones when the running gate fires.
 
 A fault is selected by PARITY_FAULT="<name>@<version>" (active for every rollout sampled at weight
 version >= <version>); it is honoured only where fault injection is enabled
@@ -12,7 +16,7 @@ version >= <version>); it is honoured only where fault injection is enabled
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 ENV_VAR = "PARITY_FAULT"
@@ -136,21 +140,14 @@ def fault_from_env(enabled: bool, environ: Mapping[str, str] | None = None) -> F
     return parse_fault(value)
 
 
-# The classes `rollout.fault` injects into the live reference engine (rollout.engine reference) of a
-# `parity run`; the rest are injected by rollout.faults.ReferenceEngine in `parity check --faults`.
-LIVE_FAULTS = (
-    "raw_logprobs",
-    "last_logprob_perturbed",
-    "temperature_replay",
-    "top_k_replay",
-    "top_p_replay",
-    "generation_config_leak",
-    "stale_weights",
-    "tensor_not_updated",
-    "swapped_tensors",
-    "bf16_weights",
-    "wrong_version_tag",
-)
+# Every class is injectable into a live `parity run` (`rollout.fault`, rollout.engine reference).
+# one_worker_not_updated shows only with two or more rollout workers (it acts on the second), and the
+# MULTI_TURN_FAULTS only in a multi-turn task (episode_version_tag only when an update lands between
+# two turns of an episode: async mode).
+LIVE_FAULTS = tuple(FAULTS)
+PENALTY_FAULTS = ("repetition_penalty_unreplayed", "presence_penalty_unreplayed")
+# Classes whose engine needs the weights it held before its last update (kept only while one is set).
+STALE_MODEL_FAULTS = ("stale_prefix_kv", "async_first_token")
 
 
 def engine_transform(fault: str, requested):
@@ -187,3 +184,57 @@ def corrupt_update(fault: str, new: dict, current: dict, previous: dict | None) 
     elif fault == "bf16_weights":
         out = {k: v.bfloat16().to(v.dtype) if v.is_floating_point() else v for k, v in out.items()}
     return out
+
+
+def penalised(fault: str, logits_1V, prompt: Sequence[int], completion: Sequence[int]):
+    """The logits an engine with `fault` samples the token after `prompt + completion` from: a
+    penalty fault's penalty applied (vLLM's), else `logits_1V` itself."""
+    from parity.sampling import presence_penalised, repetition_penalised
+
+    if fault == "repetition_penalty_unreplayed":
+        return repetition_penalised(logits_1V, [*prompt, *completion], REPETITION_PENALTY)
+    if fault == "presence_penalty_unreplayed" and completion:
+        return presence_penalised(logits_1V, completion, PRESENCE_PENALTY)
+    return logits_1V
+
+
+def conditioned_prompt(fault: str, prompt: Sequence[int], vocab_size: int) -> list[int]:
+    """The prompt an engine with `fault` conditions on (the sample records the requested one):
+    prompt_token_drift changes its first token, truncated_context keeps its last half."""
+    out = list(prompt)
+    if fault == "prompt_token_drift" and out:
+        out[0] = out[0] + 1 if out[0] + 1 < vocab_size else out[0] - 1
+    elif fault == "truncated_context":
+        out = out[len(out) // 2 :]
+    return out
+
+
+def reported(fault: str, logprobs: Sequence[float], versions: Sequence[int]) -> tuple[list[float], list[int]]:
+    """The logprobs and weight-version tags an engine with a reporting or version-accounting `fault`
+    reports for one completion's tokens (copies; unchanged for other classes)."""
+    logprobs, versions = list(logprobs), list(versions)
+    if not logprobs:
+        return logprobs, versions
+    if fault == "logprobs_shifted":
+        logprobs = [*logprobs[1:], logprobs[-1]]
+    elif fault == "last_logprob_dropped":
+        logprobs[-1] = 0.0
+    elif fault == "last_logprob_perturbed":
+        logprobs[-1] -= 0.05
+    elif fault == "wrong_version_tag" and versions[-1] > 0:
+        half = len(versions) // 2
+        versions[half:] = [v - 1 if v > 0 else v for v in versions[half:]]
+    return logprobs, versions
+
+
+def double_rope_theta(model) -> None:
+    """rope_theta: doubles the RoPE base of a Hugging Face Llama-style `model` in place (its rotary
+    inv_freq recomputed at 2x the configured theta)."""
+    import torch
+
+    rope = model.model.rotary_emb
+    base = float(getattr(model.config, "rope_theta", None) or 10000.0) * 2
+    n = rope.inv_freq.numel()
+    inv_freq = 1.0 / base ** (torch.arange(0, 2 * n, 2, dtype=torch.float32) / (2 * n))
+    with torch.no_grad():
+        rope.inv_freq.copy_(inv_freq)

@@ -56,6 +56,7 @@ import uuid
 from parity import tracing
 from parity.config import ParityConfig
 from parity.errors import status_for
+from parity.faults import parse_fault
 from parity.v1 import common_pb2, rollouts_pb2
 from rollout import metrics
 from rollout.engine import FINISH_REASONS, GenerationSpec
@@ -97,6 +98,8 @@ class Actor:
         self.task = get_task(run_config.task.name, seed=run_config.run.seed, config=run_config.task)
         self.scorer = build_scorer(self.task, run_config.task)
         self._stream_args = (run_config.run.seed, config.worker_index, run_config.run.rollout_workers)
+        # Tests only: the episode loop injects the multi-turn classes of a parity fault (the engine the rest).
+        self._fault = parse_fault(config.fault, "rollout.fault") if config.fault else None
         self.rewards_failed = 0
         self.worker_id = config.worker_id or f"rollout-{uuid.uuid4().hex[:6]}"
         self._prompts = self.prompt_stream()
@@ -321,6 +324,7 @@ class Actor:
                         c.max_turns,
                         c.max_episode_tokens,
                         sampling.max_tokens,
+                        self._fault,
                     )
                     for i in range(sampling.n)
                 )

@@ -24,6 +24,10 @@ Invariants:
   environment_error (EnvironmentFailed: raised, timed out, malformed or oversized). An episode that
   ended in an environment error is never scored: its group is dropped by the caller.
 - The episode's reward is its return: the sum of the environment's turn rewards.
+- Tests only: `fault` (rollout.fault) injects a multi-turn class of parity/faults.py into the loop,
+  for turns sampled at a version where it is active. episode_retokenized: the next turn's prompt is
+  the decode-then-encode round trip of the episode so far (the recorded tokens stay the sampled
+  ones). episode_version_tag: a later turn's tokens are tagged with the first turn's version.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from parity.faults import FaultSpec
 from rollout.engine import CompletionResult
 from rollout.environments.base import AsyncEpisodeEnv, EnvironmentFailed
 
@@ -154,9 +159,17 @@ async def run_episode(
     max_turns: int,
     max_episode_tokens: int,
     max_tokens: int,
+    fault: FaultSpec | None = None,
 ) -> Episode:
     """Play one episode (module docstring). `prompt_ids(first_observation)` renders the first user
-    turn as training renders prompts; `generate` runs one engine request. Closes `env`."""
+    turn as training renders prompts; `generate` runs one engine request; `fault` is a parity fault
+    to inject (tests only; the multi-turn classes act here). Closes `env`."""
+
+    def on(name: str, versions: list[int]) -> bool:
+        return (
+            fault is not None and fault.fault.name == name and bool(versions) and fault.active(versions[-1])
+        )
+
     episode = Episode()
     try:
         episode.first_observation = await env.reset(record)
@@ -169,12 +182,16 @@ async def run_episode(
                 break
             result = await generate(list(ids), min(max_tokens, budget), turn_index)
             start = len(episode.token_ids)
+            weight_versions = list(result.token_weight_versions)
+            context_versions = list(result.token_context_versions or result.token_weight_versions)
+            if turn_index > 0 and episode.weight_versions and on("episode_version_tag", weight_versions):
+                weight_versions = context_versions = [episode.weight_versions[0]] * len(weight_versions)
             episode.engine_turns.append(list(result.token_ids))
             episode.token_ids += result.token_ids
             episode.loss_mask += [True] * len(result.token_ids)
             episode.logprobs += result.logprobs
-            episode.weight_versions += result.token_weight_versions
-            episode.context_versions += result.token_context_versions or result.token_weight_versions
+            episode.weight_versions += weight_versions
+            episode.context_versions += context_versions
             episode.turns.append(
                 TurnRecord("model", start, len(episode.token_ids), None, result.finish_reason)
             )
@@ -197,6 +214,10 @@ async def run_episode(
             episode.observations.append(step.observation)
             _environment_turn(episode, obs_ids, step.reward)
             ids = [*ids, *result.token_ids, *obs_ids]
+            if on("episode_retokenized", list(result.token_weight_versions)):
+                text = template.tokenizer.decode(episode.token_ids, skip_special_tokens=False)
+                again = template.tokenizer.encode(text, add_special_tokens=False)
+                ids = [*episode.prompt_token_ids, *(int(t) for t in again)]
         else:
             episode.end = "max_turns"
     except EnvironmentFailed as failure:

@@ -11,26 +11,23 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from parity.faults import (
     ENV_VAR,
     FAULTS,
     MULTI_TURN_FAULTS,
-    PRESENCE_PENALTY,
-    REPETITION_PENALTY,
     Fault,
     FaultSpec,
+    conditioned_prompt,
+    double_rope_theta,
+    engine_transform,
     fault_from_env,
     parse_fault,
+    penalised,
+    reported,
 )
-from parity.sampling import (
-    SamplingTransform,
-    presence_penalised,
-    processed_logprobs,
-    repetition_penalised,
-)
+from parity.sampling import SamplingTransform, processed_logprobs
 from parity.v1 import common_pb2, rollouts_pb2
 
 if TYPE_CHECKING:
@@ -53,8 +50,6 @@ class ReferenceEngine:
 
     `worker_id` names the worker it plays (one_worker_not_updated acts on "worker-1" only)."""
 
-    GENERATION_CONFIG = SamplingTransform(0.7, 20, 0.8)  # Qwen2.5-Instruct-style defaults
-
     def __init__(
         self, model, fault: FaultSpec | None = None, worker_id: str = "worker-0", tokenizer=None
     ) -> None:
@@ -75,6 +70,10 @@ class ReferenceEngine:
     def _on(self, name: str, version: int | None = None) -> bool:
         v = self.version if version is None else version
         return self.fault is not None and self.fault.fault.name == name and self.fault.active(v)
+
+    def _active(self) -> str:
+        """The fault's name when it is active at the engine's version, else ""."""
+        return self.fault.fault.name if self.fault is not None and self.fault.active(self.version) else ""
 
     def update(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load `state_dict` as `version` (the weight-update path; weight faults act here)."""
@@ -120,14 +119,8 @@ class ReferenceEngine:
         before prompt_len - 1 may be left zero: nothing reads them)."""
         import torch
 
-        if self._on("prompt_token_drift"):
-            vocab = self.model.config.vocab_size
-            rows = [[r[0] + 1 if r[0] + 1 < vocab else r[0] - 1, *r[1:]] for r in rows]
-        rope = self.model.model.rotary_emb
         if self._on("rope_theta") and not getattr(self, "_rope_changed", False):
-            base = float(getattr(self.model.config, "rope_theta", None) or 10000.0) * 2
-            n = rope.inv_freq.numel()
-            rope.inv_freq.copy_(1.0 / base ** (torch.arange(0, 2 * n, 2, dtype=torch.float32) / (2 * n)))
+            double_rope_theta(self.model)
             self._rope_changed = True
         ids = torch.tensor(rows)
         with torch.no_grad():
@@ -145,24 +138,9 @@ class ReferenceEngine:
                 logits[:, prompt_len - 1] = self._stale()(input_ids=ids).logits.float()[:, prompt_len - 1]
             return logits
 
-    def _engine_transform(self, requested: SamplingTransform) -> SamplingTransform:
-        if self._on("temperature_replay"):
-            return replace(requested, temperature=requested.temperature * 1.5)
-        if self._on("top_k_replay"):
-            return replace(requested, top_k=requested.top_k * 4)
-        if self._on("top_p_replay"):
-            return replace(requested, top_p=1.0)
-        if self._on("generation_config_leak"):
-            return self.GENERATION_CONFIG
-        return requested
-
     def _penalise(self, logits_1V: torch.Tensor, row: Sequence[int], prompt_len: int) -> torch.Tensor:
         """The engine's penalties on the logits that follow `row` (none unless a penalty fault is on)."""
-        if self._on("repetition_penalty_unreplayed"):
-            return repetition_penalised(logits_1V, row, REPETITION_PENALTY)
-        if self._on("presence_penalty_unreplayed") and len(row) > prompt_len:
-            return presence_penalised(logits_1V, row[prompt_len:], PRESENCE_PENALTY)
-        return logits_1V
+        return penalised(self._active(), logits_1V, row[:prompt_len], row[prompt_len:])
 
     def sample(
         self, prompt: Sequence[int], length: int, n: int, requested: SamplingTransform, generator
@@ -170,9 +148,9 @@ class ReferenceEngine:
         """(tokens, reported logprobs, weight-version tags) of `n` completions, sampled together."""
         import torch
 
-        transform = self._engine_transform(requested)
-        if self._on("truncated_context"):
-            prompt = list(prompt)[len(prompt) // 2 :]
+        transform = engine_transform(self._active(), requested)
+        # prompt_token_drift / truncated_context: the prompt the engine conditions on
+        prompt = conditioned_prompt(self._active(), prompt, self.model.config.vocab_size)
         p = len(prompt)
         rows = [list(prompt) for _ in range(n)]
         for _ in range(length):
@@ -194,15 +172,7 @@ class ReferenceEngine:
                 logprobs = logits.log_softmax(-1).gather(-1, targets).squeeze(-1).tolist()
             else:
                 logprobs = processed_logprobs(logits, transform).gather(-1, targets).squeeze(-1).tolist()
-            if self._on("logprobs_shifted"):
-                logprobs = [*logprobs[1:], logprobs[-1]]
-            if self._on("last_logprob_dropped"):
-                logprobs[-1] = 0.0
-            if self._on("last_logprob_perturbed"):
-                logprobs[-1] -= 0.05
-            versions = [self.version] * length
-            if self._on("wrong_version_tag") and self.version > 0:
-                versions[length // 2 :] = [self.version - 1] * (length - length // 2)
+            logprobs, versions = reported(self._active(), logprobs, [self.version] * length)
             out.append((tokens, logprobs, versions))
         return out
 

@@ -19,11 +19,18 @@ Invariants:
     queue behind the very requests it had stopped: UpdateWeights hung with 24 requests in flight on
     the default executor's 6 threads. A pause cancelled while it waits (a deadline) hands the lock
     back as soon as its thread takes it.
+  - Tests only (`rollout.fault`): a parity fault of parity/faults.py acts on requests whose step runs
+    at a weight version where it is active, at the site it lives in a real engine: the prompt it
+    conditions on, the penalties and transform it samples with, the logprobs and tags it reports, the
+    head's precision, the prefill's or first token's weights (the copy of the weights held before the
+    last update is kept only while stale_prefix_kv or async_first_token is set), and what an update
+    leaves it with (`_swap`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import math
 import threading
@@ -34,7 +41,17 @@ from pathlib import Path
 from typing import Literal
 
 from parity.config.rollout import RolloutConfig
-from parity.faults import corrupt_update, engine_transform, parse_fault
+from parity.faults import (
+    PENALTY_FAULTS,
+    STALE_MODEL_FAULTS,
+    conditioned_prompt,
+    corrupt_update,
+    double_rope_theta,
+    engine_transform,
+    parse_fault,
+    penalised,
+    reported,
+)
 from parity.sampling import SamplingTransform, processed_logprobs
 from parity.weights.receiver import StagedWeights, receive_and_verify
 from rollout.engine import CompletionResult, GenerationSpec, RolloutEngine
@@ -63,6 +80,9 @@ class ReferenceEngine(RolloutEngine):
         # Tests only (rollout.fault, validated with enable_fault_injection): a parity fault from a version on.
         self._fault = parse_fault(config.fault, "rollout.fault") if config.fault else None
         self._previous_update: dict | None = None  # what the last update asked for (stale_weights)
+        self._stale_model = None  # the weights held before the last update (STALE_MODEL_FAULTS only)
+        self._first_head = None  # the head of the first load (untied_head only)
+        self._rope_doubled = False  # rope_theta, once the fault is on
         self._generation_threads = ThreadPoolExecutor(thread_name_prefix="reference-generate")
         self._pause_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference-pause")
         self._stage_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference-stage")
@@ -95,22 +115,45 @@ class ReferenceEngine(RolloutEngine):
         if self.tokenizer.eos_token_id is not None:
             self._eos_ids.add(int(self.tokenizer.eos_token_id))
         torch.manual_seed(self.seed)
+        if self._fault is not None and self._fault.fault.name == "untied_head":
+            self._first_head = self.model.lm_head.weight.detach().clone()
+        if self._fault_at(self.weight_version) == "rope_theta":
+            double_rope_theta(self.model)
+            self._rope_doubled = True
 
     def encode(self, text: str, use_chat_template: bool) -> list[int]:
         return encode_prompt(self.tokenizer, text, use_chat_template)
 
-    def _logits(self, input_ids, cache):
-        """Last-position logits [n, V] in the head dtype, and the updated KV cache."""
+    def _logits(self, input_ids, cache, fault: str = "", prompt_len: int = 0):
+        """Last-position logits [n, V] in the head dtype, and the updated KV cache. `fault` (active
+        at this step's version) may change where a prefill's weights come from or the head's
+        precision; `prompt_len` is the length of the prompt at the start of `input_ids`."""
         import torch
 
+        prefill = cache is None
+        stale = self._stale_model
         with torch.no_grad():
+            if prefill and fault == "stale_prefix_kv" and stale is not None and prompt_len > 1:
+                # The prompt's KV (all but its last token) from a prefix cache filled at v-1.
+                cache = stale.model(input_ids=input_ids[:, : prompt_len - 1], use_cache=True).past_key_values
+                input_ids = input_ids[:, prompt_len - 1 :]
             out = self.model.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
             hidden_nd = out.last_hidden_state[:, -1, :]
-            weight = self.model.lm_head.weight
-            if self.config.head_dtype == "float32":
-                logits = torch.nn.functional.linear(hidden_nd.float(), weight.float())
+            head = self.model.lm_head
+            if (
+                prefill
+                and fault == "async_first_token"
+                and stale is not None
+                and input_ids.shape[1] == prompt_len
+            ):
+                # The first token is sampled (and scored) at the weights before the update.
+                hidden_nd, head = stale.model(input_ids=input_ids).last_hidden_state[:, -1, :], stale.lm_head
+            if fault == "bf16_lm_head":
+                logits = (hidden_nd.bfloat16() @ head.weight.bfloat16().T).float()
+            elif self.config.head_dtype == "float32":
+                logits = torch.nn.functional.linear(hidden_nd.float(), head.weight.float())
             else:
-                logits = self.model.lm_head(hidden_nd)
+                logits = head(hidden_nd)
         return logits, out.past_key_values
 
     def _generate_sync(self, spec: GenerationSpec, emit) -> None:
@@ -120,7 +163,8 @@ class ReferenceEngine(RolloutEngine):
         generator = torch.Generator()
         generator.manual_seed(spec.seed if spec.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         n = spec.n
-        prompt = torch.tensor([spec.prompt_token_ids] * n, dtype=torch.long, device=self.device)
+        conditioned: list[int] = []  # the prompt the engine conditions on, fixed at the first step
+        prompt = None
         generated: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         versions: list[list[int]] = [[] for _ in range(n)]
@@ -129,17 +173,24 @@ class ReferenceEngine(RolloutEngine):
         sampled: list[torch.Tensor] = []
         cache = None
         epoch = -1
-        next_input = prompt
         for _ in range(spec.max_tokens):
             self._unpaused.wait()
             with self._model_lock:
+                version = self.weight_version
+                fault = self._fault_at(version)
+                if prompt is None:  # a prompt fault changes what it conditions on, not what is recorded
+                    conditioned = conditioned_prompt(fault, spec.prompt_token_ids, self.vocab_size)
+                    prompt = torch.tensor([conditioned] * n, dtype=torch.long, device=self.device)
+                    next_input = prompt
                 if epoch != self._recompute_epoch and cache is not None:
                     cache = None  # recompute mode: re-run prefill under the new weights
                     next_input = torch.cat([prompt, torch.stack(sampled, dim=1)], dim=1)
                 epoch = self._recompute_epoch
-                version = self.weight_version
-                logits_nv, cache = self._logits(next_input, cache)
-            fault = self._fault_at(version)
+                logits_nv, cache = self._logits(next_input, cache, fault, len(conditioned))
+            if fault in PENALTY_FAULTS:  # the engine's penalty, on each row's logits before the transform
+                logits_nv = torch.cat(
+                    [penalised(fault, logits_nv[i : i + 1], conditioned, generated[i]) for i in range(n)]
+                )
             applied = engine_transform(fault, transform)  # the requested transform unless a replay fault
             if self.config.logprobs_mode == "processed" and fault != "raw_logprobs":
                 logprobs_nv = processed_logprobs(logits_nv, applied)
@@ -183,14 +234,7 @@ class ReferenceEngine(RolloutEngine):
 
     def _reported(self, logprobs: list[float], versions: list[int]) -> tuple[list[float], list[int]]:
         """The logprobs and version tags the engine reports (a reporting fault changes them)."""
-        fault = self._fault_at(versions[-1]) if versions else ""
-        logprobs, versions = list(logprobs), list(versions)
-        if fault == "last_logprob_perturbed":
-            logprobs[-1] -= 0.05
-        if fault == "wrong_version_tag" and versions[-1] > 0:
-            half = len(versions) // 2
-            versions[half:] = [v - 1 if v > 0 else v for v in versions[half:]]
-        return logprobs, versions
+        return reported(self._fault_at(versions[-1]) if versions else "", logprobs, versions)
 
     async def generate(self, spec: GenerationSpec, stream: bool = False) -> AsyncIterator[CompletionResult]:
         loop = asyncio.get_running_loop()
@@ -260,16 +304,31 @@ class ReferenceEngine(RolloutEngine):
         self._staged = None
 
     async def _swap(self, version: int) -> tuple[str, float]:
+        import torch
+
         staged, self._staged = self._staged, None
         assert staged is not None, "_swap without a verified _stage"
         start = time.perf_counter()
         with self._model_lock:
             named = dict(staged.named())
             load = named
-            if fault := self._fault_at(version):
+            fault = self._fault_at(version)
+            if fault == "one_worker_not_updated":  # the second worker (rollout1) keeps serving v-1
+                fault = "stale_weights" if self.config.worker_index == 1 else ""
+            if self._fault is not None and self._fault.fault.name in STALE_MODEL_FAULTS:
+                if self._stale_model is None:
+                    self._stale_model = copy.deepcopy(self.model)
+                else:
+                    self._stale_model.load_state_dict(self.model.state_dict())
+            if fault:
                 current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
                 load = corrupt_update(fault, named, current, self._previous_update)
             self.model.load_state_dict(load, strict=False)
+            if fault == "untied_head":  # the head keeps its first load's weights, the embeddings update
+                self.model.lm_head.weight = torch.nn.Parameter(self._first_head.clone())
+            if fault == "rope_theta" and not self._rope_doubled:
+                double_rope_theta(self.model)
+                self._rope_doubled = True
             self._previous_update = named if self._fault is not None else None
             self.weight_version = version
         return "", time.perf_counter() - start

@@ -63,9 +63,16 @@ def test_a_fault_is_refused_without_fault_injection_and_outside_the_reference_en
     assert "rollout.enable_fault_injection" in error(engine="reference", fault="raw_logprobs@2")
     assert "rollout.engine reference" in error(enable_fault_injection=True, fault="raw_logprobs@2")
     assert "unknown fault 'nope'" in error(engine="reference", enable_fault_injection=True, fault="nope@1")
-    assert "only for" in error(engine="reference", enable_fault_injection=True, fault="rope_theta@1")
-    ok = {"engine": "reference", "enable_fault_injection": True, "fault": "stale_weights@3"}
-    assert (
-        ParityConfig.model_validate({"model": {"name": "tiny"}, "rollout": ok}).rollout.fault
-        == "stale_weights@3"
+    assert "rollout.engine reference" in error(
+        engine="vllm", enable_fault_injection=True, fault="rope_theta@1"
     )
+    assert "run.rollout_workers >= 2" in error(
+        engine="reference", enable_fault_injection=True, fault="one_worker_not_updated@2"
+    )
+    for fault in ("stale_weights@3", "rope_theta@1", "episode_retokenized@2"):  # every class is live
+        ok = {"engine": "reference", "enable_fault_injection": True, "fault": fault}
+        assert ParityConfig.model_validate({"model": {"name": "tiny"}, "rollout": ok}).rollout.fault == fault
+    two_workers = {"model": {"name": "tiny"}, "run": {"rollout_workers": 2},
+                   "rollout": {"engine": "reference", "enable_fault_injection": True,
+                               "fault": "one_worker_not_updated@2"}}  # fmt: skip
+    assert ParityConfig.model_validate(two_workers).rollout.fault == "one_worker_not_updated@2"

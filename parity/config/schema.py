@@ -55,6 +55,11 @@ class ParityConfig(BaseModel):
             raise ValueError(
                 "run.publish_every: sync mode publishes every step (generate -> train -> update)"
             )
+        if rollout.fault.partition("@")[0] == "one_worker_not_updated" and run.rollout_workers < 2:
+            raise ValueError(
+                "rollout.fault: one_worker_not_updated acts on the second rollout worker (worker_index 1): "
+                "needs run.rollout_workers >= 2"
+            )
         if task.group_size > rollout.max_n:
             raise ValueError(f"task.group_size: must be <= rollout.max_n={rollout.max_n}")
         for key, tokens in (("task.max_tokens", task.max_tokens), ("task.eval_max_tokens", task.eval_tokens)):
