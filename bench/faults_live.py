@@ -1,0 +1,136 @@
+"""Every fault class injected into a live `parity run`, one run per class, and what caught it.
+
+    python -m bench.faults_live [--faults a,b] [--steps 6] [--inject_version 2] [--out DIR]
+
+Each run is tests/test_faults_live.py's: the tiny model, sync mode, the reference engine, the fault
+from weight version `--inject_version` (`rollout.fault`). one_worker_not_updated runs with two
+rollout workers (it acts on the second); the multi-turn classes run the guess_number environment
+(up to three model turns; tests/test_episode_run.py's settings), episode_version_tag in async mode
+(it shows only when an update lands between two turns). Runs go one at a time. Per class: the step
+the run stopped at (the last step in metrics.jsonl; the launcher exits non-zero when the running
+gate stops it), the gate's signal at that step (mismatch_k3_own_version_informative), and the top 3
+candidates of the run dir's mismatch report. Writes faults_live.json and faults_live.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from commands.run.supervisor import MARKER_ENV
+from parity.faults import FAULTS, MULTI_TURN_FAULTS
+from trainer.mismatch_locate import MISMATCH_REPORT
+
+SIGNAL = "mismatch_k3_own_version_informative"
+
+
+def run_flags(name: str, out: Path, steps: int, inject_version: int) -> list[str]:
+    flags = ["--skip_preflight", "--model", "tiny", "--mode", "sync", "--steps", str(steps),
+        "--groups_per_step", "2", "--group_size", "4", "--max_tokens", "8", "--eval_size", "0",
+        "--max_model_len", "256", "--startup_timeout_s", "300", "--out", str(out),
+        "--rollout.engine", "reference", "--rollout.enable_fault_injection", "true",
+        "--rollout.fault", f"{name}@{inject_version}",
+    ]  # fmt: skip
+    if name == "one_worker_not_updated":
+        flags += ["--rollout_workers", "2"]
+    if name in MULTI_TURN_FAULTS:
+        flags += ["--task", "env:guess_number", "--max_turns", "3"]
+        for key, value in (("--max_model_len", "512"), ("--groups_per_step", "4"), ("--max_tokens", "32")):
+            flags[flags.index(key) + 1] = value
+    if name == "episode_version_tag":
+        flags[flags.index("--mode") + 1] = "async"
+    return flags
+
+
+def run_one(name: str, out: Path, steps: int, inject_version: int, timeout_s: float) -> dict:
+    run_dir, log_path = out / name, out / f"{name}.log"
+    env = {**os.environ, MARKER_ENV: f"faults-live-bench-{os.getpid()}", "PYTHONUNBUFFERED": "1"}
+    start = time.monotonic()
+    with open(log_path, "wb") as log_file:
+        try:
+            rc = subprocess.run(
+                [sys.executable, "-m", "commands.main", "run", *run_flags(name, run_dir, steps, inject_version)],
+                stdout=log_file, stderr=subprocess.STDOUT, env=env, timeout=timeout_s,
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = None
+    log = log_path.read_text(errors="replace")
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    report_path = run_dir / f"{MISMATCH_REPORT}.json"
+    top3 = (
+        [c["fault"] for c in json.loads(report_path.read_text())["candidates"][:3]]
+        if report_path.exists()
+        else []
+    )
+    return {
+        "fault": name,
+        "injected_at_version": inject_version,
+        "rc": rc,
+        "gate_stopped": rc not in (0, None) and "running gate" in log,
+        "stopped_at_step": rows[-1]["step"] if rows else None,
+        "steps_run": len(rows),
+        "signal": rows[-1].get(SIGNAL) if rows else None,
+        "top3": top3,
+        "named_in_top3": name in top3,
+        "wall_s": round(time.monotonic() - start, 1),
+        "log": str(log_path),
+    }
+
+
+def markdown(rows: list[dict], steps: int) -> str:
+    lines = [
+        f"| class | injected at version | stopped at step (of {steps}) | gate signal (k3) | top-3 candidates | named |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        stop = (
+            r["stopped_at_step"]
+            if r["gate_stopped"]
+            else f"not stopped (rc {r['rc']}, {r['steps_run']} steps)"
+        )
+        signal = f"{r['signal']:.2e}" if isinstance(r["signal"], (int, float)) else "n/a"
+        lines.append(
+            f"| {r['fault']} | {r['injected_at_version']} | {stop} | {signal} | "
+            f"{', '.join(r['top3']) or 'no report'} | {'yes' if r['named_in_top3'] else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", default="", help="comma-separated classes (default: all)")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--inject_version", type=int, default=2)
+    parser.add_argument("--timeout_s", type=float, default=600)
+    parser.add_argument("--out", type=Path, default=Path("runs/faults_live"))
+    args = parser.parse_args()
+    names = [n.strip() for n in args.faults.split(",") if n.strip()] or list(FAULTS)
+    if unknown := [n for n in names if n not in FAULTS]:
+        parser.error(f"--faults: unknown fault {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows, start = [], time.monotonic()
+    for i, name in enumerate(names, 1):
+        row = run_one(name, args.out, args.steps, args.inject_version, args.timeout_s)
+        rows.append(row)
+        print(
+            f"[{i}/{len(names)}] {name}: rc {row['rc']}, stopped at step {row['stopped_at_step']}, "
+            f"signal {row['signal']}, top3 {row['top3']}, named {row['named_in_top3']} ({row['wall_s']}s)",
+            flush=True,
+        )
+    (args.out / "faults_live.json").write_text(json.dumps(rows, indent=1))
+    table = markdown(rows, args.steps)
+    (args.out / "faults_live.md").write_text(table)
+    print(table)
+    print(f"{sum(r['named_in_top3'] for r in rows)} of {len(rows)} named in the top 3; "
+          f"wall {time.monotonic() - start:.0f}s")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
