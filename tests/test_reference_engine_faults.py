@@ -24,6 +24,7 @@ from parity.sampling import SamplingTransform, presence_penalised, processed_log
 from parity.v1 import common_pb2
 from parity.weights.receiver import StagedWeights
 from rollout.engine import GenerationSpec
+from rollout.environments.base import StepResult
 from rollout.reference_engine import ReferenceEngine
 from tests.fakes.rollout_helpers import perturbed_state_dict
 
@@ -226,3 +227,71 @@ def test_one_worker_not_updated_leaves_the_first_worker_clean(tiny_model: Path, 
     clean_model = _model(weights, weights[2])
     for result in results:
         assert _delta(result.logprobs, _replay(clean_model, result.token_ids)) < CLEAN_TOL
+
+
+class _TwoTurns:
+    """An environment of two model turns: the first answered with an observation, the second ends it."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    async def reset(self, record) -> str:
+        return "start"
+
+    async def step(self, action: str) -> StepResult:
+        self.steps += 1
+        return StepResult("more", 0.0, self.steps >= 2)
+
+    async def close(self) -> None:
+        pass
+
+
+def _episode(tiny_model: Path, fault: str) -> tuple:
+    """One two-turn episode whose turns the engine sampled at v1 then v2 (an update between them);
+    the first turn holds token 97, whose decode-then-encode round trip is 3 other tokens. Returns
+    (episode, the prompts the engine was asked to continue)."""
+    from transformers import AutoTokenizer
+
+    from parity.faults import parse_fault
+    from rollout.engine import CompletionResult
+    from rollout.episodes import TurnTemplate, run_episode
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    turns = [([40, 97, 41, 2], 1), ([42, 43, 2], 2)]
+    asked: list[list[int]] = []
+
+    async def generate(ids: list[int], max_tokens: int, turn: int) -> CompletionResult:
+        asked.append(list(ids))
+        tokens, version = turns[turn]
+        return CompletionResult(0, tokens, [-0.5] * len(tokens), [version] * len(tokens), "x", "stop")
+
+    spec = parse_fault(fault) if fault else None
+    episode = asyncio.run(
+        run_episode(
+            _TwoTurns(),
+            {},
+            lambda text: [10, 11, 12],
+            generate,
+            TurnTemplate(tokenizer, False),
+            max_turns=3,
+            max_episode_tokens=256,
+            max_tokens=8,
+            fault=spec,
+        )
+    )
+    return episode, asked
+
+
+def test_the_multi_turn_faults_act_in_the_episode_loop(tiny_model: Path) -> None:
+    clean, clean_asked = _episode(tiny_model, "")
+    assert clean.weight_versions == [1] * 4 + [2] * 3
+    assert clean_asked[1] == [10, 11, 12, *clean.token_ids[: clean.turns[1].end]]  # the exact prefix
+
+    tagged, _ = _episode(tiny_model, "episode_version_tag@2")
+    assert tagged.weight_versions == tagged.context_versions == [1] * 7  # the later turn tagged v1
+    assert _episode(tiny_model, "episode_version_tag@3")[0].weight_versions == clean.weight_versions
+
+    retokenized, asked = _episode(tiny_model, "episode_retokenized@1")
+    assert retokenized.token_ids == clean.token_ids and retokenized.check_exact() == 0  # recorded exactly
+    assert asked[1] != clean_asked[1] and 97 not in asked[1]  # the engine continued the round trip
+    assert _episode(tiny_model, "episode_retokenized@2")[1] == clean_asked
