@@ -1,6 +1,7 @@
 """Randomly initialised HF models in the shapes of real ones, written without the network.
 
     python bench/shapes.py --shape qwen2.5-1.5b --out DIR [--dtype bfloat16|float32] [--num_layers N]
+        [--vocab_size V]
 
 A trainer benchmark needs a model's shape (vocabulary, width, depth, heads), not its trained
 weights: a step's time and memory do not depend on the weights' values. `SHAPES` holds public
@@ -120,24 +121,32 @@ def get_shape(name: str) -> Shape:
     return SHAPES[name]
 
 
-def default_dir(name: str, num_layers: int | None = None) -> Path:
-    """$PARITY_HOME/shapes/NAME (PARITY_HOME defaults to ~/.cache/parity); NAME-Nlayers when the
-    depth is overridden."""
+def default_dir(name: str, num_layers: int | None = None, vocab_size: int | None = None) -> Path:
+    """$PARITY_HOME/shapes/NAME (PARITY_HOME defaults to ~/.cache/parity); NAME-Nlayers and
+    NAME-vocabV when the depth or the vocabulary is overridden."""
     home = Path(os.environ.get("PARITY_HOME", Path.home() / ".cache" / "parity"))
-    return home / "shapes" / (name if num_layers is None else f"{name}-{num_layers}layers")
+    suffix = (f"-{num_layers}layers" if num_layers is not None else "") + (
+        f"-vocab{vocab_size}" if vocab_size is not None else ""
+    )
+    return home / "shapes" / f"{name}{suffix}"
 
 
-def hf_config(name: str, num_layers: int | None = None, dtype: Dtype = "bfloat16"):
-    """The transformers config of shape `name`; `num_layers` overrides the depth."""
+def hf_config(
+    name: str, num_layers: int | None = None, dtype: Dtype = "bfloat16", vocab_size: int | None = None
+):
+    """The transformers config of shape `name`; `num_layers` overrides the depth and `vocab_size`
+    the vocabulary (quick tests: the result is no longer the real shape)."""
     from transformers import LlamaConfig, Qwen2Config
 
     shape = get_shape(name)
     if num_layers is not None and num_layers < 1:
         raise ShapeError(f"--num_layers must be at least 1 (got {num_layers})")
+    if vocab_size is not None and vocab_size < 2:
+        raise ShapeError(f"--vocab_size must be at least 2 (got {vocab_size})")
     rope = {"rope_type": "default", "rope_theta": shape.rope_theta, **dict(shape.rope_scaling)}
     config_class = Qwen2Config if shape.family == "qwen2" else LlamaConfig
     return config_class(
-        vocab_size=shape.vocab_size,
+        vocab_size=vocab_size or shape.vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         num_hidden_layers=num_layers or shape.num_layers,
@@ -171,10 +180,16 @@ def marker(name: str, config, dtype: Dtype) -> dict[str, Any]:
     }
 
 
-def write_shape(name: str, out: str | Path, dtype: Dtype = "bfloat16", num_layers: int | None = None) -> Path:
+def write_shape(
+    name: str,
+    out: str | Path,
+    dtype: Dtype = "bfloat16",
+    num_layers: int | None = None,
+    vocab_size: int | None = None,
+) -> Path:
     """Write shape `name` (randomly initialised) into `out`, or reuse `out` when it already holds it."""
     out = Path(out).expanduser()
-    config = hf_config(name, num_layers, dtype)
+    config = hf_config(name, num_layers, dtype, vocab_size)
     wanted = marker(name, config, dtype)
     if out.exists() and any(out.iterdir()):
         marker_path = out / MARKER
@@ -231,9 +246,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="override the shape's depth (for quick tests; the result is no longer the real shape)",
     )
+    parser.add_argument(
+        "--vocab_size",
+        type=int,
+        default=None,
+        help="override the shape's vocabulary (for quick tests; the result is no longer the real shape)",
+    )
     args = parser.parse_args(argv)
     try:
-        write_shape(args.shape, args.out, args.dtype, args.num_layers)
+        write_shape(args.shape, args.out, args.dtype, args.num_layers, args.vocab_size)
     except ShapeError as exc:
         parser.error(str(exc))
     return 0

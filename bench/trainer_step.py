@@ -1,6 +1,6 @@
 """Tokens/s of one trainer step: Parity's step vs the same step in plain torch, per micro-batch size.
 
-    python bench/trainer_step.py [--model smollm2-135m | --shape qwen2.5-1.5b [--num_layers N]]
+    python bench/trainer_step.py [--model smollm2-135m | --shape qwen2.5-1.5b [--num_layers N --vocab_size V]]
                                  [--groups 2 --group_size 4 --prompt_len 16 --completion_len 48
                                   --repeats 3 --micro_batch_size 8[,16...]
                                   --device auto|cpu|cuda --precision fp32|bf16]
@@ -278,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="with --shape: override its depth (for quick tests; no longer the real shape)",
     )
+    parser.add_argument(
+        "--vocab_size",
+        type=int,
+        default=None,
+        help="with --shape: override its vocabulary (for quick tests; no longer the real shape)",
+    )
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--group_size", type=int, default=4)
     parser.add_argument("--prompt_len", type=int, default=16)
@@ -295,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.num_layers is not None and args.shape is None:
         parser.error("--num_layers needs --shape")
+    if args.vocab_size is not None and args.shape is None:
+        parser.error("--vocab_size needs --shape")
     if args.shape_dir is not None and args.shape is None:
         parser.error("--shape_dir needs --shape")
 
@@ -314,8 +322,13 @@ def main(argv: list[str] | None = None) -> int:
             shapes.get_shape(args.shape)
         except shapes.ShapeError as exc:
             parser.error(str(exc))
-        shape_dir = args.shape_dir or shapes.default_dir(args.shape, args.num_layers)
-        model_dir = shapes.write_shape(args.shape, shape_dir, num_layers=args.num_layers)
+        shape_dir = args.shape_dir or shapes.default_dir(args.shape, args.num_layers, args.vocab_size)
+        try:
+            model_dir = shapes.write_shape(
+                args.shape, shape_dir, num_layers=args.num_layers, vocab_size=args.vocab_size
+            )
+        except shapes.ShapeError as exc:
+            parser.error(str(exc))
         model_label = args.shape
     else:
         model_label = args.model or "smollm2-135m"
@@ -448,7 +461,11 @@ def main(argv: list[str] | None = None) -> int:
             "bench": "trainer_step",
             "model": model_label,
             **(
-                {"shape": args.shape, "num_layers": trainer.model.config.num_hidden_layers}
+                {
+                    "shape": args.shape,
+                    "num_layers": trainer.model.config.num_hidden_layers,
+                    "vocab_size": trainer.model.config.vocab_size,
+                }
                 if args.shape
                 else {}
             ),

@@ -146,6 +146,14 @@ def test_a_directory_holding_something_else_is_an_error_naming_it(
         shapes.write_shape("qwen2.5-0.5b", tmp_path, num_layers=1)
 
 
+def test_the_vocabulary_can_be_overridden_and_a_bad_one_is_an_error_naming_the_flag() -> None:
+    config = shapes.hf_config("qwen2.5-0.5b", num_layers=1, vocab_size=4096)
+    assert (config.vocab_size, config.num_hidden_layers, config.hidden_size) == (4096, 1, 896)
+    assert shapes.default_dir("qwen2.5-0.5b", 1, 4096).name == "qwen2.5-0.5b-1layers-vocab4096"
+    with pytest.raises(shapes.ShapeError, match="--vocab_size must be at least 2"):
+        shapes.hf_config("qwen2.5-0.5b", vocab_size=1)
+
+
 def test_an_unknown_shape_is_an_error_listing_the_known_ones(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -232,12 +240,16 @@ def test_micro_batch_size_takes_a_comma_list() -> None:
             micro_batch_sizes(bad)
 
 
-@pytest.mark.slow  # a redis-server and a bench process; ~1 min on 2 cores (AdamW over a 136M embedding)
-def test_trainer_bench_runs_a_named_shape_at_two_micro_batch_sizes(one_layer_qwen: Path) -> None:
+@pytest.mark.slow  # a redis-server and a bench process
+def test_trainer_bench_runs_a_named_shape_at_two_micro_batch_sizes(tmp_path: Path) -> None:
+    # One layer and a 4,096-token vocabulary: with the shape's whole 151,936-token embedding each of
+    # the bench's eight steps took 5-9 s on 2 cores (AdamW over 136M parameters), 77-144 s in all.
+    small = tmp_path / "qwen-small"
     command = [
         sys.executable,
         str(ROOT / "bench" / "trainer_step.py"),
-        *("--shape", "qwen2.5-0.5b", "--num_layers", "1", "--shape_dir", str(one_layer_qwen)),
+        *("--shape", "qwen2.5-0.5b", "--num_layers", "1", "--vocab_size", "4096"),
+        *("--shape_dir", str(small)),
         *("--micro_batch_size", "2,4", "--groups", "1", "--group_size", "4", "--prompt_len", "8"),
         *("--completion_len", "8", "--repeats", "1", "--threads", "2", "--device", "cpu"),
     ]
@@ -256,6 +268,7 @@ def test_trainer_bench_runs_a_named_shape_at_two_micro_batch_sizes(one_layer_qwe
     )
     summary = json.loads(lines[-1])
     assert summary["shape"] == "qwen2.5-0.5b" and summary["num_layers"] == 1
+    assert summary["vocab_size"] == 4096
     assert [entry["micro_batch_size"] for entry in summary["per_micro_batch"]] == [2, 4]
     for entry in summary["per_micro_batch"]:
         assert entry["ours_status"] == entry["plain_status"] == "ok"
@@ -268,4 +281,4 @@ def test_trainer_bench_runs_a_named_shape_at_two_micro_batch_sizes(one_layer_qwe
     first = summary["per_micro_batch"][0]
     assert summary["ours_tokens_per_s"] == first["ours_tokens_per_s"]
     assert summary["overhead_ratio"] > 0 and summary["overhead_ratio_cpu"] > 0
-    assert f"reusing qwen2.5-0.5b in {one_layer_qwen}" in proc.stdout
+    assert f"wrote qwen2.5-0.5b to {small}" in proc.stdout
