@@ -38,3 +38,17 @@ def parse_version_label(label: str | None) -> int:
     if label is None or label == "default":
         return 0
     return int(label)
+
+
+def impossible_tags(weight_versions: Sequence[int], context_versions: Sequence[int] = ()) -> int:
+    """Tokens of one sample whose tags no engine can produce: a weight version older than an earlier
+    token's (an engine never serves an older version after a newer one, within a completion or
+    across an episode's turns), or a context version newer than the token's own (its KV cannot
+    come from weights newer than those that sampled it). Each token counts once."""
+    count, newest = 0, None
+    for j, version in enumerate(weight_versions):
+        context = context_versions[j] if j < len(context_versions) else version
+        if (newest is not None and version < newest) or context > version:
+            count += 1
+        newest = version if newest is None else max(newest, version)
+    return count

@@ -113,6 +113,53 @@ def test_gate_counts_consecutive_measured_steps_and_ignores_unmeasured_ones() ->
         MismatchGate(1e-3, 1, "stop").observe(1, over)
 
 
+def test_impossible_version_tags_are_counted_per_token() -> None:
+    from parity.versions import impossible_tags
+
+    assert impossible_tags([0, 0, 1, 1, 2]) == 0  # versions only move forward
+    assert impossible_tags([2, 2, 1, 1]) == 2  # tagged older than an earlier token of the sample
+    assert impossible_tags([1, 2, 1, 2]) == 1  # the dip only; the 2 after it is possible again
+    assert impossible_tags([1, 1, 2], [1, 1, 1]) == 0  # KV older than the token: keep mode, possible
+    assert impossible_tags([1, 1], [1, 2]) == 1  # KV newer than the weights that sampled it
+    assert impossible_tags([]) == 0
+
+
+def test_gate_acts_at_once_on_impossible_version_tags_whatever_the_numbers() -> None:
+    clean_numbers = {GATED_METRIC: 1e-12, "version_tag_violations": 3}
+    with pytest.raises(MismatchGateError, match="version_tag_violations: 3 token"):
+        MismatchGate(1e-3, 3, "stop").observe(1, clean_numbers, explain=lambda: "wrong_version_tag")
+    gate, explained = MismatchGate(1e-3, 3, "warn"), []
+    first = gate.observe(1, clean_numbers, explain=lambda: explained.append(1) or "here")
+    again = gate.observe(2, clean_numbers, explain=lambda: explained.append(2) or "here")
+    assert "version accounting" in first and "Localisation: here" in first and "Localisation" not in again
+    assert explained == [1]  # localised once, warned on each step
+    assert gate.observe(3, {GATED_METRIC: 1e-12, "version_tag_violations": 0}) == ""
+
+
+def test_a_run_whose_engine_tags_a_completions_second_half_one_version_older_is_stopped(
+    redis_url: str, tmp_path: Path, reference_model
+) -> None:
+    """wrong_version_tag as a live engine shows it: its older-tagged tokens follow newer ones, so the
+    own-version check leaves them out as mixed context and its numbers read clean."""
+    queue = RolloutQueue(redis_url, stream=STREAM)
+    queue.publish(group(reference_model, "clean"))  # step 1 trains version 0's rollouts, then version 1
+    bad = group(reference_model, "tags", version=1, seed=1)
+    for sample in bad.samples:  # sampled at 1 throughout (KV too); its second half tagged 0
+        n = len(sample.token_weight_versions)
+        sample.token_weight_versions[n // 2 :] = [0] * (n - n // 2)
+        del sample.token_context_versions[:]
+        sample.token_context_versions.extend([1] * n)
+    bad.min_weight_version = 0
+    queue.publish(bad)
+    trainer = make_trainer(redis_url, tmp_path, steps=2, max_lag=2)
+    with pytest.raises(MismatchGateError, match="version_tag_violations"):
+        trainer.run()
+    first, second = metrics(tmp_path)
+    assert first["version_tag_violations"] == 0
+    n = [len(s.token_weight_versions) for s in bad.samples]
+    assert second["version_tag_violations"] == sum(k - k // 2 for k in n) > 0
+
+
 @pytest.mark.parametrize("action", ["stop", "warn"])
 def test_running_gate_stops_a_run_whose_rollout_logprobs_are_off(
     redis_url: str, tmp_path: Path, reference_model, action: str

@@ -52,6 +52,7 @@ from trainer.step_metrics import (
     speed_metrics,
     step_metrics,
     step_samples,
+    version_tag_metrics,
 )
 from trainer.telemetry import Telemetry
 from trainer.weight_history import WeightHistory, full_weights
@@ -305,6 +306,7 @@ class Trainer:
                 metrics.update(speed_metrics(stats, self._speed, step_time_s))
                 metrics.update(own_version_metrics(stats, own))
                 metrics.update(episode_metrics(batch))
+                metrics.update(version_tag_metrics(batch))
                 metrics.update(self.head_watch.observe(batch.groups))
             metrics.update(timings)
             span.set_attribute(tracing.ATTR_TOKENS, prepared.num_tokens)

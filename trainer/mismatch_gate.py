@@ -18,6 +18,12 @@ The default threshold depends on the numerics (docs/ab_study.md has the measurem
     REDUCED_PRECISION_THRESHOLD, or GATE_MARGIN x the preflight's clean k3 of this engine and model
     where that is larger (`parity run` passes it to the trainer).
 
+Version tags are judged apart from the numbers: a step with any token whose tags no engine can
+produce (`version_tag_violations`, parity/versions.py `impossible_tags`: a weight version older
+than an earlier token's of its sample, or older than the KV it attended to) makes the gate act at
+once. Such tokens are scored at the wrong weights or left out of the own-version check as mixed
+context, so the logprob comparison cannot be trusted to see them; a correct engine produces none.
+
 Invariants:
   - A step with nothing measured (NaN: no own-version token, or none informative) neither extends nor breaks a streak: it is not evidence.
   - The message names the number, the threshold, the streak and the usual causes, so a user can act.
@@ -33,6 +39,7 @@ from typing import Literal
 log = logging.getLogger(__name__)
 
 GATED_METRIC = "mismatch_k3_own_version_informative"
+TAG_METRIC = "version_tag_violations"
 LIKELY_CAUSES = (
     "prefix-cache KV from older weights (rollout.prefix_caching with reset_prefix_cache_on_update off), "
     "a low-precision lm_head (rollout.head_dtype), raw instead of processed logprobs "
@@ -113,11 +120,23 @@ class MismatchGate:
         self.steps = steps
         self.action = action
         self.streak: list[float] = []
+        self.tags_flagged = 0  # steps with impossible version tags
 
     def observe(self, step: int, metrics: dict, explain: Callable[[], str] | None = None) -> str:
         """Feed one step's metrics; returns the warning issued ("" if none). Raises on `stop`.
         When the gate acts, `explain()` (where the mismatch lives, the likely fault classes) is
         appended to its message; a failure there is logged and never hides the gate's verdict."""
+        violations = int(metrics.get(TAG_METRIC) or 0)
+        if violations > 0:
+            message = (
+                f"{TAG_METRIC}: {violations} token(s) of step {step} carry weight-version tags no "
+                f"engine can produce (a version older than an earlier token's of the same sample, or "
+                f"older than the KV it attended to). The rollout engine's version accounting is wrong: "
+                f"the trainer would score those tokens at the wrong weights. --check.on_mismatch warn "
+                f"keeps training."
+            )
+            first, self.tags_flagged = self.tags_flagged == 0, self.tags_flagged + 1
+            return self._act(message, explain if first else None)  # localised once (warn: every step)
         value = metrics.get(GATED_METRIC)
         if value is None or not math.isfinite(float(value)):
             return ""
@@ -135,8 +154,13 @@ class MismatchGate:
             f"Usual causes: {LIKELY_CAUSES}. --check.on_mismatch warn keeps training; "
             f"--check.gate_threshold sets the threshold."
         )
-        acting = self.action == "stop" or len(self.streak) == self.steps
-        if acting and explain is not None:
+        if len(self.streak) > self.steps and self.action == "warn":
+            return message  # warned once for this streak
+        return self._act(message, explain)
+
+    def _act(self, message: str, explain: Callable[[], str] | None) -> str:
+        """Localise (`explain`), then raise (`stop`) or log the warning (`warn`)."""
+        if explain is not None:
             try:
                 message += f" Localisation: {explain()}"
             except Exception as exc:  # the verdict stands without it; say why it is missing
@@ -144,6 +168,5 @@ class MismatchGate:
                 message += f" (localisation failed: {exc!r})"
         if self.action == "stop":
             raise MismatchGateError(message)
-        if len(self.streak) == self.steps:
-            log.warning("running mismatch gate: %s", message)
+        log.warning("running mismatch gate: %s", message)
         return message

@@ -52,6 +52,7 @@ from parity.sampling import (
     processed_logprobs,
     repetition_penalised,
 )
+from parity.versions import impossible_tags
 
 if TYPE_CHECKING:
     import torch
@@ -484,6 +485,10 @@ class _Hypotheses:
         newest = self.assemble(lambda i, s: self.at_own(i, s, versions=[max(s.versions)] * len(s.versions)))
         evidence = "tokens tagged older than their sample match its newest weights"
         self.offer("wrong_version_tag", self.score(newest), evidence)
+        impossible = sum(impossible_tags(s.versions) for s in self.samples)
+        if impossible:  # no engine produces these, whatever the logprobs say
+            evidence = f"{impossible} tokens are tagged older than an earlier token of their sample"
+            self.offer("wrong_version_tag", 1.0, evidence)
 
         def one_older(i: int, s: _Sample) -> list[float]:
             older = [max(0, v - 1) for v in s.versions]

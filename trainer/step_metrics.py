@@ -12,6 +12,9 @@ Names say what they measure (docs/trainer.md lists them):
   backend does and cannot show a fault. `own_version_informative_tokens` counts them; the running
   gate judges these (NaN, "not measured", when there are none).
 - `policy_drift_*`: every token against the current weights, stale ones included.
+- `version_tag_violations`: tokens whose version tags no engine can produce
+  (parity/versions.py `impossible_tags`);
+  any makes the running gate act at once, whatever the numbers (trainer/mismatch_gate.py).
 A metric with nothing to measure is NaN (null in metrics.jsonl), never 0.
 """
 
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from parity import mismatch
+from parity.versions import impossible_tags
 from trainer import offpolicy
 from trainer.consumer import Batch, token_versions
 from trainer.device import peak_flops, peak_memory_bytes
@@ -129,6 +133,17 @@ def step_metrics(
         }
     )
     return metrics
+
+
+def version_tag_metrics(batch: Batch) -> dict[str, Any]:
+    """`version_tag_violations`: the step's tokens with impossible tags (0 in a correct run)."""
+    return {
+        "version_tag_violations": sum(
+            impossible_tags(s.token_weight_versions, s.token_context_versions)
+            for g in batch.groups
+            for s in g.samples
+        )
+    }
 
 
 def episode_metrics(batch: Batch) -> dict[str, Any]:

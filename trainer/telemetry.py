@@ -76,6 +76,7 @@ EXTRA_GAUGES = (
     "mismatch_nonfinite_tokens",
     "policy_drift_nonfinite_tokens",
     "mismatch_k3_mixed_context",
+    "version_tag_violations",
     "mismatch_tokens",
     "mismatch_nonfinite_tokens_own_version",
     "own_version_tokens",
