@@ -35,7 +35,13 @@ def run_flags(name: str, out: Path, steps: int, inject_version: int) -> list[str
         "--max_model_len", "256", "--startup_timeout_s", "300", "--out", str(out),
         "--rollout.engine", "reference", "--rollout.enable_fault_injection", "true",
         "--rollout.fault", f"{name}@{inject_version}",
+        # The fault check's sampling and learning rate (commands/check/faults.py): with top-k and
+        # top-p off, their replay faults change nothing, and the weights must move between versions
+        # for a fault that serves or tags the wrong version to change any logprob.
+        "--temperature", "0.8", "--top_k", "40", "--top_p", "0.95", "--lr", "1e-3",
     ]  # fmt: skip
+    if name not in MULTI_TURN_FAULTS:
+        flags += ["--reward", "bench.faults_live:varied_reward"]
     if name == "one_worker_not_updated":
         flags += ["--rollout_workers", "2"]
     if name in MULTI_TURN_FAULTS:
@@ -45,6 +51,13 @@ def run_flags(name: str, out: Path, steps: int, inject_version: int) -> list[str
     if name == "episode_version_tag":
         flags[flags.index("--mode") + 1] = "async"
     return flags
+
+
+def varied_reward(prompt: str, completion: str, answer: str, metadata) -> float:
+    """A reward with no meaning that differs between completions (a hash of the text, in [0, 1]).
+    The tiny model earns 0 on every real task, so its groups have no advantage and the weights never
+    change: stale or wrongly tagged weights would then be the right ones."""
+    return (sum(map(ord, completion)) % 7) / 6
 
 
 def run_one(name: str, out: Path, steps: int, inject_version: int, timeout_s: float) -> dict:
@@ -78,6 +91,8 @@ def run_one(name: str, out: Path, steps: int, inject_version: int, timeout_s: fl
         "signal": rows[-1].get(SIGNAL) if rows else None,
         "top3": top3,
         "named_in_top3": name in top3,
+        # sync mode trains version v at step v + 1: the first step that trains on a faulty token
+        "first_faulty_step": inject_version + 1,
         "wall_s": round(time.monotonic() - start, 1),
         "log": str(log_path),
     }
