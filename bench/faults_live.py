@@ -3,10 +3,12 @@
     python -m bench.faults_live [--faults a,b] [--steps 6] [--inject_version 2] [--out DIR]
 
 Each run is tests/test_faults_live.py's: the tiny model, sync mode, the reference engine, the fault
-from weight version `--inject_version` (`rollout.fault`). one_worker_not_updated runs with two
-rollout workers (it acts on the second); the multi-turn classes run the guess_number environment
-(up to three model turns; tests/test_episode_run.py's settings), episode_version_tag in async mode
-(it shows only when an update lands between two turns). Runs go one at a time. Per class: the step
+from weight version `--inject_version` (`rollout.fault`), with the fault check's sampling and
+learning rate and a meaningless reward that varies between completions (`varied_reward`: the tiny
+model earns 0 on every real task, and weights that never move hide every class that serves or tags
+the wrong version). one_worker_not_updated runs with two rollout workers (it acts on the second);
+the multi-turn classes run `VariedTurns` (two model turns), episode_version_tag in async mode (it
+shows only when an update lands between two turns). Runs go one at a time. Per class: the step
 the run stopped at (the last step in metrics.jsonl; the launcher exits non-zero when the running
 gate stops it), the gate's signal at that step (mismatch_k3_own_version_informative), and the top 3
 candidates of the run dir's mismatch report. Writes faults_live.json and faults_live.md into --out.
@@ -15,6 +17,7 @@ candidates of the run dir's mismatch report. Writes faults_live.json and faults_
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -45,11 +48,14 @@ def run_flags(name: str, out: Path, steps: int, inject_version: int) -> list[str
     if name == "one_worker_not_updated":
         flags += ["--rollout_workers", "2"]
     if name in MULTI_TURN_FAULTS:
-        flags += ["--task", "env:guess_number", "--max_turns", "3"]
+        flags += ["--task", "env:bench.faults_live:VariedTurns", "--max_turns", "2"]
         for key, value in (("--max_model_len", "512"), ("--groups_per_step", "4"), ("--max_tokens", "32")):
             flags[flags.index(key) + 1] = value
     if name == "episode_version_tag":
+        # Async, longer turns and a deeper backlog: the actor must be mid-episode when an update lands.
         flags[flags.index("--mode") + 1] = "async"
+        flags[flags.index("--max_tokens") + 1] = "128"
+        flags += ["--max_lag", "4"]
     return flags
 
 
@@ -58,6 +64,33 @@ def varied_reward(prompt: str, completion: str, answer: str, metadata) -> float:
     The tiny model earns 0 on every real task, so its groups have no advantage and the weights never
     change: stale or wrongly tagged weights would then be the right ones."""
     return (sum(map(ord, completion)) % 7) / 6
+
+
+class VariedTurns:
+    """A two-turn environment for the multi-turn classes: any reply is answered, the episode ends
+    after the second, and each turn's reward is `varied_reward` of the reply (guess_number's reward
+    is 0 for the tiny model, so its weights would never move)."""
+
+    name = "varied_turns"
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    @staticmethod
+    def train_records(seed: int):
+        return ({"id": f"varied-{seed}-{i}"} for i in itertools.count())
+
+    @staticmethod
+    def eval_records(n: int) -> list[dict]:
+        return [{"id": f"varied-eval-{i}"} for i in range(n)]
+
+    def reset(self, record) -> str:
+        self.turns = 0
+        return "Say something, then say something else."
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        self.turns += 1
+        return "Now something else.", varied_reward("", action, "", {}), self.turns >= 2
 
 
 def run_one(name: str, out: Path, steps: int, inject_version: int, timeout_s: float) -> dict:
@@ -81,14 +114,25 @@ def run_one(name: str, out: Path, steps: int, inject_version: int, timeout_s: fl
         if report_path.exists()
         else []
     )
+    # Multi-turn classes log each turn they changed (rollout/episodes.py FAULTY_TURN_LOG): none
+    # means the fault never acted (no update landed between two turns), not that it was missed.
+    faulty_turns = (
+        sum(p.read_text(errors="replace").count(f"fault {name} changed model turn")
+            for p in (run_dir / "logs").glob("rollout*.log"))
+        if name == "episode_version_tag" else None
+    )  # fmt: skip
+    last = rows[-1] if rows else {}
+    tags = last.get("version_tag_violations") or 0
     return {
         "fault": name,
+        "faulty_turns": faulty_turns,
         "injected_at_version": inject_version,
         "rc": rc,
         "gate_stopped": rc not in (0, None) and "running gate" in log,
         "stopped_at_step": rows[-1]["step"] if rows else None,
         "steps_run": len(rows),
-        "signal": rows[-1].get(SIGNAL) if rows else None,
+        "signal": last.get(SIGNAL),
+        "caught_by": f"version_tag_violations {tags}" if tags else SIGNAL,
         "top3": top3,
         "named_in_top3": name in top3,
         # sync mode trains version v at step v + 1: the first step that trains on a faulty token
@@ -100,7 +144,7 @@ def run_one(name: str, out: Path, steps: int, inject_version: int, timeout_s: fl
 
 def markdown(rows: list[dict], steps: int) -> str:
     lines = [
-        f"| class | injected at version | stopped at step (of {steps}) | gate signal (k3) | top-3 candidates | named |",
+        f"| class | injected at version | stopped at step (of {steps}) | gate signal | top-3 candidates | named |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -109,7 +153,11 @@ def markdown(rows: list[dict], steps: int) -> str:
             if r["gate_stopped"]
             else f"not stopped (rc {r['rc']}, {r['steps_run']} steps)"
         )
-        signal = f"{r['signal']:.2e}" if isinstance(r["signal"], (int, float)) else "n/a"
+        signal = f"k3 {r['signal']:.2e}" if isinstance(r["signal"], (int, float)) else "n/a"
+        if r["caught_by"] != SIGNAL:
+            signal = f"{r['caught_by']} ({signal})"
+        if r["faulty_turns"] is not None:
+            stop = f"{stop}; {r['faulty_turns']} turns changed"
         lines.append(
             f"| {r['fault']} | {r['injected_at_version']} | {stop} | {signal} | "
             f"{', '.join(r['top3']) or 'no report'} | {'yes' if r['named_in_top3'] else 'no'} |"

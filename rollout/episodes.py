@@ -32,6 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -39,6 +40,10 @@ from typing import Any, Literal
 from parity.faults import FaultSpec
 from rollout.engine import CompletionResult
 from rollout.environments.base import AsyncEpisodeEnv, EnvironmentFailed
+
+log = logging.getLogger(__name__)
+# Tests only: a multi-turn fault that changed a turn (bench/faults_live.py counts these lines).
+FAULTY_TURN_LOG = "fault %s changed model turn %d (sampled at version %d, recorded as %d)"
 
 EndReason = Literal["done", "max_turns", "context_length", "environment_error"]
 # generate(prompt_token_ids, max_tokens, turn_index) -> one completion of the engine
@@ -185,7 +190,12 @@ async def run_episode(
             weight_versions = list(result.token_weight_versions)
             context_versions = list(result.token_context_versions or result.token_weight_versions)
             if turn_index > 0 and episode.weight_versions and on("episode_version_tag", weight_versions):
-                weight_versions = context_versions = [episode.weight_versions[0]] * len(weight_versions)
+                first = episode.weight_versions[0]
+                if any(v != first for v in weight_versions):  # an update landed since the first turn
+                    log.warning(
+                        FAULTY_TURN_LOG, "episode_version_tag", turn_index, weight_versions[-1], first
+                    )
+                weight_versions = context_versions = [first] * len(weight_versions)
             episode.engine_turns.append(list(result.token_ids))
             episode.token_ids += result.token_ids
             episode.loss_mask += [True] * len(result.token_ids)
