@@ -9,9 +9,10 @@ bash scripts/setup.sh
 .venv/bin/ruff format --check .
 # Layer contracts (pyproject [tool.importlinter]): core <- domain <- services <- commands, tests never imported.
 .venv/bin/lint-imports
-# Four workers (PARITY_TEST_WORKERS, 0 = one process), each running whole test files, so a module's
-# services are started once. Most of the suite waits on vLLM start-up, subprocesses and timeouts
-# (its time on the 2-core box: README, "Set up and run the whole test suite"). Files start in
+# Six workers (PARITY_TEST_WORKERS, 0 = one process), each running whole test files, so a module's
+# services are started once. Much of the suite waits on vLLM start-up, subprocesses and timeouts:
+# with four workers the 2-core box was busy 139% of 200% (pytest CPU 1,854 s over 22m09s), so two
+# more fill the waits (docs/benchmarks.md, "Test suite"). Files start in
 # tests/conftest.py LONGEST_FILES_FIRST order (xdist would otherwise start the files with the most
 # tests first).
 # OpenMP threads that wait sleep instead of spinning, and one torch thread per process where vLLM
@@ -24,7 +25,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Unpinned, the kernel spreads them: two 4-file samples went 182 -> 152 s and 153 -> 146 s, but the
 # whole suite was no faster (pytest 13m51s pinned, 13m46s unpinned, one fresh-clone run each).
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
-workers=${PARITY_TEST_WORKERS:-4}
+workers=${PARITY_TEST_WORKERS:-6}
 parallel=()
 if [ "$workers" != 0 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 set +e

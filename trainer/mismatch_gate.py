@@ -132,8 +132,8 @@ class MismatchGate:
                 f"{TAG_METRIC}: {violations} token(s) of step {step} carry weight-version tags no "
                 f"engine can produce (a version older than an earlier token's of the same sample, or "
                 f"older than the KV it attended to). The rollout engine's version accounting is wrong: "
-                f"the trainer would score those tokens at the wrong weights. --check.on_mismatch warn "
-                f"keeps training."
+                f"the trainer would score those tokens at the wrong weights. The running gate acts on "
+                f"any such token; --check.on_mismatch warn keeps training."
             )
             first, self.tags_flagged = self.tags_flagged == 0, self.tags_flagged + 1
             return self._act(message, explain if first else None)  # localised once (warn: every step)
