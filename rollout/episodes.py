@@ -147,11 +147,17 @@ class TurnTemplate:
         return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
 
+def round_trip(tokenizer, token_ids: list[int]) -> list[int]:
+    """`token_ids` decoded to text and encoded again (special tokens kept as text): what a loop that
+    keeps the conversation as text conditions on."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=False)
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
 def retokenization_drift(tokenizer, prompt_ids: list[int], token_ids: list[int]) -> int:
     """Positions where decode-then-encode of the episode would differ from its exact tokens (plus
     the length difference): what a text-level multi-turn loop would have trained on instead."""
-    text = tokenizer.decode(token_ids, skip_special_tokens=False)
-    again = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    again = round_trip(tokenizer, token_ids)
     return sum(a != b for a, b in zip(again, token_ids, strict=False)) + abs(len(again) - len(token_ids))
 
 
@@ -225,9 +231,7 @@ async def run_episode(
             _environment_turn(episode, obs_ids, step.reward)
             ids = [*ids, *result.token_ids, *obs_ids]
             if on("episode_retokenized", list(result.token_weight_versions)):
-                text = template.tokenizer.decode(episode.token_ids, skip_special_tokens=False)
-                again = template.tokenizer.encode(text, add_special_tokens=False)
-                ids = [*episode.prompt_token_ids, *(int(t) for t in again)]
+                ids = [*episode.prompt_token_ids, *round_trip(template.tokenizer, episode.token_ids)]
         else:
             episode.end = "max_turns"
     except EnvironmentFailed as failure:

@@ -29,6 +29,7 @@ from parity.faults import (
 )
 from parity.sampling import SamplingTransform, processed_logprobs
 from parity.v1 import common_pb2, rollouts_pb2
+from rollout.episodes import round_trip
 
 if TYPE_CHECKING:
     import torch
@@ -208,8 +209,7 @@ class ReferenceEngine:
             history = [*tokens, *observation]
             context = history
             if self._on("episode_retokenized"):
-                text = self.tokenizer.decode(history, skip_special_tokens=False)
-                context = [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+                context = round_trip(self.tokenizer, history)
                 self.faulty_turns += context != history
             ((second, logprobs2, versions2),) = self.sample(
                 [*prompt, *context], length, 1, requested, generator
