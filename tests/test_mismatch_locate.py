@@ -169,3 +169,48 @@ def test_a_sync_mode_trainer_keeps_the_previous_version_for_the_localiser(
         assert trainer.old_model is not None and trainer.history.keep == 2
     finally:
         trainer.close()
+
+
+def _tagged(lm, history: WeightHistory, versions: list[int], loss_mask: list[bool]) -> list:
+    """The clean groups with every sample's model tokens (`loss_mask`) tagged `versions`, and the
+    logprobs an honest engine reports at those versions: only the tags are wrong."""
+    groups = _groups(lm, history, cached=1)
+    model_at = [i for i, m in enumerate(loss_mask) if m]
+    for group in groups:
+        prompt = list(group.prompt_token_ids)
+        for sample in group.samples:
+            ids = torch.tensor([prompt + list(sample.token_ids)])
+            per_version = {}
+            for v in set(versions):
+                _load(lm, history.get(v))
+                with torch.no_grad():
+                    rows = lm(input_ids=ids).logits[0].float()[len(prompt) - 1 : -1]
+                per_version[v] = processed_logprobs(rows, TRANSFORM)
+            targets = list(sample.token_ids)
+            sample.logprobs[:] = [
+                float(per_version[v][at, targets[at]]) for at, v in zip(model_at, versions, strict=True)
+            ]
+            sample.token_weight_versions[:] = versions
+            sample.loss_mask[:] = loss_mask
+    return groups
+
+
+def test_an_episode_that_kept_its_first_turns_version_is_named_from_its_tags(lm) -> None:
+    # Two model turns (completion tokens 0-1 and 4-5; 2-3 are the environment's). The first turn was
+    # sampled across an update (tags 0, 1); the second is tagged 0 again, as an episode loop that
+    # kept its first turn's version writes it. The logprobs are honest, so only the tags tell.
+    history = _history(lm)
+    groups = _tagged(lm, history, [0, 1, 0, 0], [True, True, False, False, True, True])
+    report = locate(lm, history, groups, budget_s=5.0)
+    assert report is not None
+    assert report.top(2) == ["episode_version_tag", "wrong_version_tag"], report.candidates
+    assert "later model turns" in report.candidates[0].evidence, report.candidates[0]
+
+
+def test_a_span_tagged_older_inside_a_turn_is_a_wrong_version_tag(lm) -> None:
+    history = _history(lm)
+    groups = _tagged(lm, history, [1, 1, 0, 0, 1, 1], [True] * COMPLETION_LEN)
+    report = locate(lm, history, groups, budget_s=5.0)
+    assert report is not None
+    assert report.top(1) == ["wrong_version_tag"], report.candidates
+    assert "episode_version_tag" not in report.top(), report.candidates

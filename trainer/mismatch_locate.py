@@ -326,18 +326,9 @@ def locate(
         tokens=len(hypotheses.rollout), k3=mismatch.mismatch_stats(hypotheses.base, hypotheses.rollout).k3
     )
     hypotheses.where(report)
-    if hypotheses.base_distance <= 0:
-        return report
-    hypotheses.logprob_reporting()
-    hypotheses.sampling_replay()
-    hypotheses.penalties()
-    hypotheses.versions()
-    hypotheses.tensors(max_tensor_samples, budget_s)
-    hypotheses.head()
-    hypotheses.context()
-    hypotheses.retokenized(tokenizer_dir)
-    hypotheses.turn_versions()
-    hypotheses.unreplayable()
+    hypotheses.tags()  # needs no replay: named even when the logprobs agree
+    if hypotheses.base_distance > 0:
+        hypotheses.replays(tokenizer_dir, max_tensor_samples, budget_s)
     report.candidates = sorted(
         (Candidate(f, round(v, 4), e) for f, (v, e) in hypotheses.found.items()), key=lambda c: -c.score
     )
@@ -424,6 +415,43 @@ class _Hypotheses:
     def score(self, pred: list[float]) -> float:
         return max(0.0, 1.0 - _distance(pred, self.rollout) / self.base_distance)
 
+    def replays(self, tokenizer_dir: str | Path | None, max_tensor_samples: int, budget_s: float) -> None:
+        """Every family's replay, scored by the share of the mismatch it explains."""
+        self.logprob_reporting()
+        self.sampling_replay()
+        self.penalties()
+        self.versions()
+        self.tensors(max_tensor_samples, budget_s)
+        self.head()
+        self.context()
+        self.retokenized(tokenizer_dir)
+        self.turn_versions()
+        self.unreplayable()
+
+    def tags(self) -> None:
+        """Tags no engine produces (parity/versions.py `impossible_tags`), whatever the logprobs say.
+        Where every dip to an older tag starts a later model turn of an episode, the likelier cause is
+        an episode that kept an earlier turn's version (episode_version_tag); anywhere else, a span
+        of tokens tagged wrong (wrong_version_tag)."""
+        impossible = sum(impossible_tags(s.versions) for s in self.samples)
+        if not impossible:
+            return
+        at_turn, elsewhere = 0, 0
+        for i, s in enumerate(self.samples):
+            for k in range(1, len(s.versions)):
+                if s.versions[k] < s.versions[k - 1]:
+                    if self.starts[i][k] == s.model_at[k] and self.starts[i][k] > 0:
+                        at_turn += 1
+                    else:
+                        elsewhere += 1
+        evidence = f"{impossible} tokens are tagged older than an earlier token of their sample"
+        if at_turn and not elsewhere:
+            turns = f"{evidence}, from the first token of {at_turn} later model turns"
+            self.offer("episode_version_tag", 1.0, f"{turns}: the episode kept an earlier turn's version")
+            self.offer("wrong_version_tag", 0.9, turns)
+        else:
+            self.offer("wrong_version_tag", 1.0, evidence)
+
     def offer(self, fault: str, value: float, evidence: str) -> None:
         if fault in FAULTS and value > self.found.get(fault, (-1.0, ""))[0]:
             self.found[fault] = (value, evidence)
@@ -485,10 +513,6 @@ class _Hypotheses:
         newest = self.assemble(lambda i, s: self.at_own(i, s, versions=[max(s.versions)] * len(s.versions)))
         evidence = "tokens tagged older than their sample match its newest weights"
         self.offer("wrong_version_tag", self.score(newest), evidence)
-        impossible = sum(impossible_tags(s.versions) for s in self.samples)
-        if impossible:  # no engine produces these, whatever the logprobs say
-            evidence = f"{impossible} tokens are tagged older than an earlier token of their sample"
-            self.offer("wrong_version_tag", 1.0, evidence)
 
         def one_older(i: int, s: _Sample) -> list[float]:
             older = [max(0, v - 1) for v in s.versions]
