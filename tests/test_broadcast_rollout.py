@@ -8,6 +8,7 @@ Real processes throughout: `parity serve broadcast`, `parity serve rollout --eng
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -110,9 +111,32 @@ def test_update_through_broadcast_reaches_vllm_and_reference_and_generation_matc
     chan.close()
 
 
+@pytest.fixture(scope="module")
+def standalone_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One vLLM rollout service without a broadcast service, shared by the tests that send it
+    versions themselves (one vLLM start instead of one per test). Each test reads the version it
+    finds and sends the next, so neither depends on the other's order or outcome."""
+    from parity.procs import start_service
+
+    service = start_service(
+        "rollout", ["--model", str(tiny_model), "--max_model_len", "512"],
+        log_dir=tmp_path_factory.mktemp("standalone_vllm"), env={"PARITY_ROLLOUT_AUTH_TOKEN": TOKEN},
+        name="vllm",
+    )  # fmt: skip
+    try:
+        service.wait_ready(420.0)  # the conftest's bound for a vLLM start on a loaded 2-core box
+        yield service.address
+    finally:
+        service.stop()
+
+
+def status_of(stub: rollout_pb2_grpc.RolloutServiceStub) -> rollout_pb2.RolloutServiceGetStatusResponse:
+    return stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
+
+
 @pytest.mark.slow
 def test_a_dead_rendezvous_fails_the_update_and_never_pauses_generation(
-    start_services, tiny_model: Path
+    standalone_vllm: str, tiny_model: Path
 ) -> None:
     """Issue #20: an UpdateWeights whose group never forms (no trainer ever joins) must fail within
     its timeout_s without pausing, or blocking, generation on the vLLM engine."""
@@ -123,12 +147,11 @@ def test_a_dead_rendezvous_fails_the_update_and_never_pauses_generation(
     from parity.weights.rendezvous import serve_store
     from tests.fakes.rollout_helpers import transfer_plan
 
-    vllm = start_services(
-        "rollout", "--model", str(tiny_model), "--auth_token", TOKEN, "--max_model_len", "512"
-    )
-    stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(vllm.address))
+    stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(standalone_vllm))
     greedy(stub)  # warm
-    plan, _sender, _ = transfer_plan(dict(version_weights(tiny_model, 1)), 1, timeout_s=6.0)
+    before = status_of(stub)
+    version = before.weight_version + 1
+    plan, _sender, _ = transfer_plan(dict(version_weights(tiny_model, version)), version, timeout_s=6.0)
     plan.rendezvous.port = free_port()
     serve_store("127.0.0.1", plan.rendezvous.port)  # the store answers; rank 0 never comes
     reply: list = []
@@ -152,12 +175,13 @@ def test_a_dead_rendezvous_fails_the_update_and_never_pauses_generation(
     )
     assert time.monotonic() - start < 6.0 + 5.0
     assert len(latencies) >= 3 and max(latencies) < 3.0, latencies  # generation went on throughout
-    status = stub.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
-    assert status.weight_version == 0 and status.paused_seconds_total == 0.0 and not status.paused
+    status = status_of(stub)  # the version it had, and not one more second paused
+    assert status.weight_version == before.weight_version and not status.paused
+    assert status.paused_seconds_total == before.paused_seconds_total, (before, status)
 
 
 @pytest.mark.slow
-def test_generation_goes_on_while_a_version_is_received(start_services, tiny_model: Path) -> None:
+def test_generation_goes_on_while_a_version_is_received(standalone_vllm: str, tiny_model: Path) -> None:
     """The vLLM worker receives on its own thread: a slow transfer (3 s) does not stop generation,
     and the pause is only the swap."""
     import threading
@@ -167,12 +191,12 @@ def test_generation_goes_on_while_a_version_is_received(start_services, tiny_mod
     from parity.weights.wire import TransferGroup
     from tests.fakes.rollout_helpers import transfer_plan
 
-    vllm = start_services(
-        "rollout", "--model", str(tiny_model), "--auth_token", TOKEN, "--max_model_len", "512"
-    )
-    stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(vllm.address))
+    stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(standalone_vllm))
     greedy(stub)  # warm
-    plan, sender_rdv, tensors = transfer_plan(dict(version_weights(tiny_model, 1)), 1, timeout_s=30.0)
+    version = status_of(stub).weight_version + 1
+    plan, sender_rdv, tensors = transfer_plan(
+        dict(version_weights(tiny_model, version)), version, timeout_s=30.0
+    )
     buffer = pack(tensors, Layout.of(plan.tensors))
     plan.bucket_bytes = -(-buffer.numel() // 10)  # ten buckets, 0.3 s apart: ~3 s on the wire
 
@@ -204,6 +228,7 @@ def test_generation_goes_on_while_a_version_is_received(start_services, tiny_mod
     update.join()
     sender.join(30)
     assert reply[0].outcome == rollout_pb2.UPDATE_OUTCOME_APPLIED, reply[0].error
+    assert status_of(stub).weight_version == version
     assert reply[0].transfer_seconds >= 2.5  # the slow transfer really happened
     # Generation went on while the version was received: greedy requests finished inside the
     # transfer (it ended at the latest when the swap began, just before the reply). A receive that

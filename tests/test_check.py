@@ -135,7 +135,9 @@ def test_bad_input_is_a_clear_error(argv: list[str], field: str, capsys: pytest.
 def test_unreachable_rollout_service_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     from parity.ports import free_port
 
-    assert main(["--rollout_address", f"127.0.0.1:{free_port()}", "--num_prompts", "1"]) == 2
+    # the tiny model: the default one (SmolLM2) is dequantised on first use, minutes on a fresh box
+    argv = ["--model", "tiny", "--rollout_address", f"127.0.0.1:{free_port()}", "--num_prompts", "1"]
+    assert main(argv) == 2
     assert "rollout service: UNAVAILABLE" in capsys.readouterr().err
 
 
