@@ -65,8 +65,9 @@ FAULTS: dict[str, Fault] = {
               "the engine applies repetition_penalty 1.3 to tokens already in the sequence; the trainer "
               "replays no penalty: repeated tokens' logprobs differ"),
         Fault("prompt_token_drift", "tokenization",
-              "the engine conditions on a prompt whose first token differs from the recorded one (chat "
-              "template or tokenizer drift): every completion logprob is scored on another context"),
+              "the engine conditions on the recorded prompt with its first token twice (a chat template "
+              "that adds its opening token, such as BOS, to a prompt that already starts with it): every "
+              "completion logprob is scored on another context"),
         Fault("episode_retokenized", "tokenization (multi-turn)",
               "the episode loop keeps the conversation as text and encodes it again before each model "
               "turn; the sample records the tokens the model sampled, so a later turn's logprobs were "
@@ -198,12 +199,12 @@ def penalised(fault: str, logits_1V, prompt: Sequence[int], completion: Sequence
     return logits_1V
 
 
-def conditioned_prompt(fault: str, prompt: Sequence[int], vocab_size: int) -> list[int]:
+def conditioned_prompt(fault: str, prompt: Sequence[int]) -> list[int]:
     """The prompt an engine with `fault` conditions on (the sample records the requested one):
-    prompt_token_drift changes its first token, truncated_context keeps its last half."""
+    prompt_token_drift doubles its first token, truncated_context keeps its last half."""
     out = list(prompt)
     if fault == "prompt_token_drift" and out:
-        out[0] = out[0] + 1 if out[0] + 1 < vocab_size else out[0] - 1
+        out = out[:1] + out
     elif fault == "truncated_context":
         out = out[len(out) // 2 :]
     return out

@@ -151,7 +151,7 @@ class ReferenceEngine:
 
         transform = engine_transform(self._active(), requested)
         # prompt_token_drift / truncated_context: the prompt the engine conditions on
-        prompt = conditioned_prompt(self._active(), prompt, self.model.config.vocab_size)
+        prompt = conditioned_prompt(self._active(), prompt)
         p = len(prompt)
         rows = [list(prompt) for _ in range(n)]
         for _ in range(length):

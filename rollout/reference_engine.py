@@ -179,7 +179,7 @@ class ReferenceEngine(RolloutEngine):
                 version = self.weight_version
                 fault = self._fault_at(version)
                 if prompt is None:  # a prompt fault changes what it conditions on, not what is recorded
-                    conditioned = conditioned_prompt(fault, spec.prompt_token_ids, self.vocab_size)
+                    conditioned = conditioned_prompt(fault, spec.prompt_token_ids)
                     prompt = torch.tensor([conditioned] * n, dtype=torch.long, device=self.device)
                     next_input = prompt
                 if epoch != self._recompute_epoch and cache is not None:

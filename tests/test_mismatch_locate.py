@@ -214,3 +214,27 @@ def test_a_span_tagged_older_inside_a_turn_is_a_wrong_version_tag(lm) -> None:
     assert report is not None
     assert report.top(1) == ["wrong_version_tag"], report.candidates
     assert "episode_version_tag" not in report.top(), report.candidates
+
+
+@pytest.mark.parametrize(("edit", "what"), [(lambda p: p[:1] + p, "twice"), (lambda p: p[1:], "missing")])
+def test_a_prompt_whose_first_token_the_engine_doubled_or_lost_is_named(lm, edit, what: str) -> None:
+    # The engine conditioned on the recorded prompt with its first token doubled (a template's BOS
+    # added to a prompt that has one) or dropped, and reported honest logprobs for that context.
+    history = _history(lm)
+    groups = _clean(lm, history)
+    _load(lm, history.get(1))
+    for group in groups:
+        prompt = edit(list(group.prompt_token_ids))
+        for sample in group.samples:
+            ids = torch.tensor([prompt + list(sample.token_ids)])
+            with torch.no_grad():
+                rows = lm(input_ids=ids).logits[0].float()[len(prompt) - 1 : -1]
+            lp = processed_logprobs(rows, TRANSFORM).gather(
+                -1, torch.tensor(list(sample.token_ids)).unsqueeze(-1)
+            )
+            sample.logprobs[:] = lp.squeeze(-1).tolist()
+    report = locate(lm, history, groups, budget_s=5.0)
+    assert report is not None and report.k3 > 0
+    top = report.candidates[0]
+    assert top.fault == "prompt_token_drift" and top.score > 0.99, report.candidates[:3]
+    assert f"first token {what}" in top.evidence, top

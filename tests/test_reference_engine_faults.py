@@ -148,7 +148,7 @@ def _expected(name: str, weights: dict, tokens: list[int]) -> tuple[list[float],
                 rows.append(presence_penalised(logits[j : j + 1], tokens[:j], PRESENCE_PENALTY))
         return _chosen(processed_logprobs(torch.cat(rows), REQUESTED), tokens), tags
     if name == "prompt_token_drift":
-        return _replay(m2, tokens, prompt=[PROMPT[0] + 1, *PROMPT[1:]]), tags
+        return _replay(m2, tokens, prompt=[PROMPT[0], *PROMPT]), tags
     if name == "truncated_context":
         return _replay(m2, tokens, prompt=PROMPT[len(PROMPT) // 2 :]), tags
     if name == "bf16_lm_head":

@@ -15,14 +15,15 @@ every version the tokens were sampled at). Output, a `MismatchReport`:
   distribution costs the cap), and 0 when it makes the mismatch worse. The tested
   changes are grids: temperature, top-k and top-p (one differing: that setting; several at once: a
   generation_config leak), repetition and presence penalties, raw logits, a bf16 head or bf16
-  weights, RoPE theta, a left-truncated prompt, one tensor kept at v-1 (searched layer by layer), every
+  weights, RoPE theta, a left-truncated prompt, a prompt whose first token is doubled or missing (a
+  chat template's BOS), one tensor kept at v-1 (searched layer by layer), every
   same-shaped pair of tensors in a layer swapped, the whole model at v-1 (on every worker, or one),
   the prompt's KV from an older version (all but its last token, or the prompts' shared prefix in
   whole KV blocks), the first token at v-1, the newest tag for every token, logprobs shifted
   by one, the last token's logprob alone, and in multi-turn episodes the later model turns
   conditioned on the decode-then-encode round trip of the episode so far (with the model's
-  tokenizer) or at one version newer than their tags. A fault with no replay (the engine
-  conditioned on other prompt tokens) scores by what nothing else explains.
+  tokenizer) or at one version newer than their tags. Prompt drift that no replay rebuilds (the
+  engine conditioned on other prompt tokens) also scores by what nothing else explains.
 - In episodes, the mismatch is also split by model turn (the first, and the later ones).
 
 Costs: it runs only when the gate acts. The tensor searches (whole layers at v-1, then each tensor
@@ -61,7 +62,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-UNREPLAYABLE = ("prompt_token_drift",)  # no replay can rebuild the context the engine saw
+UNREPLAYABLE = ("prompt_token_drift",)  # the drifts no replay rebuilds are scored by what is left
+PROMPT_EDITS = (  # chat-template drift at the prompt's start: a BOS (or opening token) doubled, or lost
+    (lambda p: p[:1] + p, "twice"),
+    (lambda p: p[1:], "missing"),
+)
 TOP = 3
 MISMATCH_REPORT = "mismatch_report"  # in the run directory: .json and .png
 PARSIMONY = 0.02  # what a change of several sampling settings gives up against one
@@ -638,6 +643,17 @@ class _Hypotheses:
             truncated.append((self.score(pred), keep))
         value, fraction = max(truncated)
         self.offer("truncated_context", value, f"the engine saw only the last {fraction:.0%} of each prompt")
+        for edit, what in PROMPT_EDITS:  # the template drifts a replay can rebuild
+            pred = self.assemble(
+                lambda i, s, e=edit: (
+                    self.fresh(s, lambda: scorer.logits(s, e(s.prompt)))
+                    if len(s.prompt) > 1
+                    else self.at_own(i, s)
+                )
+            )
+            self.offer(
+                "prompt_token_drift", self.score(pred), f"the engine's prompts had their first token {what}"
+            )
         self.stale_prefix()
 
     def stale_prefix(self) -> None:
@@ -741,7 +757,7 @@ class _Hypotheses:
         """A fault with no replay scores by what nothing else explains."""
         explained = max((v for v, _ in self.found.values()), default=0.0)
         for fault in UNREPLAYABLE:
-            evidence = "no replay explains it: the engine may have seen other prompt tokens"
+            evidence = "no replay explains it: the engine may have seen other prompt tokens than recorded"
             self.offer(fault, 0.5 * (1.0 - explained), evidence)
 
 
