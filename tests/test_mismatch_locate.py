@@ -146,14 +146,17 @@ def test_a_clean_engine_has_nothing_to_locate(lm) -> None:
     assert report is not None and report.k3 < 1e-9 and report.candidates == []
 
 
-def _clean(lm, history: WeightHistory) -> list:
+def _clean(lm, history: WeightHistory, conditioned=lambda prompt: prompt) -> list:
+    """Groups whose logprobs an honest engine at version 1 reported, conditioned on
+    `conditioned(prompt)` (the recorded prompt, unless a test says otherwise)."""
     groups = _groups(lm, history, cached=1)
     _load(lm, history.get(1))
     for group in groups:
+        prompt = conditioned(list(group.prompt_token_ids))
         for sample in group.samples:
-            ids = torch.tensor([list(group.prompt_token_ids) + list(sample.token_ids)])
+            ids = torch.tensor([prompt + list(sample.token_ids)])
             with torch.no_grad():
-                rows = lm(input_ids=ids).logits[0].float()[len(group.prompt_token_ids) - 1 : -1]
+                rows = lm(input_ids=ids).logits[0].float()[len(prompt) - 1 : -1]
             lp = processed_logprobs(rows, TRANSFORM).gather(
                 -1, torch.tensor(list(sample.token_ids)).unsqueeze(-1)
             )
@@ -221,19 +224,7 @@ def test_a_prompt_whose_first_token_the_engine_doubled_or_lost_is_named(lm, edit
     # The engine conditioned on the recorded prompt with its first token doubled (a template's BOS
     # added to a prompt that has one) or dropped, and reported honest logprobs for that context.
     history = _history(lm)
-    groups = _clean(lm, history)
-    _load(lm, history.get(1))
-    for group in groups:
-        prompt = edit(list(group.prompt_token_ids))
-        for sample in group.samples:
-            ids = torch.tensor([prompt + list(sample.token_ids)])
-            with torch.no_grad():
-                rows = lm(input_ids=ids).logits[0].float()[len(prompt) - 1 : -1]
-            lp = processed_logprobs(rows, TRANSFORM).gather(
-                -1, torch.tensor(list(sample.token_ids)).unsqueeze(-1)
-            )
-            sample.logprobs[:] = lp.squeeze(-1).tolist()
-    report = locate(lm, history, groups, budget_s=5.0)
+    report = locate(lm, history, _clean(lm, history, conditioned=edit), budget_s=5.0)
     assert report is not None and report.k3 > 0
     top = report.candidates[0]
     assert top.fault == "prompt_token_drift" and top.score > 0.99, report.candidates[:3]

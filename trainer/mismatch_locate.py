@@ -445,7 +445,7 @@ class _Hypotheses:
         for i, s in enumerate(self.samples):
             for k in range(1, len(s.versions)):
                 if s.versions[k] < s.versions[k - 1]:
-                    if self.starts[i][k] == s.model_at[k] and self.starts[i][k] > 0:
+                    if self.starts[i][k] == s.model_at[k]:  # k > 0: the first token of a later turn
                         at_turn += 1
                     else:
                         elsewhere += 1
