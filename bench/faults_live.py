@@ -8,7 +8,9 @@ learning rate and a meaningless reward that varies between completions (`varied_
 model earns 0 on every real task, and weights that never move hide every class that serves or tags
 the wrong version). one_worker_not_updated runs with two rollout workers (it acts on the second);
 the multi-turn classes run `VariedTurns` (two model turns), episode_version_tag in async mode (it
-shows only when an update lands between two turns). Runs go one at a time. Per class: the step
+shows only when an update lands between two turns). Runs go one at a time. Per class: the first
+step that trains a faulty token (sync: the step that trains `--inject_version`; episode_version_tag:
+the first step whose trained_rollouts.jsonl holds a rollout the actor logged as changed), the step
 the run stopped at (the last step in metrics.jsonl; the launcher exits non-zero when the running
 gate stops it), the gate's signal at that step (mismatch_k3_own_version_informative), and the top 3
 candidates of the run dir's mismatch report. Writes faults_live.json and faults_live.md into --out.
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from commands.run.supervisor import MARKER_ENV
 from parity.faults import FAULTS, MULTI_TURN_FAULTS
+from rollout.episodes import FAULTY_ROLLOUTS_LOG
 from trainer.mismatch_locate import MISMATCH_REPORT
 
 SIGNAL = "mismatch_k3_own_version_informative"
@@ -56,6 +59,9 @@ def run_flags(name: str, out: Path, steps: int, inject_version: int) -> list[str
         flags[flags.index("--mode") + 1] = "async"
         flags[flags.index("--max_tokens") + 1] = "128"
         flags += ["--max_lag", "4"]
+        # Its changed turns are stale tokens in some groups only: rescore the stale tokens of every
+        # group (the default rescores one group a step, which may not hold a changed turn).
+        flags += ["--trainer.own_version_groups", flags[flags.index("--groups_per_step") + 1]]
     return flags
 
 
@@ -93,6 +99,31 @@ class VariedTurns:
         return "Now something else.", varied_reward("", action, "", {}), self.turns >= 2
 
 
+def changed_rollouts(name: str, logs: list[str]) -> set[str]:
+    """The rollout ids whose turns `name` changed, from the actor's FAULTY_ROLLOUTS_LOG lines."""
+    marker = FAULTY_ROLLOUTS_LOG % (name, "")
+    return {
+        rollout_id
+        for text in logs
+        for line in text.splitlines()
+        if marker in line
+        for rollout_id in line.split(marker, 1)[1].split()
+    }
+
+
+def first_trained_step(run_dir: Path, rollout_ids: set[str]) -> int | None:
+    """The first step whose trained rollouts (trained_rollouts.jsonl) include one of `rollout_ids`;
+    None when no step trained any."""
+    path = run_dir / "trained_rollouts.jsonl"
+    if not rollout_ids or not path.exists():
+        return None
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if rollout_ids.intersection(row["rollout_ids"]):
+            return row["step"]
+    return None
+
+
 def run_one(name: str, out: Path, steps: int, inject_version: int, timeout_s: float) -> dict:
     run_dir, log_path = out / name, out / f"{name}.log"
     env = {**os.environ, MARKER_ENV: f"faults-live-bench-{os.getpid()}", "PYTHONUNBUFFERED": "1"}
@@ -116,11 +147,14 @@ def run_one(name: str, out: Path, steps: int, inject_version: int, timeout_s: fl
     )
     # Multi-turn classes log each turn they changed (rollout/episodes.py FAULTY_TURN_LOG): none
     # means the fault never acted (no update landed between two turns), not that it was missed.
-    faulty_turns = (
-        sum(p.read_text(errors="replace").count(f"fault {name} changed model turn")
-            for p in (run_dir / "logs").glob("rollout*.log"))
-        if name == "episode_version_tag" else None
-    )  # fmt: skip
+    faulty_turns = first_faulty_step = None
+    if name == "episode_version_tag":
+        logs = [p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log")]
+        faulty_turns = sum(text.count(f"fault {name} changed model turn ") for text in logs)
+        first_faulty_step = first_trained_step(run_dir, changed_rollouts(name, logs))
+    else:
+        # sync mode trains version v at step v + 1: the first step that trains on a faulty token
+        first_faulty_step = inject_version + 1
     last = rows[-1] if rows else {}
     tags = last.get("version_tag_violations") or 0
     return {
@@ -135,8 +169,7 @@ def run_one(name: str, out: Path, steps: int, inject_version: int, timeout_s: fl
         "caught_by": f"version_tag_violations {tags}" if tags else SIGNAL,
         "top3": top3,
         "named_in_top3": name in top3,
-        # sync mode trains version v at step v + 1: the first step that trains on a faulty token
-        "first_faulty_step": inject_version + 1,
+        "first_faulty_step": first_faulty_step,
         "wall_s": round(time.monotonic() - start, 1),
         "log": str(log_path),
     }
@@ -144,8 +177,8 @@ def run_one(name: str, out: Path, steps: int, inject_version: int, timeout_s: fl
 
 def markdown(rows: list[dict], steps: int) -> str:
     lines = [
-        f"| class | injected at version | stopped at step (of {steps}) | gate signal | top-3 candidates | named |",
-        "|---|---|---|---|---|---|",
+        f"| class | injected at version | first faulty step | stopped at step (of {steps}) | gate signal | top-3 candidates | named |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         stop = (
@@ -159,7 +192,7 @@ def markdown(rows: list[dict], steps: int) -> str:
         if r["faulty_turns"] is not None:
             stop = f"{stop}; {r['faulty_turns']} turns changed"
         lines.append(
-            f"| {r['fault']} | {r['injected_at_version']} | {stop} | {signal} | "
+            f"| {r['fault']} | {r['injected_at_version']} | {r['first_faulty_step'] or 'none'} | {stop} | {signal} | "
             f"{', '.join(r['top3']) or 'no report'} | {'yes' if r['named_in_top3'] else 'no'} |"
         )
     return "\n".join(lines) + "\n"
@@ -182,7 +215,8 @@ def main() -> int:
         row = run_one(name, args.out, args.steps, args.inject_version, args.timeout_s)
         rows.append(row)
         print(
-            f"[{i}/{len(names)}] {name}: rc {row['rc']}, stopped at step {row['stopped_at_step']}, "
+            f"[{i}/{len(names)}] {name}: rc {row['rc']}, first faulty step {row['first_faulty_step']}, "
+            f"stopped at step {row['stopped_at_step']}, "
             f"signal {row['signal']}, top3 {row['top3']}, named {row['named_in_top3']} ({row['wall_s']}s)",
             flush=True,
         )
@@ -190,7 +224,14 @@ def main() -> int:
     table = markdown(rows, args.steps)
     (args.out / "faults_live.md").write_text(table)
     print(table)
-    print(f"{sum(r['named_in_top3'] for r in rows)} of {len(rows)} named in the top 3; "
+    within = sum(
+        r["gate_stopped"]
+        and r["first_faulty_step"] is not None
+        and r["stopped_at_step"] == r["first_faulty_step"]
+        for r in rows
+    )
+    print(f"{within} of {len(rows)} stopped at their first faulty step; "
+          f"{sum(r['named_in_top3'] for r in rows)} of {len(rows)} named in the top 3; "
           f"wall {time.monotonic() - start:.0f}s")  # fmt: skip
     return 0
 

@@ -280,7 +280,12 @@ class Actor:
     ) -> rollouts_pb2.RolloutGroup | None:
         """A group of `n` episodes of one environment record (rollout/episodes.py), or None when an
         environment failed in any of them (the group is dropped and counted, never scored)."""
-        from rollout.episodes import TurnTemplate, retokenization_drift, run_episode
+        from rollout.episodes import (
+            FAULTY_ROLLOUTS_LOG,
+            TurnTemplate,
+            retokenization_drift,
+            run_episode,
+        )
 
         c, sampling = self.sampling_config, self.sampling()
         group_id = f"{self.worker_id}-{self._run_id}-{next(self._counter)}"
@@ -348,6 +353,8 @@ class Actor:
             self._group_draws.pop(group_id, None)
             log.warning("episode group %s (record %s) dropped: %s", group_id, prompt.prompt_id, problem)
             return None
+        if self._fault and (changed := [f"{group_id}/{i}" for i, e in enumerate(episodes) if e.faulty_turns]):
+            log.warning(FAULTY_ROLLOUTS_LOG, self._fault.fault.name, " ".join(changed))
         tokenizer = self.engine.tokenizer
         samples = []
         for index, episode in enumerate(episodes):

@@ -44,6 +44,9 @@ from rollout.environments.base import AsyncEpisodeEnv, EnvironmentFailed
 log = logging.getLogger(__name__)
 # Tests only: a multi-turn fault that changed a turn (bench/faults_live.py counts these lines).
 FAULTY_TURN_LOG = "fault %s changed model turn %d (sampled at version %d, recorded as %d)"
+# Tests only: the rollouts whose turns it changed (bench/faults_live.py finds the step that trained
+# the first of them in trained_rollouts.jsonl).
+FAULTY_ROLLOUTS_LOG = "fault %s changed model turns of rollouts %s"
 
 EndReason = Literal["done", "max_turns", "context_length", "environment_error"]
 # generate(prompt_token_ids, max_tokens, turn_index) -> one completion of the engine
@@ -79,6 +82,7 @@ class Episode:
     reward: float = 0.0
     token_mismatches: int = 0
     engine_turns: list[list[int]] = field(default_factory=list)
+    faulty_turns: int = 0  # tests only: model turns a multi-turn fault changed (rollout.fault)
 
     @property
     def model_tokens(self) -> int:
@@ -198,6 +202,7 @@ async def run_episode(
             if turn_index > 0 and episode.weight_versions and on("episode_version_tag", weight_versions):
                 first = episode.weight_versions[0]
                 if any(v != first for v in weight_versions):  # an update landed since the first turn
+                    episode.faulty_turns += 1
                     log.warning(
                         FAULTY_TURN_LOG, "episode_version_tag", turn_index, weight_versions[-1], first
                     )

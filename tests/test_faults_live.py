@@ -76,3 +76,31 @@ def test_a_fault_is_refused_without_fault_injection_and_outside_the_reference_en
                    "rollout": {"engine": "reference", "enable_fault_injection": True,
                                "fault": "one_worker_not_updated@2"}}  # fmt: skip
     assert ParityConfig.model_validate(two_workers).rollout.fault == "one_worker_not_updated@2"
+
+
+def test_the_live_bench_finds_the_first_step_that_trains_a_changed_rollout(tmp_path: Path) -> None:
+    """bench/faults_live.py's first faulty step for episode_version_tag (async: no fixed step): the
+    rollouts the actor logged as changed, joined with the trainer's trained_rollouts.jsonl."""
+    from bench.faults_live import changed_rollouts, first_trained_step
+    from rollout.episodes import FAULTY_ROLLOUTS_LOG
+
+    name = "episode_version_tag"
+    log = "\n".join([
+        "12:00:01 WARNING rollout.actor " + FAULTY_ROLLOUTS_LOG % (name, "w0-r-7/1 w0-r-7/3"),
+        "12:00:02 WARNING rollout.actor " + FAULTY_ROLLOUTS_LOG % ("episode_retokenized", "w0-r-2/0"),
+        "12:00:03 INFO rollout.actor published w0-r-9",
+    ])  # fmt: skip
+    changed = changed_rollouts(name, [log])
+    assert changed == {"w0-r-7/1", "w0-r-7/3"}
+    trained = [
+        (1, ["w0-r-1/0", "w0-r-2/0"]),
+        (2, ["w0-r-5/0", "w0-r-7/0"]),
+        (3, ["w0-r-7/3"]),
+        (4, ["w0-r-7/1"]),
+    ]
+    (tmp_path / "trained_rollouts.jsonl").write_text(
+        "".join(json.dumps({"step": s, "rollout_ids": ids}) + "\n" for s, ids in trained)
+    )
+    assert first_trained_step(tmp_path, changed) == 3  # w0-r-7/0 at step 2 was not changed
+    assert first_trained_step(tmp_path, {"w0-r-8/0"}) is None  # changed but never trained
+    assert first_trained_step(tmp_path, set()) is None

@@ -49,13 +49,16 @@ def test_a_forward_after_a_kv_cache_equals_the_whole_forward(lm) -> None:
     assert torch.allclose(tail, whole[32:], atol=1e-5), float((tail - whole[32:]).abs().max())
 
 
-def _history(lm) -> WeightHistory:
-    """Version 0 = the tiny model; version 1 = every tensor moved by a few percent."""
+def _history(lm, newest: int = 1) -> WeightHistory:
+    """Version 0 = the tiny model; each later version = the one before with every tensor moved by a
+    few percent."""
     generator = torch.Generator().manual_seed(0)
-    history = WeightHistory(keep=2)
-    v0 = [(n, p.detach().clone()) for n, p in lm.named_parameters()]
-    history.record(0, v0)
-    history.record(1, [(n, t + 0.05 * t.std() * torch.randn(t.shape, generator=generator)) for n, t in v0])
+    history = WeightHistory(keep=newest + 1)
+    weights = [(n, p.detach().clone()) for n, p in lm.named_parameters()]
+    history.record(0, weights)
+    for version in range(1, newest + 1):
+        weights = [(n, t + 0.05 * t.std() * torch.randn(t.shape, generator=generator)) for n, t in weights]
+        history.record(version, weights)
     return history
 
 
@@ -146,6 +149,22 @@ def test_a_clean_engine_has_nothing_to_locate(lm) -> None:
     assert report is not None and report.k3 < 1e-9 and report.candidates == []
 
 
+def test_mixed_context_tokens_are_left_out_as_the_own_version_check_leaves_them_out(lm) -> None:
+    # Keep-mode tokens whose KV came from older weights: no replay at one version rebuilds their
+    # logprobs, so they must not read as a fault (here: far off, as if the old KV mattered a lot).
+    history = _history(lm)
+    groups = _clean(lm, history)
+    for group in groups:
+        for sample in group.samples:
+            sample.token_context_versions[:] = [1, 1, 1, 0, 0, 0]
+            for j in (3, 4, 5):
+                sample.logprobs[j] -= 2.0
+    report = locate(lm, history, groups, budget_s=5.0)
+    assert report is not None and report.tokens == 4 * 3 and report.k3 < 1e-9, report
+    assert report.candidates == [], report.candidates[:3]
+    assert "last" not in report.by_position, report.by_position  # each sample's last token was mixed
+
+
 def _clean(lm, history: WeightHistory, conditioned=lambda prompt: prompt) -> list:
     """Groups whose logprobs an honest engine at version 1 reported, conditioned on
     `conditioned(prompt)` (the recorded prompt, unless a test says otherwise)."""
@@ -208,6 +227,22 @@ def test_an_episode_that_kept_its_first_turns_version_is_named_from_its_tags(lm)
     assert report is not None
     assert report.top(2) == ["episode_version_tag", "wrong_version_tag"], report.candidates
     assert "later model turns" in report.candidates[0].evidence, report.candidates[0]
+
+
+def test_a_later_turn_sampled_two_versions_on_but_tagged_like_the_first_is_named(lm) -> None:
+    # The second model turn was sampled at version 2 (two updates landed between the turns) and
+    # tagged 0 like the first: the tags are possible, so only a replay at version 2 explains it.
+    history = _history(lm, newest=2)
+    mask = [True, True, False, False, True, True]
+    groups = _tagged(lm, history, [0, 0, 2, 2], mask)
+    for group in groups:
+        for sample in group.samples:
+            sample.token_weight_versions[:] = [0, 0, 0, 0]
+    report = locate(lm, history, groups, budget_s=5.0)
+    assert report is not None and report.k3 > 1e-4
+    top = report.candidates[0]
+    assert top.fault == "episode_version_tag" and top.score > 0.99, report.candidates[:3]
+    assert "2 versions newer" in top.evidence, top
 
 
 def test_a_span_tagged_older_inside_a_turn_is_a_wrong_version_tag(lm) -> None:

@@ -289,7 +289,9 @@ def test_the_multi_turn_faults_act_in_the_episode_loop(tiny_model: Path) -> None
 
     tagged, _ = _episode(tiny_model, "episode_version_tag@2")
     assert tagged.weight_versions == tagged.context_versions == [1] * 7  # the later turn tagged v1
-    assert _episode(tiny_model, "episode_version_tag@3")[0].weight_versions == clean.weight_versions
+    assert (clean.faulty_turns, tagged.faulty_turns) == (0, 1)  # what the live bench joins on
+    inactive = _episode(tiny_model, "episode_version_tag@3")[0]
+    assert inactive.weight_versions == clean.weight_versions and inactive.faulty_turns == 0
 
     retokenized, asked = _episode(tiny_model, "episode_retokenized@1")
     assert retokenized.token_ids == clean.token_ids and retokenized.check_exact() == 0  # recorded exactly

@@ -22,7 +22,8 @@ every version the tokens were sampled at). Output, a `MismatchReport`:
   whole KV blocks), the first token at v-1, the newest tag for every token, logprobs shifted
   by one, the last token's logprob alone, and in multi-turn episodes the later model turns
   conditioned on the decode-then-encode round trip of the episode so far (with the model's
-  tokenizer) or at one version newer than their tags. Prompt drift that no replay rebuilds (the
+  tokenizer) or at newer weights than their tags. Mixed-context tokens (KV from older weights
+  than sampled them) are left out, as the own-version check leaves them out. Prompt drift that no replay rebuilds (the
   engine conditioned on other prompt tokens) also scores by what nothing else explains.
 - In episodes, the mismatch is also split by model turn (the first, and the later ones).
 
@@ -135,24 +136,36 @@ class MismatchReport:
 class _Sample:
     prompt: list[int]
     completion: list[int]  # every completion token (an episode's environment tokens included)
-    model_at: list[int]  # indices into completion of the model's tokens
+    model_at: list[int]  # indices into completion of the model's clean tokens
     rollout: list[float]  # per model token
     versions: list[int]  # per model token
     transform: SamplingTransform
     worker: str
+    starts: list[int]  # per model token, the completion index where its model turn starts (0: the first)
+    last_at: int  # the completion index of the sample's last model token (clean or not)
+
+    def is_last(self, j: int) -> bool:
+        return self.model_at[j] == self.last_at
 
     def turn_starts(self) -> list[int]:
-        """Per model token, the completion index where its model turn starts (0: the first turn)."""
-        out, start = [], 0
-        for k, at in enumerate(self.model_at):
-            if k and at != self.model_at[k - 1] + 1:
-                start = at
-            out.append(start)
-        return out
+        return self.starts
+
+
+def _turn_starts(model_at: list[int]) -> list[int]:
+    """Per model token (completion indices `model_at`), where its model turn starts."""
+    out, start = [], 0
+    for k, at in enumerate(model_at):
+        if k and at != model_at[k - 1] + 1:
+            start = at
+        out.append(start)
+    return out
 
 
 def samples_of(groups: Sequence[Any], max_samples: int) -> list[_Sample]:
-    """Up to `max_samples` samples with a logprob per model token, round-robin over the groups."""
+    """Up to `max_samples` samples with a logprob per model token, round-robin over the groups.
+    Mixed-context tokens (their KV came from older weights than sampled them, a keep-mode update
+    in flight: `token_context_versions`) are left out, as the own-version check leaves them out:
+    no replay at one version rebuilds them."""
     per_group = []
     for group in groups:
         transform = SamplingTransform.from_proto(group.sampling)
@@ -166,9 +179,16 @@ def samples_of(groups: Sequence[Any], max_samples: int) -> list[_Sample]:
                 or len(s.token_weight_versions) != len(model_at)
             ):
                 continue
+            versions = [int(v) for v in s.token_weight_versions]
+            contexts = [int(c) for c in s.token_context_versions] or versions
+            keep = [k for k in range(len(model_at)) if k >= len(contexts) or contexts[k] == versions[k]]
+            if not keep:
+                continue
+            starts = _turn_starts(model_at)
             chosen.append(
-                _Sample(list(group.prompt_token_ids), list(s.token_ids), model_at, list(s.logprobs),
-                        [int(v) for v in s.token_weight_versions], transform, group.worker_id or "-")
+                _Sample(list(group.prompt_token_ids), list(s.token_ids), [model_at[k] for k in keep],
+                        [float(s.logprobs[k]) for k in keep], [versions[k] for k in keep], transform,
+                        group.worker_id or "-", [starts[k] for k in keep], model_at[-1])
             )  # fmt: skip
         per_group.append(chosen)
     out: list[_Sample] = []
@@ -349,7 +369,7 @@ class _Hypotheses:
         self.scorer, self.samples, self.history = scorer, samples, scorer.history
         self.owner = [(i, j) for i, s in enumerate(samples) for j in range(len(s.rollout))]
         self.first = {k for k, (_, j) in enumerate(self.owner) if j == 0}
-        self.last = {k for k, (i, j) in enumerate(self.owner) if j == len(samples[i].rollout) - 1}
+        self.last = {k for k, (i, j) in enumerate(self.owner) if samples[i].is_last(j)}
         # The trainer's logits at each sample's own versions and one version older, one load per version.
         self.own: list[dict[int, torch.Tensor]] = [{} for _ in samples]
         wanted = {
@@ -381,8 +401,7 @@ class _Hypotheses:
             }
 
         def position(i: int, j: int) -> str:
-            n = len(samples[i].rollout)
-            return "first" if j == 0 else "last" if j == n - 1 else "middle"
+            return "first" if j == 0 else "last" if samples[i].is_last(j) else "middle"
 
         report.by_position = table(position)
         report.by_worker = table(lambda i, j: samples[i].worker)
@@ -738,20 +757,43 @@ class _Hypotheses:
         self.offer("episode_retokenized", self.score(pred), evidence)
 
     def turn_versions(self) -> None:
-        """Each later model turn at the weights one version newer than its tags, as when an update
-        lands between turns and the episode keeps its first turn's version for every token."""
-        starts = self.starts
+        """Each later model turn at the held version, its tag's or newer, that explains it best, as
+        when updates land between turns and the episode keeps its first turn's version for every
+        token (how many landed is unknown: with a deep backlog a later turn can be several versions
+        on; a turn no update preceded keeps its own)."""
         if not self.episodes:
             return
+        held = self.history.versions()
+        shifts: list[int] = []
 
         def newer_later_turns(i: int, s: _Sample) -> list[float]:
-            versions = [v + 1 if starts[i][k] else v for k, v in enumerate(s.versions)]
-            if any(self.history.get(v) is None for v in versions):
-                return self.at_own(i, s)
-            return self.at_own(i, s, versions=versions)
+            out = self.at_own(i, s)
+            turns: dict[int, list[int]] = {}
+            for k, start in enumerate(self.starts[i]):
+                if start:
+                    turns.setdefault(start, []).append(k)
+            for ks in turns.values():
+                tag, best = s.versions[ks[0]], None
+                for v in (v for v in held if v >= tag):
+                    pred = self.at_own(i, s, versions=[v] * len(s.versions))
+                    d = _distance([pred[k] for k in ks], [s.rollout[k] for k in ks])
+                    if best is None or d < best[0]:
+                        best = (d, v, pred)
+                if best is not None and best[1] > tag:
+                    for k in ks:
+                        out[k] = best[2][k]
+                    shifts.append(best[1] - tag)
+            return out
 
-        evidence = "later model turns match the weights one version newer than their tags"
-        self.offer("episode_version_tag", self.score(self.assemble(newer_later_turns)), evidence)
+        pred = self.assemble(newer_later_turns)
+        if not shifts:
+            return
+        if len(set(shifts)) > 1:
+            ahead = f"{min(shifts)}-{max(shifts)} versions"
+        else:
+            ahead = "one version" if shifts[0] == 1 else f"{shifts[0]} versions"
+        evidence = f"later model turns match the weights {ahead} newer than their tags"
+        self.offer("episode_version_tag", self.score(pred), evidence)
 
     def unreplayable(self) -> None:
         """A fault with no replay scores by what nothing else explains."""
