@@ -245,9 +245,15 @@ def test_a_later_turn_sampled_two_versions_on_but_tagged_like_the_first_is_named
     assert "2 versions newer" in top.evidence, top
 
 
-def test_a_span_tagged_older_inside_a_turn_is_a_wrong_version_tag(lm) -> None:
+@pytest.mark.parametrize("contexts", [[], [1] * COMPLETION_LEN])
+def test_a_span_tagged_older_inside_a_turn_is_a_wrong_version_tag(lm, contexts: list[int]) -> None:
+    # With contexts: as a live engine reports them, the span's KV came from version 1 (newer than
+    # its tag): impossible, so kept, unlike keep-mode tokens whose KV is older than their tag.
     history = _history(lm)
     groups = _tagged(lm, history, [1, 1, 0, 0, 1, 1], [True] * COMPLETION_LEN)
+    for group in groups:
+        for sample in group.samples:
+            sample.token_context_versions[:] = contexts
     report = locate(lm, history, groups, budget_s=5.0)
     assert report is not None
     assert report.top(1) == ["wrong_version_tag"], report.candidates

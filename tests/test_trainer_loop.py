@@ -269,6 +269,54 @@ def test_recomputed_old_logprobs_use_the_tokens_own_version(
     assert 0.0 <= row["mismatch_k3_at_version"] < 1e-8 and row["mismatch_max_abs_at_version"] < 1e-4
 
 
+def test_each_version_is_rescored_over_the_sequences_that_hold_it(
+    redis_url: str, tmp_path: Path, reference_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainer.own_version as own_version
+
+    queue = RolloutQueue(redis_url, stream=STREAM)
+    queue.publish(group(reference_model, "w0"))
+    trainer = make_trainer(redis_url, tmp_path, steps=1, lr=1e-2, old_logprobs="recompute", max_lag=3)
+    trainer.run()
+    assert trainer.history.versions() == [0, 1]
+    batch = Batch(
+        groups=[
+            group(reference_model, "a", version=0, seed=5),
+            group(reference_model, "b", version=1, seed=6),
+        ]
+    )
+    seqs = prepare(batch, trainer.config).sequences
+    half = len(seqs[0].versions) // 2
+    seqs[0].versions[half:] = [1] * (len(seqs[0].versions) - half)  # one sequence across the update
+    behaviour = torch.tensor([lp for s in seqs for lp in s.rollout_logprobs])
+    # What a forward of the whole chunk at each version gives, token by token.
+    expected = behaviour.clone()
+    versions = torch.tensor([v for s in seqs for v in s.versions])
+    params = dict(trainer.old_model.lm.named_parameters())
+    with torch.no_grad():
+        for version in (0, 1):
+            for name, tensor in trainer.history.get(version).items():
+                params[name].copy_(tensor)
+            whole, _ = token_logprobs(trainer.old_model, [s.inputs for s in seqs], with_entropy=False)
+            expected[versions == version] = whole[versions == version]
+    forwarded: list[int] = []
+    real = own_version.token_logprobs
+
+    def counted(model, sequences, **kw):
+        forwarded.append(len(sequences))
+        return real(model, sequences, **kw)
+
+    monkeypatch.setattr(own_version, "token_logprobs", counted)
+    recomputed, known = rescore_at_versions(
+        trainer.old_model, trainer.history, seqs, behaviour, trainer.device
+    )
+    assert bool(known.all())
+    # Equal up to the float32 rounding of another batch shape (a few ulps of logprobs near -4).
+    assert torch.allclose(recomputed, expected, rtol=1e-6, atol=1e-6), (recomputed - expected).abs().max()
+    # Version 0: group a (4 sequences); version 1: group b and the sequence across the update.
+    assert forwarded == [4, 5], forwarded
+
+
 def test_consume_train_and_publish_spans_link_to_the_producer(
     redis_url: str, tmp_path: Path, reference_model
 ) -> None:

@@ -22,9 +22,10 @@ every version the tokens were sampled at). Output, a `MismatchReport`:
   whole KV blocks), the first token at v-1, the newest tag for every token, logprobs shifted
   by one, the last token's logprob alone, and in multi-turn episodes the later model turns
   conditioned on the decode-then-encode round trip of the episode so far (with the model's
-  tokenizer) or at newer weights than their tags. Mixed-context tokens (KV from older weights
-  than sampled them) are left out, as the own-version check leaves them out. Prompt drift that no replay rebuilds (the
+  tokenizer) or at newer weights than their tags. Prompt drift that no replay rebuilds (the
   engine conditioned on other prompt tokens) also scores by what nothing else explains.
+  Mixed-context tokens (KV from older weights than sampled them) are left out, as the own-version
+  check leaves them out.
 - In episodes, the mismatch is also split by model turn (the first, and the later ones).
 
 Costs: it runs only when the gate acts. The tensor searches (whole layers at v-1, then each tensor
@@ -181,7 +182,8 @@ def samples_of(groups: Sequence[Any], max_samples: int) -> list[_Sample]:
                 continue
             versions = [int(v) for v in s.token_weight_versions]
             contexts = [int(c) for c in s.token_context_versions] or versions
-            keep = [k for k in range(len(model_at)) if k >= len(contexts) or contexts[k] == versions[k]]
+            # A context newer than its token is no keep-mode token but an impossible tag: kept (tags()).
+            keep = [k for k in range(len(model_at)) if k >= len(contexts) or contexts[k] >= versions[k]]
             if not keep:
                 continue
             starts = _turn_starts(model_at)

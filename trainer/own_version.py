@@ -11,6 +11,7 @@ Two uses, one mechanism (load a version from the WeightHistory into the frozen `
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,7 +44,8 @@ def rescore_at_versions(
     device,
     entropy_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Trainer logprobs at each token's own version, mask of tokens whose version is held).
+    """(Trainer logprobs at each token's own version, mask of tokens whose version is held): one
+    no-grad forward per held version, over the sequences that hold it.
     Tokens whose version is not held keep their behaviour logprobs and are outside the mask.
     With `entropy_out` ([T]), the processed distribution's entropy at each rescored token is written
     into it (from the same logits: no extra forward)."""
@@ -54,6 +56,9 @@ def rescore_at_versions(
     old_T = behaviour_T.clone()
     known_T = torch.zeros_like(versions_T, dtype=torch.bool)
     params = dict(old_model.lm.named_parameters())
+    # Where each sequence's tokens sit in the chunk's token order: a version's forward runs over the
+    # sequences that hold it, not the whole chunk.
+    offsets = list(itertools.accumulate((len(s.versions) for s in chunk), initial=0))
     with torch.no_grad():
         for version in sorted(set(versions)):
             weights = history.get(version)
@@ -61,17 +66,23 @@ def rescore_at_versions(
                 continue
             for name, tensor in weights.items():
                 params[name].copy_(tensor)
+            members = [i for i, s in enumerate(chunk) if version in s.versions]
+            sub = [chunk[i] for i in members]
+            at_T = to_device(
+                torch.tensor([t for i in members for t in range(offsets[i], offsets[i + 1])]), device
+            )
             lp_T, entropy_T = token_logprobs(
                 old_model,
-                [s.inputs for s in chunk],
+                [s.inputs for s in sub],
                 with_entropy=entropy_out is not None,
-                keep=model_positions(chunk),
+                keep=model_positions(sub),
             )
-            use_T = versions_T == version
-            old_T[use_T] = lp_T[use_T]
+            use_T = versions_T[at_T] == version
+            rows_T = at_T[use_T]
+            old_T[rows_T] = lp_T[use_T]
             if entropy_out is not None:
-                entropy_out[use_T] = entropy_T[use_T].to(entropy_out.dtype)
-            known_T |= use_T
+                entropy_out[rows_T] = entropy_T[use_T].to(entropy_out.dtype)
+            known_T[rows_T] = True
     return old_T, known_T
 
 

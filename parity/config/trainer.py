@@ -126,7 +126,7 @@ class TrainerConfig(ServiceConfig):
     old_logprobs: OldLogprobs = Field(
         "behaviour",
         description="PPO old policy: behaviour = rollout logprobs; recompute = trainer at the rollout's "
-        "version (keeps max(max_lag+1, 2) weight snapshots, one extra no-grad forward per version per micro-batch).",
+        "version (keeps max(max_lag+1, 2) weight snapshots, one extra no-grad forward per version per micro-batch, over the sequences holding it).",
     )
     own_version_groups: int = Field(
         1,
