@@ -1,4 +1,5 @@
-"""A trainer restarted alone (broadcast service and workers still running) publishes at once.
+"""A trainer restarted alone (broadcast service and workers still running) publishes at once; a
+broadcast service restarted alone at its address gets the workers back and the next version through.
 
 The workers hold the data group of the current membership epoch between versions. A restarted
 trainer changes neither the epoch's members nor its staleness, so without a new epoch its first
@@ -123,3 +124,51 @@ def _wait_registered(stub, worker_id: str, timeout_s: float = 90) -> None:
     while worker_id not in {w.worker_id for w in _status(stub).workers}:
         assert time.monotonic() < deadline, f"{worker_id} did not register"
         time.sleep(0.1)
+
+
+RESTARTED_SYNC_BOUND_S = 30.0  # issue #37: weight sync works again within 30 s of the restart
+
+
+def test_a_broadcast_service_restarted_alone_syncs_the_next_version_within_30_s(tmp_path: Path) -> None:
+    """SIGKILL of the broadcast service while the trainer (a Publisher) and a worker keep running,
+    then the same service again at the same address, as compose or Kubernetes restarts it: the
+    worker registers again on its own, and the trainer's next version reaches it."""
+    import signal
+
+    args = ["--heartbeat_interval_s", "0.5", "--heartbeat_timeout_s", "5", "--transfer_timeout_s",
+            str(TIMEOUT_S), "--rpc_margin_s", "5", "--bucket_bytes", str(BUCKET_BYTES)]  # fmt: skip
+    env = {"PARITY_BROADCAST_AUTH_TOKEN": TOKEN}
+    broadcast = start_service("broadcast", args, log_dir=tmp_path, env=env).wait_ready(60)
+    address = broadcast.address
+    worker = _start_worker(tmp_path, address, "w0")
+    publisher = None
+    try:
+        with grpc.insecure_channel(address) as chan:
+            _wait_registered(broadcast_pb2_grpc.WeightBroadcastServiceStub(chan), "w0")
+        publisher = _publisher(address)
+        assert publisher.publish_tensors(toy_weights(1), 1).committed
+        broadcast.signal(signal.SIGKILL)
+        broadcast.proc.wait(10)
+        port = address.rsplit(":", 1)[1]
+        broadcast = start_service(
+            "broadcast", [*args, "--port", port], log_dir=tmp_path, env=env, name="broadcast-restarted"
+        ).wait_ready(60)
+        assert broadcast.address == address
+        ready = time.monotonic()
+        with grpc.insecure_channel(address) as chan:
+            stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(chan)
+            _wait_registered(stub, "w0", timeout_s=RESTARTED_SYNC_BOUND_S)
+            result = publisher.publish_tensors(toy_weights(2), 2)  # the trainer's next version, no retry
+            elapsed = time.monotonic() - ready
+            assert result.committed and result.bytes_sent > 0, result
+            assert elapsed < RESTARTED_SYNC_BOUND_S, f"v2 reached the worker {elapsed:.1f}s after the restart"
+            info = {w.worker_id: w for w in _status(stub).workers}["w0"]
+            assert (info.weight_version, info.verified) == (2, True), info
+        served = json.loads((tmp_path / "w0.json").read_text())
+        assert (served["version"], served["checksums"]) == (2, trainer_checksums(2))
+        print(f"v2 served {elapsed:.1f}s after the restarted broadcast service was ready")
+    finally:
+        if publisher is not None:
+            publisher.close()
+        worker.stop(10)
+        broadcast.stop(10)
