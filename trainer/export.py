@@ -30,15 +30,15 @@ def export(
     run_dir: str | Path, out_dir: str | Path, model: str = "", checkpoint: str = "", force: bool = False
 ) -> Path:
     """Write the checkpoint (newest, or `checkpoint` = a step_* directory) to `out_dir`."""
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if not (run_dir / "checkpoints").is_dir():  # before the heavy imports: a wrong path fails fast
+        raise ExportError(f"RUN_DIR: {run_dir} has no checkpoints/ directory")
     from transformers import AutoTokenizer
 
     from parity import models
     from trainer.checkpoint import CheckpointStore, load_model_weights
     from trainer.policy import load_model
 
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
-    if not (run_dir / "checkpoints").is_dir():
-        raise ExportError(f"RUN_DIR: {run_dir} has no checkpoints/ directory")
     path = Path(checkpoint) if checkpoint else CheckpointStore(run_dir).latest()
     if path is None or not (path / "state.json").exists():
         raise ExportError(f"RUN_DIR: no complete checkpoint under {run_dir / 'checkpoints'}")
