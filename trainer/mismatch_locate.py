@@ -148,9 +148,6 @@ class _Sample:
     def is_last(self, j: int) -> bool:
         return self.model_at[j] == self.last_at
 
-    def turn_starts(self) -> list[int]:
-        return self.starts
-
 
 def _turn_starts(model_at: list[int]) -> list[int]:
     """Per model token (completion indices `model_at`), where its model turn starts."""
@@ -160,6 +157,15 @@ def _turn_starts(model_at: list[int]) -> list[int]:
             start = at
         out.append(start)
     return out
+
+
+def _later_turns(starts: list[int]) -> list[list[int]]:
+    """Per later model turn, in order, the indices of its model tokens (`starts` as _turn_starts)."""
+    turns: dict[int, list[int]] = {}
+    for k, start in enumerate(starts):
+        if start:
+            turns.setdefault(start, []).append(k)
+    return list(turns.values())
 
 
 def samples_of(groups: Sequence[Any], max_samples: int) -> list[_Sample]:
@@ -386,7 +392,7 @@ class _Hypotheses:
         self.base = self.assemble(lambda i, s: self.at_own(i, s))
         self.base_distance = _distance(self.base, self.rollout)
         self.found: dict[str, tuple[float, str]] = {}
-        self.starts = [s.turn_starts() for s in samples]  # per model token, where its turn starts
+        self.starts = [s.starts for s in samples]  # per model token, where its turn starts
         self.episodes = any(len(set(x)) > 1 for x in self.starts)  # some sample has a later turn
 
     def where(self, report: MismatchReport) -> None:
@@ -733,8 +739,8 @@ class _Hypotheses:
         for i, s in enumerate(self.samples):
             own = self.at_own(i, s)
             per_token = list(own)
-            for start in sorted(set(starts[i]) - {0}):  # one forward per later turn, at its version
-                ks = [k for k, x in enumerate(starts[i]) if x == start]
+            for ks in _later_turns(starts[i]):  # one forward per later turn, at its version
+                start = starts[i][ks[0]]
                 turn_versions = {s.versions[k] for k in ks}
                 if len(turn_versions) > 1 or not scorer.load(turn_versions.pop()):
                     continue  # a turn across an update (or a version not held): its own logprobs
@@ -770,11 +776,7 @@ class _Hypotheses:
 
         def newer_later_turns(i: int, s: _Sample) -> list[float]:
             out = self.at_own(i, s)
-            turns: dict[int, list[int]] = {}
-            for k, start in enumerate(self.starts[i]):
-                if start:
-                    turns.setdefault(start, []).append(k)
-            for ks in turns.values():
+            for ks in _later_turns(self.starts[i]):
                 tag, best = s.versions[ks[0]], None
                 for v in (v for v in held if v >= tag):
                     pred = self.at_own(i, s, versions=[v] * len(s.versions))
