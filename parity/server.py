@@ -226,6 +226,15 @@ def install_shutdown_handlers(on_shutdown: Callable[[], Awaitable[None]]) -> asy
     return stopped
 
 
+# A service that restarts at its address is reached again within ~2 s: gRPC's default reconnect
+# backoff grows to 120 s, and a channel in backoff fails every call at once with UNAVAILABLE.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
 def channel(address: str, token: str = "") -> grpc.aio.Channel:
     """An aio channel to a Parity service (large messages allowed)."""
     del token  # tokens travel as per-call metadata, see `bearer`
@@ -235,5 +244,6 @@ def channel(address: str, token: str = "") -> grpc.aio.Channel:
         options=[
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            *RECONNECT_OPTIONS,
         ],
     )

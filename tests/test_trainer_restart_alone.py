@@ -149,6 +149,10 @@ def test_a_broadcast_service_restarted_alone_syncs_the_next_version_within_30_s(
         assert publisher.publish_tensors(toy_weights(1), 1).committed
         broadcast.signal(signal.SIGKILL)
         broadcast.proc.wait(10)
+        # Down for 10 s, Kubernetes' first restart delay: the trainer's channel keeps failing to
+        # connect meanwhile (its catch-up polls), and with gRPC's default reconnect backoff its next
+        # publish, right after the restart, failed at once with UNAVAILABLE.
+        time.sleep(10)
         port = address.rsplit(":", 1)[1]
         broadcast = start_service(
             "broadcast", [*args, "--port", port], log_dir=tmp_path, env=env, name="broadcast-restarted"

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from parity import tracing
-from parity.server import bearer
+from parity.server import RECONNECT_OPTIONS, bearer
 from parity.v1 import broadcast_pb2, broadcast_pb2_grpc, common_pb2
 from parity.weights.checksum import describe
 from parity.weights.cuda_ipc import export_buffer
@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    *RECONNECT_OPTIONS,
 ]
 CATCH_UP_POLL_S = 5.0
 PUBLISH_BACKOFF_CAP_S = 30.0
@@ -217,7 +218,12 @@ class Publisher:
                 publisher_id=self.publisher_id,
             )
             try:
-                reply = self._stub.PublishVersion(request, timeout=self.rpc_timeout_s, metadata=self.metadata)
+                reply = self._stub.PublishVersion(
+                    request,
+                    timeout=self.rpc_timeout_s,
+                    metadata=self.metadata,
+                    wait_for_ready=True,  # a broadcast service that is restarting is waited for
+                )
             except grpc.RpcError as exc:
                 raise PublishError(f"PublishVersion({version}): {exc.code().name}: {exc.details()}") from exc
             plan = reply.plan

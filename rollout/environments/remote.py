@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from parity.server import RECONNECT_OPTIONS
 from rollout.environments.base import (
     DEFAULT_MAX_OBSERVATION_CHARS,
     DEFAULT_STEP_TIMEOUT_S,
@@ -114,14 +115,14 @@ class EnvironmentClient:
 
         loop = asyncio.get_running_loop()
         if self._aio is None or self._aio[0] is not loop:  # aio channels belong to one loop
-            self._aio = (loop, grpc.aio.insecure_channel(self.address))
+            self._aio = (loop, grpc.aio.insecure_channel(self.address, options=RECONNECT_OPTIONS))
         return environment_pb2_grpc.EnvironmentServiceStub(self._aio[1])
 
     def blocking_stub(self):
         from parity.v1 import environment_pb2_grpc
 
         if self._blocking is None:
-            self._blocking = grpc.insecure_channel(self.address)
+            self._blocking = grpc.insecure_channel(self.address, options=RECONNECT_OPTIONS)
         return environment_pb2_grpc.EnvironmentServiceStub(self._blocking)
 
     def _failed(self, exc: grpc.RpcError, call: str, attempt: int, episode_id: str) -> EnvironmentFailed:
