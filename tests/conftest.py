@@ -129,7 +129,7 @@ def start_services(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
         name: str | None = None,
         env: dict[str, str] | None = None,
         wait: bool = True,
-        timeout_s: float = 420.0,  # a vLLM start took 150-240+ s on the loaded 2-core CI box
+        timeout_s: float = 600.0,  # a vLLM start took 150-240+ s on the loaded 2-core CI box, and more
     ) -> ServiceProcess:
         args_list, env = list(args), dict(env or {})
         if "--auth_token" in args_list:  # secrets are refused on a command line: move it to the environment

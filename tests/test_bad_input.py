@@ -191,7 +191,7 @@ def running(
     }
     try:
         for proc in started.values():
-            proc.wait_ready(240.0)
+            proc.wait_ready(600)
         yield started
     finally:
         stop_groups([*started.values(), redis_proc], grace_s=10.0)

@@ -143,7 +143,7 @@ class Cluster:
         receiver = start_standin(self.log_dir, self.broadcast.address, worker_id, *extra)
         self.receivers[worker_id] = receiver
         if wait:
-            receiver.wait_ready(90)
+            receiver.wait_ready(240)
         return receiver
 
     def metrics(self) -> str:
@@ -174,13 +174,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         ],
         log_dir=log_dir,
         env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
-    ).wait_ready(60)
+    ).wait_ready(240)
     env = Cluster(log_dir, broadcast, metrics_port)
     fault = f"{CORRUPT_AT[0]}={CORRUPT_AT[1]}"
     env.add("r0", "--enable_fault_injection", "--corrupt_tensor_at", fault, wait=False)
     env.add("r1", wait=False)
     for receiver in env.receivers.values():
-        receiver.wait_ready(90)
+        receiver.wait_ready(240)
     yield env
     env.channel.close()
     TRAINER_GROUPS.close()

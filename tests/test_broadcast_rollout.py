@@ -124,7 +124,7 @@ def standalone_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
         name="vllm",
     )  # fmt: skip
     try:
-        service.wait_ready(420.0)  # the conftest's bound for a vLLM start on a loaded 2-core box
+        service.wait_ready(600.0)  # the conftest's bound for a vLLM start on a loaded 2-core box
         yield service.address
     finally:
         service.stop()

@@ -50,7 +50,7 @@ def _run(flags: list[str], out: Path, redis_url: str) -> dict:
     )
     rc: int | None = None  # None: still running at the deadline (the log tail says where)
     try:
-        rc = proc.wait(timeout=420)
+        rc = proc.wait(timeout=1100)
     except subprocess.TimeoutExpired:
         pass
     finally:

@@ -150,7 +150,7 @@ def rollout_service(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):
         "rollout", ["--model", "tiny"], log_dir=tmp_path_factory.mktemp("rollout"), name="check-rollout"
     )
     try:
-        service.wait_ready(300)
+        service.wait_ready(600)
         yield service
     finally:
         service.stop()

@@ -100,14 +100,14 @@ def test_frozen_tensors_are_not_resent_and_every_worker_ends_on_the_whole_versio
          "--transfer_timeout_s", "20"],
         log_dir=tmp_path,
         env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
-    ).wait_ready(60)  # fmt: skip
+    ).wait_ready(240)  # fmt: skip
     receivers = {wid: start_standin(tmp_path, broadcast.address, wid) for wid in ("r0", "r1")}
     channel = grpc.insecure_channel(broadcast.address)
     stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(channel)
     publisher = Publisher(broadcast.address, "toy", auth_token=TOKEN, bucket_bytes=64 * 1024)
     try:
         for receiver in receivers.values():
-            receiver.wait_ready(90)
+            receiver.wait_ready(240)
         versions = {1: weights(1)}
         # the embedding and layer 1 are frozen from version 1 on; layer 0 and the norm train
         for v in (2, 3):
@@ -138,7 +138,7 @@ def test_frozen_tensors_are_not_resent_and_every_worker_ends_on_the_whole_versio
         # A late joiner gets the whole version by a catch-up; the next version is a delta again,
         # since every member (the late joiner included) then verifiably serves version 2.
         receivers["r2"] = start_standin(tmp_path, broadcast.address, "r2")
-        receivers["r2"].wait_ready(90)
+        receivers["r2"].wait_ready(240)
         assert state(tmp_path, "r2") == {"version": 2, "checksums": expected}
         assert publisher.catch_ups_sent == 1
 

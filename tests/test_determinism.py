@@ -61,7 +61,7 @@ def _start(out: Path, redis_url: str) -> subprocess.Popen:
         "--skip_preflight", "--mode", "sync", "--seed", "7", "--model", "tiny", "--steps", str(STEPS),
         "--groups_per_step", "2", "--group_size", "4", "--max_tokens", "8", "--eval_size", "8",
         "--temperature", "1.0", "--skip_zero_variance", "false", "--kl_coef", "0.05",
-        "--redis_url", redis_url, "--out", str(out), "--max_model_len", "256", "--startup_timeout_s", "300",
+        "--redis_url", redis_url, "--out", str(out), "--max_model_len", "256", "--startup_timeout_s", "900",
     ]  # fmt: skip
     with open(out.parent / f"{out.name}.log", "wb") as log_file:
         return subprocess.Popen(
@@ -76,7 +76,7 @@ def _runs(outs: list[Path], redis_url: str) -> list[list[dict]]:
     """Runs at `outs`, all at once; each one's metrics rows."""
     procs = [_start(out, redis_url) for out in outs]
     try:
-        codes = [proc.wait(timeout=480) for proc in procs]
+        codes = [proc.wait(timeout=1100) for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:

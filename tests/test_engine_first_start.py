@@ -96,7 +96,7 @@ def test_settings_the_engine_refuses_end_the_service_with_one_error_and_a_clean_
     svc = start_services(
         "rollout", "--model", str(tiny_model), "--engine", "vllm", "--max_model_len", "1024", wait=False
     )
-    assert svc.proc.wait(300) == 1
+    assert svc.proc.wait(600) == 1
     log = svc.log_path.read_text(errors="replace")
     assert "rollout engine: failed to start: ValidationError" in log and "max_model_len" in log, log[-3000:]
     assert "engine start failed" not in log, "a refused setting was retried"

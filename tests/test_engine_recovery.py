@@ -151,7 +151,7 @@ def test_a_killed_engine_is_restarted_at_the_current_version(
             except BaseException as exc:
                 failures.append(exc)
 
-        deadline = time.monotonic() + 240  # the actor's first 400-token group, on a busy box
+        deadline = time.monotonic() + 600  # the actor's first 400-token group, on a busy box
         first = []
         while not first:
             assert time.monotonic() < deadline, "the actor published nothing"
@@ -243,14 +243,14 @@ def test_an_engine_killed_in_its_first_start_is_started_again_and_dies_with_its_
         "rollout", "--model", str(tiny_model), "--engine", "vllm", "--max_model_len", "256", wait=False
     )
     first: list[psutil.Process] = []
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600
     while not first:
         assert svc.alive() and time.monotonic() < deadline, f"no engine core appeared:\n{svc.log_tail()}"
         first = [p for p in vllm_processes(svc.proc.pid) if "EngineCore" in p.name()]
         time.sleep(0.05)
     first[0].kill()
     try:
-        svc.wait_ready(420)
+        svc.wait_ready(600)
         log = svc.log_path.read_text(errors="replace")
         assert "engine start failed" in log and "killed while it started" in log, svc.log_tail()
         engines = vllm_processes(svc.proc.pid)

@@ -34,7 +34,7 @@ def episode_run(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> 
     flags[flags.index("--groups_per_step") + 1] = "4"
     proc = _launch([*flags, "--max_tokens", "32", "--eval_size", "6"], marker, log_path)
     try:
-        rc = proc.wait(timeout=560)  # a hang guard under pytest's 600 s, sized for a slow day of the box
+        rc = proc.wait(timeout=1100)  # a hang guard under pytest's 1,200 s, sized for a slow day of the box
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

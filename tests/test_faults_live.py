@@ -21,14 +21,14 @@ STEPS, FAULT_VERSION = 6, 2  # sync mode: version v is trained at step v + 1
 def _run(out: Path, fault: str, log_path: Path) -> subprocess.CompletedProcess:
     flags = ["--skip_preflight", "--model", "tiny", "--mode", "sync", "--steps", str(STEPS),
         "--groups_per_step", "2", "--group_size", "4", "--max_tokens", "8", "--eval_size", "0",
-        "--max_model_len", "256", "--startup_timeout_s", "300", "--out", str(out),
+        "--max_model_len", "256", "--startup_timeout_s", "900", "--out", str(out),
         "--rollout.engine", "reference", "--rollout.enable_fault_injection", "true", "--rollout.fault", fault,
     ]  # fmt: skip
     env = {**os.environ, MARKER_ENV: f"faults-live-{os.getpid()}", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log_file:
         return subprocess.run(
             [sys.executable, "-m", "commands.main", "run", *flags],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, timeout=600,
+            stdout=log_file, stderr=subprocess.STDOUT, env=env, timeout=1100,
         )  # fmt: skip
 
 

@@ -28,7 +28,7 @@ LAUNCHER = textwrap.dedent(
     log_dir, dies = sys.argv[1], sys.argv[2] == "1"
     redis, _url = start_redis(log_dir, die_with_launcher=dies)
     service = start_service("broadcast", [], log_dir=log_dir, name="broadcast", die_with_launcher=dies)
-    service.wait_ready(120)
+    service.wait_ready(240)
     print(json.dumps({"redis": redis.proc.pid, "broadcast": service.proc.pid}), flush=True)
     time.sleep(600)
     """

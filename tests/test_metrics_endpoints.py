@@ -158,7 +158,7 @@ def pipeline(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
             ["--metrics_port", str(ports["broadcast"]), "--redis_url", redis_server],
             log_dir=log_dir,
             env=env,
-        ).wait_ready(60)
+        ).wait_ready(240)
         broadcast = started["broadcast"].address
         started["rollout"] = start_service(
             "rollout",
@@ -181,9 +181,9 @@ def pipeline(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
             log_dir=log_dir,
             env=env,
         )  # fmt: skip
-        started["rollout"].wait_ready(300)
-        started["trainer"].wait_ready(120)
-        deadline = time.monotonic() + 240
+        started["rollout"].wait_ready(600)
+        started["trainer"].wait_ready(240)
+        deadline = time.monotonic() + 600
         while True:  # until version 1 went trainer -> broadcast -> rollout
             try:
                 if sample_value(scrape(ports["rollout"]), "parity_rollout_weight_version") >= 1:

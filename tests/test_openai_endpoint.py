@@ -194,7 +194,7 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, redis_s
         log_dir=log_dir, name="openai", env={"PARITY_ROLLOUT_AUTH_TOKEN": TOKEN},
     )  # fmt: skip
     try:
-        service.wait_ready(300)
+        service.wait_ready(600)
         port = int(openai_port_file(str(service.port_file)).read_text())
         yield f"http://127.0.0.1:{port}/v1", redis.Redis.from_url(redis_server)
     finally:

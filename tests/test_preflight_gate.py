@@ -30,7 +30,7 @@ def raw_logprobs_service(tmp_path_factory: pytest.TempPathFactory, tiny_model: P
         name="preflight-raw",
     )
     try:
-        service.wait_ready(300)
+        service.wait_ready(600)
         yield service
     finally:
         service.stop()

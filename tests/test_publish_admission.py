@@ -53,7 +53,7 @@ def stub(tmp_path: Path) -> Iterator[broadcast_pb2_grpc.WeightBroadcastServiceSt
         ["--transfer_timeout_s", "5", "--rpc_margin_s", "2", "--heartbeat_timeout_s", "60"],
         log_dir=tmp_path,
         env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
-    ).wait_ready(60)
+    ).wait_ready(240)
     try:
         with grpc.insecure_channel(broadcast.address) as chan:
             yield broadcast_pb2_grpc.WeightBroadcastServiceStub(chan)

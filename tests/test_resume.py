@@ -287,7 +287,7 @@ def test_runs_ls_shows_running_finished_and_died(tmp_path: Path) -> None:
 def _flags(out: Path) -> list[str]:
     return ["--skip_preflight", "--model", "tiny", "--steps", str(STEPS), "--groups_per_step", "2",
         "--group_size", "4", "--max_tokens", "8", "--eval_size", "0", "--max_model_len", "256",
-        "--startup_timeout_s", "300", "--trainer.checkpoint_every", "1", "--out", str(out),
+        "--startup_timeout_s", "900", "--trainer.checkpoint_every", "1", "--out", str(out),
         "--rollout.engine", "reference",
     ]  # fmt: skip
 
@@ -352,7 +352,7 @@ def test_run_killed_three_ways_resumes_to_one_lineage(tmp_path: Path) -> None:
 
     marker = uuid.uuid4().hex
     proc = _launch(["--resume", str(out), "--tracker", "tensorboard,wandb,mlflow"], marker, log_path)
-    assert proc.wait(420) == 0, log_path.read_text()[-4000:]
+    assert proc.wait(1100) == 0, log_path.read_text()[-4000:]
     assert chaos.wait_gone(marker, 30) == []
     output = log_path.read_text()
 

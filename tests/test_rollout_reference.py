@@ -286,7 +286,7 @@ def test_late_joiner_is_not_serving_until_it_has_the_latest_version(
         "--broadcast_address", broadcast.address, "--worker_id", "late", "--heartbeat_interval_s", "0.5",
         wait=False,
     )  # fmt: skip
-    worker.wait_ready(120)
+    worker.wait_ready(240)
     rollout = _stub(worker)
     assert health.check(worker.address) == (True, "SERVING")
     assert rollout.GetStatus(rollout_pb2.RolloutServiceGetStatusRequest()).weight_version == 1

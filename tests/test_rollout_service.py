@@ -95,7 +95,7 @@ def services(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, metrics
     procs = (guarded, faulty, reference)
     try:
         for proc in procs:
-            proc.wait_ready(300)
+            proc.wait_ready(600)
         yield {"guarded": Served(guarded), "faulty": Served(faulty), "reference": Served(reference)}
     finally:
         for proc in procs:  # all shut down at once: vLLM's exit takes seconds

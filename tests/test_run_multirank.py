@@ -49,7 +49,7 @@ def test_parity_run_with_a_two_rank_trainer(tmp_path: Path, tiny_model: Path) ->
     flags = [
         "--model", "tiny", "--steps", str(STEPS), "--trainer.nproc", "2", "--mode", "sync",
         "--skip_preflight", "--groups_per_step", "2", "--group_size", "4", "--max_tokens", "8",
-        "--eval_size", "0", "--max_model_len", "256", "--startup_timeout_s", "300", "--out", str(out),
+        "--eval_size", "0", "--max_model_len", "256", "--startup_timeout_s", "900", "--out", str(out),
         "--rollout.engine", "reference",  # the two-rank trainer is what is tested (module docstring)
     ]  # fmt: skip
     env = {**os.environ, MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"}
@@ -59,7 +59,7 @@ def test_parity_run_with_a_two_rank_trainer(tmp_path: Path, tiny_model: Path) ->
         capture_output=True,
         text=True,
         env=env,
-        timeout=400,
+        timeout=1100,
     )
     print(f"parity run --trainer.nproc 2: exit {proc.returncode} in {time.monotonic() - started:.0f}s")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

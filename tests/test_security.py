@@ -66,7 +66,7 @@ def test_parity_run_puts_no_secret_on_any_command_line(tmp_path: Path) -> None:
     log_path = tmp_path / "launcher.log"
     flags = ["--skip_preflight", "--model", "tiny", "--steps", "2", "--groups_per_step", "2",
         "--group_size", "4", "--max_tokens", "8", "--eval_size", "4", "--out", str(out),
-        "--max_model_len", "256", "--startup_timeout_s", "300"]  # fmt: skip
+        "--max_model_len", "256", "--startup_timeout_s", "900"]  # fmt: skip
     env = {**os.environ, MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("PARITY_") or k == MARKER_ENV}
     with open(log_path, "wb") as log_file:
@@ -79,7 +79,7 @@ def test_parity_run_puts_no_secret_on_any_command_line(tmp_path: Path) -> None:
     secrets: set[str] = set()
     cmdlines: dict[int, set[bytes]] = {}  # every distinct command line each process showed
     try:
-        deadline = time.monotonic() + 420
+        deadline = time.monotonic() + 1100
         while proc.poll() is None and time.monotonic() < deadline:
             for pid in marked_pids(marker):
                 try:

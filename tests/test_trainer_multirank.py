@@ -117,7 +117,7 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
     )
     receiver = start_receiver(tmp_path, broadcast.address)
     try:
-        receiver.wait_ready(90)
+        receiver.wait_ready(240)
         two_dir, one_dir = tmp_path / "two", tmp_path / "one"
         publish_to_both(redis_url, ("mr:two", "mr:one"), groups)
         svc = start_services(

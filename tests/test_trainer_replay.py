@@ -101,7 +101,7 @@ def vllm_rollouts(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         env=env,
         capture_output=True,
         text=True,
-        timeout=540,  # a hang guard under pytest's 600 s, sized for a slow day of the box
+        timeout=1100,  # a hang guard under pytest's 1,200 s, sized for a slow day of the box
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())

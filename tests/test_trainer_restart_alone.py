@@ -54,7 +54,7 @@ def cluster(tmp_path: Path) -> Iterator[str]:
          "--rpc_margin_s", "5", "--bucket_bytes", str(BUCKET_BYTES)],
         log_dir=tmp_path,
         env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
-    ).wait_ready(60)  # fmt: skip
+    ).wait_ready(240)  # fmt: skip
     worker = _start_worker(tmp_path, broadcast.address, "w0")
     try:
         yield broadcast.address
@@ -138,7 +138,7 @@ def test_a_broadcast_service_restarted_alone_syncs_the_next_version_within_30_s(
     args = ["--heartbeat_interval_s", "0.5", "--heartbeat_timeout_s", "5", "--transfer_timeout_s",
             str(TIMEOUT_S), "--rpc_margin_s", "5", "--bucket_bytes", str(BUCKET_BYTES)]  # fmt: skip
     env = {"PARITY_BROADCAST_AUTH_TOKEN": TOKEN}
-    broadcast = start_service("broadcast", args, log_dir=tmp_path, env=env).wait_ready(60)
+    broadcast = start_service("broadcast", args, log_dir=tmp_path, env=env).wait_ready(240)
     address = broadcast.address
     worker = _start_worker(tmp_path, address, "w0")
     publisher = None
@@ -156,7 +156,7 @@ def test_a_broadcast_service_restarted_alone_syncs_the_next_version_within_30_s(
         port = address.rsplit(":", 1)[1]
         broadcast = start_service(
             "broadcast", [*args, "--port", port], log_dir=tmp_path, env=env, name="broadcast-restarted"
-        ).wait_ready(60)
+        ).wait_ready(240)
         assert broadcast.address == address
         ready = time.monotonic()
         with grpc.insecure_channel(address) as chan:

@@ -44,7 +44,7 @@ class Cluster:
              str(TIMEOUT_S), "--retry_failed_after_s", "30", "--bucket_bytes", str(BUCKET_BYTES)],
             log_dir=log_dir,
             env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
-        ).wait_ready(60)  # fmt: skip
+        ).wait_ready(240)  # fmt: skip
         self.channel = grpc.insecure_channel(self.broadcast.address)
         self.stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(self.channel)
         self.workers: dict[str, ServiceProcess] = {}
@@ -61,7 +61,7 @@ class Cluster:
         worker = ServiceProcess(name=worker_id, proc=proc, port_file=port_file, log_path=log_path)
         self.workers[worker_id] = worker
         if wait:
-            worker.wait_ready(90)
+            worker.wait_ready(240)
         return worker
 
     def wait_registered(self, ids: set[str], timeout_s: float = 60) -> None:

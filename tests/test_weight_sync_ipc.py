@@ -89,7 +89,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         ["--heartbeat_timeout_s", "600", "--transfer_timeout_s", str(TRANSFER_TIMEOUT_S)],
         log_dir=log_dir,
         env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
-    ).wait_ready(60)
+    ).wait_ready(240)
     recorder = RecordingWorker()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(recorder, server)
@@ -97,7 +97,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     server.start()
     standin = start_standin(log_dir, broadcast.address, "cpu-w")
     try:
-        standin.wait_ready(90)
+        standin.wait_ready(240)
         e = Env(log_dir, broadcast.address, recorder)
         e.stub.RegisterWorker(
             pb.RegisterWorkerRequest(worker_id="gpu-w", address=f"127.0.0.1:{port}", device_uuid=GPU),
