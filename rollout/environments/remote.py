@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from parity.server import RECONNECT_OPTIONS
+from parity.server import RECONNECT_OPTIONS, channel
 from rollout.environments.base import (
     DEFAULT_MAX_OBSERVATION_CHARS,
     DEFAULT_STEP_TIMEOUT_S,
@@ -115,7 +115,7 @@ class EnvironmentClient:
 
         loop = asyncio.get_running_loop()
         if self._aio is None or self._aio[0] is not loop:  # aio channels belong to one loop
-            self._aio = (loop, grpc.aio.insecure_channel(self.address, options=RECONNECT_OPTIONS))
+            self._aio = (loop, channel(self.address))
         return environment_pb2_grpc.EnvironmentServiceStub(self._aio[1])
 
     def blocking_stub(self):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from parity.server import RECONNECT_OPTIONS
+from parity.server import channel
 from rollout.rewards.scorer import RewardFailed
 from rollout.tasks import Prompt
 
@@ -40,7 +40,7 @@ class RemoteReward:
 
         loop = asyncio.get_running_loop()
         if self._channel is None or self._channel[0] is not loop:  # aio channels belong to one loop
-            self._channel = (loop, grpc.aio.insecure_channel(self.address, options=RECONNECT_OPTIONS))
+            self._channel = (loop, channel(self.address))
         return reward_pb2_grpc.RewardServiceStub(self._channel[1])
 
     def request(self, prompt: Prompt, completions: Sequence[str], task: str, request_id: str):
