@@ -244,17 +244,23 @@ def token_logprobs(
         packed = {}
     transforms = [seq.transform for seq in sequences for _ in seq.completion_ids]
     if keep is not None:
-        keep_T = to_device(torch_bool(keep), device)
-        rows_T, cols_T, targets_T = rows_T[keep_T], cols_T[keep_T], targets_T[keep_T]
-        transforms = [t for t, kept in zip(transforms, keep, strict=True) if kept]
+        # Kept positions as an index built on the host: a boolean mask on the device would make
+        # the host wait for the GPU (nonzero) once per micro-batch.
+        if len(keep) != len(transforms):
+            raise ValueError(f"keep has {len(keep)} flags for {len(transforms)} completion tokens")
+        kept = [position for position, flag in enumerate(keep) if flag]
+        if len(kept) != len(transforms):
+            index_T = to_device(torch_long(kept), device)
+            rows_T, cols_T, targets_T = rows_T[index_T], cols_T[index_T], targets_T[index_T]
+            transforms = [transforms[position] for position in kept]
     scoring = HeadScoring(targets_T, _token_groups(transforms, device), with_entropy)
     return scorer(*model_inputs, rows_T, cols_T, **packed, scoring=scoring)
 
 
-def torch_bool(values: Sequence[bool]):
+def torch_long(values: Sequence[int]):
     import torch
 
-    return torch.tensor(list(values), dtype=torch.bool)
+    return torch.tensor(list(values), dtype=torch.long)
 
 
 @dataclass(frozen=True)
