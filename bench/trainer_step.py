@@ -3,7 +3,8 @@
     python bench/trainer_step.py [--model smollm2-135m | --shape qwen2.5-1.5b [--num_layers N --vocab_size V]]
                                  [--groups 2 --group_size 4 --prompt_len 16 --completion_len 48
                                   --repeats 3 --micro_batch_size 8[,16...]
-                                  --device auto|cpu|cuda --precision fp32|bf16]
+                                  --device auto|cpu|cuda --precision fp32|bf16
+                                  --compile off|inductor|aot_eager]
 
 "ours" is the real `trainer.loop.Trainer` step: XREADGROUP from a private redis-server, dedupe and
 lag checks, fp32-head logprobs under the replayed sampling transform, GRPO/PPO-clip loss with
@@ -25,6 +26,10 @@ MFU counts the same model FLOPs for both sides — the trainer's 6 × non-embedd
 token, over every sequence's prompt and completion — over each side's wall time and the device's
 dense peak (trainer/device.py); null where the peak is unknown (CPU). Peak memory is CUDA's
 allocator peak during each side's step, null on CPU.
+
+`--compile inductor` benches ours with `trainer.compile` (trainer/compiled.py) against the same
+eager plain step; each side's warm-up round (not counted in tokens/s) is `*_warmup_s`, so ours'
+minus plain's is about the compile time.
 """
 
 from __future__ import annotations
@@ -136,6 +141,7 @@ class SideResults:
     wall_s: list[float] = field(default_factory=list)
     cpu_s: list[float] = field(default_factory=list)
     peak_memory_gib: list[float] = field(default_factory=list)
+    warmup_s: float | None = None  # the unrecorded first round (with --compile: the compile time too)
 
 
 def micro_batch_sizes(text: str) -> list[int]:
@@ -254,6 +260,7 @@ def size_summary(
         peak = side.peak_memory_gib if tps[name] else []
         entry[f"{name}_peak_memory_gib"] = max(peak) if peak else None
         entry[f"{name}_status"] = side.status
+        entry[f"{name}_warmup_s"] = _round(side.warmup_s, 3)
     ours, plain = tps["ours"], tps["plain"]
     entry["ratio"] = round(ours / plain, 3) if ours and plain else None
     return entry
@@ -298,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps the default")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument(
+        "--compile",
+        default="off",
+        choices=["off", "inductor", "aot_eager"],
+        help="trainer.compile for ours; plain stays eager (its warm-up round shows the compile time)",
+    )
     args = parser.parse_args(argv)
     if args.num_layers is not None and args.shape is None:
         parser.error("--num_layers needs --shape")
@@ -357,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                     "read_block_ms": 100,
                     "device": args.device,
                     "precision": args.precision,
+                    "compile": args.compile,
                 },
             }
         )
@@ -418,7 +432,9 @@ def main(argv: list[str] | None = None) -> int:
                         queue.publish(group)
 
                 def run_plain(groups: list = groups, size: int = size) -> None:
-                    plain_step(plain_model, plain_opt, groups, size, device, args.precision)
+                    # The model is shared: plain runs its layers eager even when ours compiled them.
+                    with torch.compiler.set_stance("force_eager"):
+                        plain_step(plain_model, plain_opt, groups, size, device, args.precision)
 
                 # Alternate which goes first, so that neither always meets the same load.
                 order = [("ours", run_ours, ack_taken), ("plain", run_plain, None)]
@@ -431,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
                     timings[name] = timing = run_side(fn, device, trainer.optimizer, after_oom)
                     if timing.status == "oom":
                         side.status = "oom"
-                    elif round_index > 0:
+                    elif round_index == 0:
+                        side.warmup_s = timing.wall_s
+                    else:
                         side.wall_s.append(timing.wall_s)
                         side.cpu_s.append(timing.cpu_s)
                         if timing.peak_memory_gib is not None:
@@ -482,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             "overhead_ratio_cpu": round(plain_cpu / ours_cpu, 3) if ours_cpu and plain_cpu else None,
             "device": str(device),
             "precision": args.precision,
+            "compile": args.compile,
             "peak_memory_gib": metrics.get("peak_memory_gib"),
             "mfu": metrics.get("mfu"),
             "torch_threads": torch.get_num_threads(),

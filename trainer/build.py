@@ -5,6 +5,8 @@ Invariants:
 - TF32 is off process-wide before the first matmul (trainer/precision.py).
 - On one rank the policy's parameters are flattened into one buffer (publishing then sends them
   with no packing copy); on several, FSDP2 shards every decoder layer and the scorer's root.
+- `trainer.compile` compiles the decoder layers of the policy and of every frozen copy
+  (trainer/compiled.py) before any sharding.
 - The frozen copies (reference model for the KL penalty; `old_model` for recompute and own-version
   scoring) never train. On several ranks only rank 0 scores own versions (it holds the whole
   batch), with an unsharded copy of its own; recompute shards its copy like the policy.
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer import fsdp
 from trainer import precision as numerics
+from trainer.compiled import compile_decoder_layers
 from trainer.device import resolve_device
 from trainer.flat_params import flatten_parameters
 from trainer.freeze import freeze_parameters
@@ -63,6 +66,8 @@ def build_models(config: TrainerConfig, seed: int, model_name: str) -> TrainingM
     freeze_parameters(model, cfg.freeze)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.compile != "off":
+        compile_decoder_layers(model, cfg.compile)
     if not distributed:
         flatten_parameters(model)
     head = head_options(cfg, device)
@@ -86,6 +91,8 @@ def build_models(config: TrainerConfig, seed: int, model_name: str) -> TrainingM
         copy.eval()
         for param in copy.parameters():
             param.requires_grad_(False)
+        if cfg.compile != "off":
+            compile_decoder_layers(copy, cfg.compile)
         copy_scorer = scorer_for(copy, cfg.precision, head=head)
         if distributed and shard:
             fsdp.shard_scorer(copy_scorer, cfg.precision)

@@ -60,6 +60,8 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     cu_seq_lens = kwargs.get("cu_seq_lens")
+    if isinstance(cu_seq_lens, Layout):
+        cu_seq_lens = cu_seq_lens.bounds
     if attention_mask is not None:
         raise ValueError("parity_varlen attention takes packed sequences (cu_seq_lens), not a padding mask")
     if isinstance(cu_seq_lens, SharedSegments):
@@ -99,6 +101,17 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
             dim=2,
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+class Layout:
+    """`cu_seq_lens` (bounds or SharedSegments) in a box torch.compile does not look into: a tuple
+    crossing a compiled layer would be guarded on its length, so every new number of segments
+    would recompile (trainer/compiled.py boxes it; `varlen_attention` unboxes it)."""
+
+    __slots__ = ("bounds",)
+
+    def __init__(self, bounds) -> None:
+        self.bounds = bounds
 
 
 class SharedSegments(tuple):
@@ -145,9 +158,12 @@ def register() -> str:
     """Make `parity_varlen` known to transformers (idempotent); returns its name."""
     global _REGISTERED
     if not _REGISTERED:
+        import torch
         from transformers import AttentionInterface
 
-        AttentionInterface.register(ATTENTION, varlen_attention)
+        # Eager under torch.compile (trainer/compiled.py): its loop over the segments would
+        # otherwise be traced, and every new segment layout would be a recompile.
+        AttentionInterface.register(ATTENTION, torch.compiler.disable(varlen_attention))
         _REGISTERED = True
     return ATTENTION
 

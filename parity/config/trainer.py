@@ -83,6 +83,13 @@ class TrainerConfig(ServiceConfig):
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer's activations in backward (less memory)."
     )
+    compile: Literal["off", "inductor", "aot_eager"] = Field(
+        "off",
+        description="torch.compile each decoder layer's forward (dynamic shapes; the packed attention and "
+        "the float32 head stay eager): inductor generates fused kernels, aot_eager only captures the "
+        "graphs (for debugging). The first micro-batches pay the compile time. Inductor's logprobs are not "
+        "bitwise eager's (fused kernels round differently) but as close to exact.",
+    )
     dedupe_window: int = Field(
         100_000,
         ge=0,
