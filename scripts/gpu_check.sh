@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$out/host.log"
 # The one-pass checksum kernel is not carried (a build output): build it here, or warn and use numpy.
 python3 -m parity.weights.wsum_kernel 2>&1 | tee "$out/wsum_kernel.log"
-timeout 270 python3 -m pytest -m gpu -v -s -o timeout=150 tests/test_weight_sync_gpu.py tests/test_trainer_gpu.py tests/test_rollout_device.py 2>&1 | tee "$out/gpu_tests.log"
+timeout 270 python3 -m pytest -m gpu -v -s -o timeout=150 tests/test_weight_sync_gpu.py tests/test_trainer_gpu.py tests/test_rollout_device.py tests/test_trainer_compile.py 2>&1 | tee "$out/gpu_tests.log"
 echo "gpu tests exit ${PIPESTATUS[0]}"
 timeout 90 python3 bench/cuda_ipc.py --mb 1024 --repeats 3 2>&1 | tee "$out/cuda_ipc.log"
 echo "cuda_ipc bench exit ${PIPESTATUS[0]}"
@@ -27,6 +27,10 @@ done
 timeout 300 python3 bench/trainer_step.py --shape qwen2.5-1.5b --device cuda --precision bf16 --groups 8 --group_size 8 \
   --prompt_len 128 --completion_len 896 --micro_batch_size 4,8 --repeats 3 2>&1 | tee "$out/trainer_step_1.5b.log"
 echo "trainer_step 1.5b bench exit ${PIPESTATUS[0]}"
+# The same step with trainer.compile inductor (plain stays eager); ours' warm-up round holds the compile time.
+timeout 300 python3 bench/trainer_step.py --shape qwen2.5-1.5b --device cuda --precision bf16 --groups 8 --group_size 8 \
+  --prompt_len 128 --completion_len 896 --micro_batch_size 4 --repeats 2 --compile inductor 2>&1 | tee "$out/trainer_step_1.5b_compile.log"
+echo "trainer_step 1.5b compile bench exit ${PIPESTATUS[0]}"
 # The whole pipeline on this one GPU: reference engine and trainer on CUDA, weights by CUDA IPC, bf16.
 timeout 240 python3 -m commands.main run --model tiny --steps 4 --rollout.engine reference --rollout.device cuda \
   --trainer.device cuda --precision bf16 --rollout.dtype bfloat16 --skip_preflight --eval_size 8 \

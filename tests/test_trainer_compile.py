@@ -1,6 +1,6 @@
 """`trainer.compile`: compiled decoder layers compute what eager ones compute (trainer/compiled.py).
 
-- inductor: over packed micro-batches with shared prompts, the float32 logprobs and every
+- inductor (on CPU; on CUDA too, `gpu`-marked): over packed micro-batches with shared prompts, the float32 logprobs and every
   parameter's gradient are as close to a float64 decoder's as eager's are (within 2x);
 - micro-batches of other token counts and segment layouts reuse the compiled graphs: no recompile;
 - a trainer built with `compile` scores with compiled layers, its logprobs equal an eager trainer's,
@@ -40,7 +40,7 @@ def _logprobs_and_grads(model, sequences: list[SequenceInput]):
 
     model.zero_grad(set_to_none=True)
     logprobs, _ = token_logprobs(model, sequences)
-    weights = torch.linspace(-1.0, 1.0, logprobs.numel(), dtype=logprobs.dtype)
+    weights = torch.linspace(-1.0, 1.0, logprobs.numel(), dtype=logprobs.dtype, device=logprobs.device)
     (logprobs * weights).sum().backward()
     return logprobs.detach(), {name: p.grad.double() for name, p in model.named_parameters()}
 
@@ -50,17 +50,21 @@ def _logprobs_and_grads(model, sequences: list[SequenceInput]):
 # exact: both are that far from a float64 decoder. The test holds compiled to eager's own accuracy.
 @pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
-    reason="inductor generates C++ on CPU: no C++ compiler on this host",
+    reason="inductor builds its kernels with a C/C++ compiler: none on this host",
 )
-def test_inductor_layers_are_as_accurate_as_eager_and_do_not_recompile(tiny_model: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_inductor_layers_are_as_accurate_as_eager_and_do_not_recompile(tiny_model: Path, device: str) -> None:
     from torch._dynamo.utils import counters
 
     from trainer.compiled import compile_decoder_layers
+    from trainer.precision import disable_tf32
 
+    disable_tf32()  # as the trainer does: float32 matmuls stay float32 on CUDA too
     torch._dynamo.reset()
-    reference = load_model(tiny_model, "float64", packing=True, share_prompts=True)
-    eager = load_model(tiny_model, packing=True, share_prompts=True)
-    compiled = load_model(tiny_model, packing=True, share_prompts=True)
+    packed = {"device": device, "packing": True, "share_prompts": True}
+    reference = load_model(tiny_model, "float64", **packed)
+    eager = load_model(tiny_model, **packed)
+    compiled = load_model(tiny_model, **packed)
     assert compile_decoder_layers(compiled, "inductor") == compiled.config.num_hidden_layers
     # Other token counts and segment layouts: 2 groups of 4, 3 of 2, 1 of 5.
     batches = [_micro_batch(0, 2, 4), _micro_batch(1, 3, 2), _micro_batch(2, 1, 5)]
