@@ -233,6 +233,12 @@ RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+# Every client channel to a Parity service, sync or aio: large messages and the reconnect backoff.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    *RECONNECT_OPTIONS,
+]
 
 
 def channel(address: str, token: str = "") -> grpc.aio.Channel:
@@ -241,9 +247,5 @@ def channel(address: str, token: str = "") -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(
         address,
         interceptors=tracing.client_interceptors() or None,
-        options=[
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            *RECONNECT_OPTIONS,
-        ],
+        options=CHANNEL_OPTIONS,
     )

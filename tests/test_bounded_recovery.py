@@ -220,3 +220,10 @@ def test_restart_budgets_are_config_fields_with_a_floor_of_one() -> None:
     for field in ("engine_restart_attempts", "actor_restart_attempts"):
         with pytest.raises(ValidationError, match=field):
             ParityConfig(rollout={field: 0})
+
+
+def test_engine_restarts_back_off_doubling_to_the_cap() -> None:
+    from services.rollout.service import restart_backoff_s
+
+    assert [restart_backoff_s(retry, 1.0, 30.0) for retry in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
+    assert restart_backoff_s(1, 0.25, 30.0) == 0.25

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from parity import tracing
-from parity.server import RECONNECT_OPTIONS, bearer
+from parity.server import CHANNEL_OPTIONS, bearer
 from parity.v1 import broadcast_pb2, broadcast_pb2_grpc, common_pb2
 from parity.weights.checksum import describe
 from parity.weights.cuda_ipc import export_buffer
@@ -66,11 +66,6 @@ NamedTensors = Sequence[tuple[str, "torch.Tensor"]]
 
 log = logging.getLogger(__name__)
 
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    *RECONNECT_OPTIONS,
-]
 CATCH_UP_POLL_S = 5.0
 PUBLISH_BACKOFF_CAP_S = 30.0
 
@@ -124,7 +119,7 @@ class Publisher:
         self._snapshots = snapshots
         self.publisher_id = uuid.uuid4().hex  # new per process: a restart starts a new epoch
         self._channel = (
-            tracing.instrument_channel(grpc.insecure_channel(broadcast_address, options=GRPC_OPTIONS))
+            tracing.instrument_channel(grpc.insecure_channel(broadcast_address, options=CHANNEL_OPTIONS))
             if broadcast_address
             else None
         )

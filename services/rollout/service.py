@@ -112,6 +112,12 @@ ENGINE_RESTART_START_S = 1.0
 ENGINE_RESTART_CAP_S = 30.0
 
 
+def restart_backoff_s(retry: int, start_s: float, cap_s: float) -> float:
+    """Seconds to wait before the `retry`-th start of an engine in a row (1 = the first retry):
+    doubling from `start_s`, capped at `cap_s`. A first start and a restart after death share it."""
+    return min(cap_s, start_s * 2 ** (retry - 1))
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     """The gRPC face of one engine; also the state the actor and the membership loop share."""
 
@@ -434,7 +440,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                         f"rollout engine: gave up after {failures} failed starts in a row "
                         f"(restart budget {attempts}); last cause: {exc}"
                     ) from exc
-                delay_s = min(cap_s, start_s * 2 ** (failures - 1))
+                delay_s = restart_backoff_s(failures, start_s, cap_s)
                 log.error(
                     "engine start failed (%s); starting it again in %.1fs (failure %d of %d in a row)",
                     exc,
@@ -489,7 +495,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         restarted = False
         while not restarted and not self.shutting_down:
             if self._engine_failures > 1:  # not the first failure in a row: back off first
-                await asyncio.sleep(min(cap_s, start_s * 2 ** (self._engine_failures - 2)))
+                await asyncio.sleep(restart_backoff_s(self._engine_failures - 1, start_s, cap_s))
                 if self.shutting_down:
                     break
             started = time.monotonic()
@@ -504,7 +510,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 log.error(
                     "engine restart failed (%r); retrying in %.1fs (failure %d of %d in a row)",
                     exc,
-                    min(cap_s, start_s * 2 ** (self._engine_failures - 2)),
+                    restart_backoff_s(self._engine_failures - 1, start_s, cap_s),
                     self._engine_failures,
                     self.config.engine_restart_attempts,
                 )
