@@ -71,7 +71,7 @@ def build_models(config: TrainerConfig, seed: int, model_name: str) -> TrainingM
     if not distributed:
         flatten_parameters(model)
     head = head_options(cfg, device)
-    scorer = scorer_for(model, cfg.precision, head=head)
+    scorer = scorer_for(model, cfg.precision, sharded=distributed, head=head)
     if distributed:
         fsdp.shard_scorer(scorer, cfg.precision)
     optimizer = torch.optim.AdamW(
@@ -93,7 +93,7 @@ def build_models(config: TrainerConfig, seed: int, model_name: str) -> TrainingM
             param.requires_grad_(False)
         if cfg.compile != "off":
             compile_decoder_layers(copy, cfg.compile)
-        copy_scorer = scorer_for(copy, cfg.precision, head=head)
+        copy_scorer = scorer_for(copy, cfg.precision, sharded=distributed and shard, head=head)
         if distributed and shard:
             fsdp.shard_scorer(copy_scorer, cfg.precision)
         return copy_scorer

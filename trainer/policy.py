@@ -92,6 +92,8 @@ def _scorer_base():
             self.precision = precision
             self.sharded = sharded
             self.head = head or HeadOptions()
+            if precision == "bf16" and not sharded:  # sharded: FSDP2's MixedPrecisionPolicy casts
+                numerics.bf16_decoder(lm)
 
         def forward(
             self,
@@ -113,10 +115,7 @@ def _scorer_base():
             packed = (
                 {} if cu_seq_lens is None else {"position_ids": position_ids_BL, "cu_seq_lens": cu_seq_lens}
             )
-            with numerics.decoder_autocast(self.precision, device, self.sharded):
-                hidden_BLH = decoder(
-                    input_ids=input_ids_BL, attention_mask=mask_BL, **packed
-                ).last_hidden_state
+            hidden_BLH = decoder(input_ids=input_ids_BL, attention_mask=mask_BL, **packed).last_hidden_state
             hidden_TH = hidden_BLH[rows_T, cols_T]
             with numerics.fp32_region(device):
                 weight_VH, bias_V = head_weight(self.lm)

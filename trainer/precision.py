@@ -3,9 +3,13 @@
 Invariants:
 - `fp32`: parameters, activations, gradients and AdamW state are float32 (the parity-check mode).
 - `bf16`: parameters stay float32 (the master weights the optimizer updates, with float32 AdamW
-  state); the decoder's matmuls run in bfloat16 — under torch.autocast on one device, under FSDP2's
+  state); the decoder computes in bfloat16 with bfloat16 copies of its weights, activations
+  included, as a bf16 inference engine does — on one device by `bf16_decoder` (each layer's and
+  the final norm's weights cast on entry, the embeddings' output cast), under FSDP2's
   MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) when sharded, so gradients are reduced
-  in float32.
+  in float32. Gradients reach the float32 weights through the casts. (Autocast, which this replaced,
+  keeps a float32 residual stream: a different function from the engine's, k3 ~1e-2 against a
+  bf16 engine on the tiny model instead of ~1e-4; bench/bf16_forward.py.)
 - In both modes the lm_head and the log-softmax run in float32 on float32 weights: the trainer's
   logprobs are the reference side of the mismatch metrics, and a bf16 head alone moves logprobs by
   ~1e-2 (8 mantissa bits on logits of magnitude ~10).
@@ -16,7 +20,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,18 +35,46 @@ def disable_tf32() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
-def decoder_autocast(precision: str, device: torch.device, sharded: bool):
-    """The context the decoder runs under: bf16 autocast unsharded in bf16 mode; else nothing
-    (fp32, or FSDP2 casting the parameters itself)."""
-    if precision != "bf16" or sharded:
-        return contextlib.nullcontext()
+def bf16_decoder(lm) -> None:
+    """Make the HF causal LM `lm`'s decoder compute in bfloat16 over its float32 weights, as a bf16
+    engine computes (idempotent): the embeddings' output is cast to bf16, and each decoder layer and
+    the final norm run with bf16 casts of their weights, swapped in before their forward and the
+    float32 parameters put back after it (also when it raises). Activation checkpointing's
+    recompute runs the same hooks. The head is not touched: it stays float32 (trainer/head.py)."""
     import torch
 
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if getattr(lm, "parity_bf16_decoder", False):
+        return
+    decoder = getattr(lm, lm.base_model_prefix)
+    lm.get_input_embeddings().register_forward_hook(lambda _m, _args, out: out.to(torch.bfloat16))
+    for module in (*decoder.layers, decoder.norm):
+        module.register_forward_pre_hook(_cast_weights_in)
+        module.register_forward_hook(_put_weights_back, always_call=True)
+    lm.parity_bf16_decoder = True
+
+
+def _cast_weights_in(module, _args) -> None:
+    import torch
+
+    swapped = []
+    for owner in module.modules():
+        for name, param in list(owner._parameters.items()):
+            if param is not None and param.dtype == torch.float32:
+                swapped.append((owner, name, param))
+                owner._parameters[name] = param.to(torch.bfloat16)  # differentiable: grads reach param
+    module.__dict__.setdefault("_parity_swapped", []).append(swapped)
+
+
+def _put_weights_back(module, _args, _output) -> None:
+    stack = module.__dict__.get("_parity_swapped")
+    if stack:
+        for owner, name, param in stack.pop():
+            owner._parameters[name] = param
 
 
 def fp32_region(device: torch.device):
-    """Autocast off (the head and log-softmax are float32 even inside a bf16 region)."""
+    """Autocast off: the head and log-softmax are float32 even when a caller runs the scorer under
+    autocast."""
     import torch
 
     return torch.autocast(device_type=device.type, enabled=False)
