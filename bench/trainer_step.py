@@ -12,8 +12,9 @@ gradient accumulation, grad clip, AdamW, XACK, mismatch metrics (lag-0 and all),
 Prometheus gauges. "plain" is the same update written directly in torch: full-vocab logits from
 `model(...)`, log_softmax / temperature, gather, the same GRPO advantages and PPO-clip loss, backward,
 clip, AdamW — no queue, no replay of top-k/top-p, no metrics — on the same device and in the same
-precision (bf16: autocast over the whole forward, fp32 weights and AdamW). Both see identical token batches and
-share one model and optimizer; the runs alternate so that machine load hits both alike. The ratio
+precision (bf16: autocast over the whole forward, fp32 weights and AdamW; the model is ours, so its
+decoder layers also swap in bf16 casts of their weights, trainer/precision.py, as autocast would cast
+them per matmul). Both see identical token batches and share one model and optimizer; the runs alternate so that machine load hits both alike. The ratio
 plain_tps / ours_tps is our overhead (>1 means we are slower). Prints progress lines; the last
 line is one JSON object.
 

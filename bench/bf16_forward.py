@@ -1,0 +1,103 @@
+"""How far the bf16 trainer's logprobs are from a bf16 engine's, per way of running the decoder.
+
+    python bench/bf16_forward.py [--model tiny | smollm2-135m] [--sequences 8 --prompt_len 24 --completion_len 40]
+
+The engine side is what the reference engine computes in bf16: the HF model loaded in bfloat16,
+the prompt prefilled into a KV cache, then one token at a time (the completion teacher-forced), with
+float32 logits from the head. The trainer side scores the same sequences in one forward over the
+float32 weights:
+- "ours": the trainer's bf16 scorer (trainer/precision.py `bf16_decoder`: bf16 casts of the
+  weights, bf16 activations throughout);
+- "autocast": the same forward under torch.autocast(bfloat16), the trainer's earlier design
+  (bf16 matmuls over a float32 residual stream); the baseline of the ratio.
+Both use the trainer's float32 head weights. Per side: k3 = mean(exp(r) - 1 - r) with r the
+trainer-minus-engine logprob, and max |r|, over every completion token; `ratio` is autocast's k3 ÷
+ours (> 1: ours is closer to the engine). What remains for ours is the engine's token-by-token
+bf16 arithmetic against one forward over the sequence. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def engine_logprobs(model, prompt: list[int], completion: list[int], head_weight):
+    """Logprob of each completion token, decoded token by token by the bf16 `model` (KV cache)."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    with torch.no_grad():
+        step = model.model(input_ids=torch.tensor([prompt]), use_cache=True)
+        for token in completion:
+            logits = F.linear(step.last_hidden_state[0, -1].float(), head_weight)
+            out.append(logits.log_softmax(-1)[token])
+            step = model.model(
+                input_ids=torch.tensor([[token]]), past_key_values=step.past_key_values, use_cache=True
+            )
+    return torch.stack(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--prompt_len", type=int, default=24)
+    parser.add_argument("--completion_len", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps the default")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from parity import models
+    from parity.sampling import SamplingTransform
+    from trainer.policy import SequenceInput, load_model, scorer_for, token_logprobs
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = models.resolve(args.model)
+    engine = load_model(model_dir, "bfloat16").eval()
+    ours_model = load_model(model_dir).eval()
+    autocast_model = load_model(model_dir).eval()
+    head_weight = ours_model.lm_head.weight.detach().float()
+    vocab = ours_model.config.vocab_size
+    gen = torch.Generator().manual_seed(args.seed)
+    sequences = [
+        SequenceInput(
+            tuple(torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()),
+            tuple(torch.randint(3, vocab, (args.completion_len,), generator=gen).tolist()),
+            SamplingTransform(),
+        )
+        for _ in range(args.sequences)
+    ]
+    print(
+        f"{args.model}: {args.sequences} sequences of {args.prompt_len}+{args.completion_len} tokens",
+        flush=True,
+    )
+    engine_T = torch.cat(
+        [engine_logprobs(engine, list(s.prompt_ids), list(s.completion_ids), head_weight) for s in sequences]
+    )
+    with torch.no_grad():
+        ours_T, _ = token_logprobs(scorer_for(ours_model, "bf16"), sequences)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast_T, _ = token_logprobs(scorer_for(autocast_model, "fp32"), sequences)
+    summary: dict = {"bench": "bf16_forward", "model": args.model, "tokens": int(engine_T.numel())}
+    for name, side_T in (("ours", ours_T), ("autocast", autocast_T)):
+        r = (side_T - engine_T).double()
+        summary[f"{name}_k3"] = float((r.exp() - 1 - r).mean())
+        summary[f"{name}_max_abs"] = float(r.abs().max())
+        print(f"{name}: k3 {summary[f'{name}_k3']:.2e}, max |Δ| {summary[f'{name}_max_abs']:.2e}", flush=True)
+    summary["ratio"] = summary["autocast_k3"] / summary["ours_k3"] if summary["ours_k3"] > 0 else None
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
