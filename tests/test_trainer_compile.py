@@ -3,6 +3,7 @@
 - inductor (on CPU; on CUDA too, `gpu`-marked): over packed micro-batches with shared prompts, the float32 logprobs and every
   parameter's gradient are as close to a float64 decoder's as eager's are (within 2x);
 - micro-batches of other token counts and segment layouts reuse the compiled graphs: no recompile;
+- in bf16, inductor's logprobs are eager bf16's (every op's output rounded as eager rounds it);
 - a trainer built with `compile` scores with compiled layers, its logprobs equal an eager trainer's,
   and a KV-cache call (the mismatch localiser's prefix replay) runs eager and gives eager's logits.
 """
@@ -93,6 +94,31 @@ def test_inductor_layers_are_as_accurate_as_eager_and_do_not_recompile(tiny_mode
         assert error["compiled"][0] <= max(2 * error["eager"][0], 1e-5)
         assert error["compiled"][1] <= max(2 * error["eager"][1], 1e-6)
     assert counters["stats"]["unique_graphs"] == graphs_after_first, "a new micro-batch shape recompiled"
+
+
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="inductor builds its kernels with a C/C++ compiler: none on this host",
+)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_inductor_bf16_layers_give_eager_bf16_logprobs(tiny_model: Path, device: str) -> None:
+    from trainer.compiled import compile_decoder_layers
+    from trainer.policy import scorer_for, token_logprobs
+
+    torch._dynamo.reset()
+    packed = {"device": device, "packing": True, "share_prompts": True}
+    eager = scorer_for(load_model(tiny_model, **packed), "bf16")
+    model = load_model(tiny_model, **packed)
+    compile_decoder_layers(model, "inductor")
+    compiled = scorer_for(model, "bf16")
+    for i, sequences in enumerate([_micro_batch(0, 2, 4), _micro_batch(1, 3, 2)]):
+        expected, _ = token_logprobs(eager, sequences)
+        logprobs, _ = token_logprobs(compiled, sequences)
+        logprobs.sum().backward()
+        worst = float((logprobs.detach() - expected.detach()).abs().max())
+        print(f"bf16 micro-batch {i}: compiled vs eager max |Δ logprob| {worst:.1e}")
+        assert worst <= 1e-6
+    assert all(p.dtype == torch.float32 and p.grad is not None for p in model.parameters())
 
 
 def test_a_compiled_trainer_scores_like_an_eager_one_and_replays_caches_eager(tmp_path: Path) -> None:
