@@ -1,6 +1,7 @@
 """How far the bf16 trainer's logprobs are from a bf16 engine's, per way of running the decoder.
 
     python bench/bf16_forward.py [--model tiny | smollm2-135m] [--sequences 8 --prompt_len 24 --completion_len 40]
+                                 [--device cpu | cuda]
 
 The engine side is what the reference engine computes in bf16: the HF model loaded in bfloat16,
 the prompt prefilled into a KV cache, then one token at a time (the completion teacher-forced), with
@@ -34,12 +35,15 @@ def engine_logprobs(model, prompt: list[int], completion: list[int], head_weight
 
     out = []
     with torch.no_grad():
-        step = model.model(input_ids=torch.tensor([prompt]), use_cache=True)
+        device = head_weight.device
+        step = model.model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
         for token in completion:
             logits = F.linear(step.last_hidden_state[0, -1].float(), head_weight)
             out.append(logits.log_softmax(-1)[token])
             step = model.model(
-                input_ids=torch.tensor([[token]]), past_key_values=step.past_key_values, use_cache=True
+                input_ids=torch.tensor([[token]], device=device),
+                past_key_values=step.past_key_values,
+                use_cache=True,
             )
     return torch.stack(out)
 
@@ -52,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completion_len", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 keeps the default")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
 
     import torch
@@ -59,13 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     from parity import models
     from parity.sampling import SamplingTransform
     from trainer.policy import SequenceInput, load_model, scorer_for, token_logprobs
+    from trainer.precision import disable_tf32
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    disable_tf32()  # as the trainer and the reference engine run: float32 matmuls in full float32
     model_dir = models.resolve(args.model)
-    engine = load_model(model_dir, "bfloat16").eval()
-    ours_model = load_model(model_dir).eval()
-    autocast_model = load_model(model_dir).eval()
+    engine = load_model(model_dir, "bfloat16", args.device).eval()
+    ours_model = load_model(model_dir, device=args.device).eval()
+    autocast_model = load_model(model_dir, device=args.device).eval()
     head_weight = ours_model.lm_head.weight.detach().float()
     vocab = ours_model.config.vocab_size
     gen = torch.Generator().manual_seed(args.seed)
@@ -86,9 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     with torch.no_grad():
         ours_T, _ = token_logprobs(scorer_for(ours_model, "bf16"), sequences)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(args.device, dtype=torch.bfloat16):
             autocast_T, _ = token_logprobs(scorer_for(autocast_model, "fp32"), sequences)
-    summary: dict = {"bench": "bf16_forward", "model": args.model, "tokens": int(engine_T.numel())}
+    summary: dict = {
+        "bench": "bf16_forward",
+        "model": args.model,
+        "device": args.device,
+        "tokens": int(engine_T.numel()),
+    }
     for name, side_T in (("ours", ours_T), ("autocast", autocast_T)):
         r = (side_T - engine_T).double()
         summary[f"{name}_k3"] = float((r.exp() - 1 - r).mean())

@@ -31,6 +31,10 @@ echo "trainer_step 1.5b bench exit ${PIPESTATUS[0]}"
 timeout 300 python3 bench/trainer_step.py --shape qwen2.5-1.5b --device cuda --precision bf16 --groups 8 --group_size 8 \
   --prompt_len 128 --completion_len 896 --micro_batch_size 4 --repeats 2 --compile inductor 2>&1 | tee "$out/trainer_step_1.5b_compile.log"
 echo "trainer_step 1.5b compile bench exit ${PIPESTATUS[0]}"
+# The bf16 trainer's forward against the reference engine's token-by-token bf16 decode, on CUDA (ours vs autocast).
+# (tiny: it is built here; SmolLM2's weights cannot be downloaded on the GPU host.)
+timeout 120 python3 bench/bf16_forward.py --device cuda --model tiny 2>&1 | tee "$out/bf16_forward_tiny.log"
+echo "bf16_forward bench exit ${PIPESTATUS[0]}"
 # The whole pipeline on this one GPU: reference engine and trainer on CUDA, weights by CUDA IPC, bf16.
 timeout 240 python3 -m commands.main run --model tiny --steps 4 --rollout.engine reference --rollout.device cuda \
   --trainer.device cuda --precision bf16 --rollout.dtype bfloat16 --skip_preflight --eval_size 8 \
