@@ -9,8 +9,8 @@ float32 logits from the head. The trainer side scores the same sequences in one 
 float32 weights:
 - "ours": the trainer's bf16 scorer (trainer/precision.py `bf16_decoder`: bf16 casts of the
   weights, bf16 activations throughout);
-- "autocast": the same forward under torch.autocast(bfloat16), the trainer's earlier design
-  (bf16 matmuls over a float32 residual stream); the baseline of the ratio.
+- "autocast": the same forward under torch.autocast(bfloat16) (bf16 matmuls over a float32
+  residual stream, the common way to train in bf16); the baseline of the ratio.
 Both use the trainer's float32 head weights. Per side: k3 = mean(exp(r) - 1 - r) with r the
 trainer-minus-engine logprob, and max |r|, over every completion token; `ratio` is autocast's k3 ÷
 ours (> 1: ours is closer to the engine). What remains for ours is the engine's token-by-token

@@ -69,7 +69,7 @@ def test_bf16_decoder_with_an_fp32_head(tiny_model: Path) -> None:
 # A bf16 engine holds bf16 weights and computes in bf16 throughout (the reference engine: the HF
 # model loaded in bfloat16). The bf16 trainer must be that function over its float32 weights, so
 # that the own-version mismatch measures the engine, not a second rounding scheme of the trainer's.
-# Under autocast (the earlier design: a float32 residual stream) they were 0.32 apart.
+# Under autocast (a float32 residual stream) they are 0.32 apart.
 @pytest.mark.parametrize("packing", [False, True])
 def test_bf16_trainer_scores_what_a_bf16_model_scores(tiny_model: Path, packing: bool) -> None:
     from trainer.policy import load_model, scorer_for, token_logprobs

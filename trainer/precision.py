@@ -7,9 +7,9 @@ Invariants:
   included, as a bf16 inference engine does — on one device by `bf16_decoder` (each layer's and
   the final norm's weights cast on entry, the embeddings' output cast), under FSDP2's
   MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) when sharded, so gradients are reduced
-  in float32. Gradients reach the float32 weights through the casts. (Autocast, which this replaced,
-  keeps a float32 residual stream: a different function from the engine's, k3 ~1e-2 against a
-  bf16 engine on the tiny model instead of ~1e-4; bench/bf16_forward.py.)
+  in float32. Gradients reach the float32 weights through the casts. Not autocast: it keeps a float32
+  residual stream, a different function from the engine's (k3 ~1e-2 against a bf16 engine on the
+  tiny model, against ~1e-4 this way; bench/bf16_forward.py).
 - In both modes the lm_head and the log-softmax run in float32 on float32 weights: the trainer's
   logprobs are the reference side of the mismatch metrics, and a bf16 head alone moves logprobs by
   ~1e-2 (8 mantissa bits on logits of magnitude ~10).
@@ -47,7 +47,8 @@ def bf16_decoder(lm) -> None:
         return
     decoder = getattr(lm, lm.base_model_prefix)
     lm.get_input_embeddings().register_forward_hook(lambda _m, _args, out: out.to(torch.bfloat16))
-    for module in (*decoder.layers, decoder.norm):
+    final_norm = getattr(decoder, "norm", None)
+    for module in (*decoder.layers, *([final_norm] if final_norm is not None else [])):
         module.register_forward_pre_hook(_cast_weights_in)
         module.register_forward_hook(_put_weights_back, always_call=True)
     lm.parity_bf16_decoder = True
