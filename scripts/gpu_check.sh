@@ -36,6 +36,9 @@ stamp "bf16_forward bench exit ${PIPESTATUS[0]}"
 timeout 300 python3 bench/trainer_step.py --shape qwen2.5-1.5b --device cuda --precision bf16 --groups 8 --group_size 8 \
   --prompt_len 128 --completion_len 896 --micro_batch_size 4,8 --repeats 3 2>&1 | tee "$out/trainer_step_1.5b.log"
 stamp "trainer_step 1.5b bench exit ${PIPESTATUS[0]}"
+# The weight history's host copies (each publish, each own-version load): pinned (ours) vs pageable, 6 GiB.
+timeout 120 python3 bench/history_copy.py --device cuda --mb 6144 --repeats 3 2>&1 | tee "$out/history_copy.log"
+stamp "history_copy bench exit ${PIPESTATUS[0]}"
 # The float32 head alone: chunked (ours) vs the whole [T, V] under autograd, fp32 and bf16 backward GEMMs.
 for grad in float32 bfloat16; do
   timeout 90 python3 bench/head_logprobs.py --device cuda --tokens 4096 --grad_dtype $grad --repeats 3 2>&1 | tee "$out/head_$grad.log"

@@ -65,7 +65,9 @@ def rescore_at_versions(
             if weights is None:
                 continue
             for name, tensor in weights.items():
-                params[name].copy_(tensor)
+                # From pinned host memory on CUDA (weight_history.host_copies): queued on the
+                # stream the forward below runs on, so it reads the loaded weights.
+                params[name].copy_(tensor, non_blocking=True)
             members = [i for i, s in enumerate(chunk) if version in s.versions]
             sub = [chunk[i] for i in members]
             at_T = to_device(

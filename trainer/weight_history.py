@@ -9,7 +9,8 @@ ranks) and copies them to the host once.
 
 Invariants:
 - `record(v, named)` copies every tensor before returning (the optimizer may step right after);
-  a recorded version is never modified, only dropped whole.
+  a recorded version is never modified, only dropped whole. Copies of GPU tensors are pinned
+  (`host_copies`), so loading a version back onto the GPU runs at the bus's speed too.
 - `keep` bounds the versions held (max_lag + 1 when a reader scores stale tokens, else 1); the newest
   is never dropped.
 """
@@ -72,7 +73,7 @@ class WeightHistory:
 
     def record(self, version: int, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Copy `named` (on any device) to the host as `version`; drop the oldest beyond `keep`."""
-        copied = {name: tensor.detach().to("cpu", copy=True) for name, tensor in named}
+        copied = host_copies(named)
         with self._lock:
             self._versions[version] = copied
             self.host_copies_total += 1
@@ -97,3 +98,27 @@ class WeightHistory:
         if held is None:
             return None
         return tuple(held[name] for name in names)
+
+
+def host_copies(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """name -> a host copy of each tensor, complete when this returns. GPU tensors go into pinned
+    host memory, all copies queued at once and waited for once: pinned copies run at the bus's
+    speed and the next one need not wait for the last (a pageable copy is staged through a bounce
+    buffer, one at a time). Pinned blocks return to torch's host-memory cache when a version is
+    dropped and serve the next version's copies."""
+    import torch
+
+    copied: dict[str, torch.Tensor] = {}
+    devices = set()
+    for name, tensor in named:
+        source = tensor.detach()
+        if source.is_cuda:
+            host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            host.copy_(source, non_blocking=True)
+            devices.add(source.device)
+        else:
+            host = source.to("cpu", copy=True)
+        copied[name] = host
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+    return copied
