@@ -17,12 +17,16 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
+_PINNED = True  # False once the host refused a pinned allocation (host_copies)
 
 Bucket = list[tuple[str, Any, tuple[int, ...], Any]]  # (name, dtype, shape, tensor on the device)
 
@@ -108,12 +112,21 @@ def host_copies(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, torch.Te
     dropped and serve the next version's copies."""
     import torch
 
+    global _PINNED
     copied: dict[str, torch.Tensor] = {}
     devices = set()
     for name, tensor in named:
         source = tensor.detach()
-        if source.is_cuda:
-            host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        host = None
+        if source.is_cuda and _PINNED:
+            try:
+                host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            except RuntimeError as exc:  # the host refuses to pin this much: pageable from now on
+                _PINNED = False
+                log.warning(
+                    "weight history: pinned host memory refused (%s); copying to pageable memory", exc
+                )
+        if host is not None:
             host.copy_(source, non_blocking=True)
             devices.add(source.device)
         else:
