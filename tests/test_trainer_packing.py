@@ -284,3 +284,55 @@ def test_micro_batches_keep_a_group_together_and_count_its_prompt_once() -> None
         for prompt in {s.prompt_ids for s in sequences}:
             holding = [b for b in batches if any(s.prompt_ids == prompt for s in b)]
             assert len(holding) <= 2, (budget, [[s.prompt_ids[:2] for s in b] for b in batches])
+
+
+def _dense_reference(query, key, value, segments):
+    """Attention of a packed row through one [N, N] mask built position by position: the
+    definition `varlen_attention` must compute, without its segment loop."""
+    n = query.shape[2]
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for prefix_start, prefix_end, start, end in segments:
+        for q in range(start, end):
+            allowed[q, prefix_start:prefix_end] = True
+            allowed[q, start : q + 1] = True
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed)
+
+
+@pytest.mark.parametrize("layout", ["plain", "shared", "prefix_inside_a_segment"])
+def test_packed_attention_and_its_gradients_equal_one_masked_call(layout: str) -> None:
+    from trainer.packing import SharedSegments, varlen_attention
+
+    if layout == "plain":  # bounds of four sequences
+        bounds = (0, 5, 6, 17, 30)
+        segments = [(s, s, s, e) for s, e in itertools.pairwise(bounds)]
+    else:
+        # A prompt [0, 6) and two continuations; then a sequence alone [15, 24) and one whose prefix
+        # is the first 4 positions of that sequence (not a whole segment: sliced, not split).
+        segments = [(0, 0, 0, 6), (0, 6, 6, 11), (0, 6, 11, 15), (15, 15, 15, 24)]
+        segments.append((15, 19, 24, 30) if layout == "prefix_inside_a_segment" else (0, 6, 24, 30))
+        bounds = SharedSegments(segments)
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(1, 3, 30, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
+    weights = torch.linspace(-1.0, 1.0, 30 * 3 * 8, dtype=torch.float64).view(1, 3, 30, 8)
+    outputs, grads = {}, {}
+    for name in ("segments", "dense"):
+        q, k, v = (t.clone().requires_grad_() for t in inputs)
+        if name == "segments":
+            out = varlen_attention(None, q, k, v, None, cu_seq_lens=bounds)[0].transpose(1, 2)
+        else:
+            out = _dense_reference(q, k, v, segments)
+        (out * weights).sum().backward()
+        outputs[name] = out.detach()
+        grads[name] = [t.grad for t in (q, k, v)]
+    assert float((outputs["segments"] - outputs["dense"]).abs().max()) <= 1e-12
+    for got, want in zip(grads["segments"], grads["dense"], strict=True):
+        assert float(want.abs().max()) > 1e-3
+        assert float((got - want).abs().max()) <= 1e-12
+
+
+def test_packed_attention_refuses_bounds_that_do_not_cover_the_row() -> None:
+    from trainer.packing import varlen_attention
+
+    q = torch.randn(1, 2, 10, 4)
+    with pytest.raises(ValueError, match="cover 9 positions, the packed row has 10"):
+        varlen_attention(None, q, q, q, None, cu_seq_lens=(0, 4, 9))

@@ -7,8 +7,8 @@
 
 Invariants:
 - Attention never crosses a boundary: `varlen_attention` (registered with transformers as the
-  attention implementation `parity_varlen`) runs causal SDPA on each [start, end) slice alone,
-  so each sequence costs L_i², not N², and no mask is materialised. Without `cu_seq_lens` it is
+  attention implementation `parity_varlen`) runs causal SDPA on each [start, end) segment alone,
+  so each sequence costs L_i², not N², and no whole-row mask is built. Without `cu_seq_lens` it is
   plain causal SDPA over the whole row (an unpadded batch), so `model(input_ids)` still works.
 - With position ids restarting and attention confined, a packed sequence's logits are those of
   the same sequence run alone up to float32 summation order: the linear layers run as one [N, H]
@@ -52,7 +52,6 @@ _REGISTERED = False
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention interface: query [B, Hq, N, D], key/value [B, Hkv, N, D] ->
     ([B, N, Hq, D], None). Causal within each `cu_seq_lens` segment (B must be 1 then)."""
-    import torch
     import torch.nn.functional as F
 
     groups = query.shape[1] // key.shape[1]
@@ -64,14 +63,9 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         cu_seq_lens = cu_seq_lens.bounds
     if attention_mask is not None:
         raise ValueError("parity_varlen attention takes packed sequences (cu_seq_lens), not a padding mask")
-    if isinstance(cu_seq_lens, SharedSegments):
-        if query.shape[0] != 1:
-            raise ValueError(f"packed attention needs one row, got batch {query.shape[0]}")
-        out = torch.cat(
-            [_segment_attention(query, key, value, segment, scaling, dropout) for segment in cu_seq_lens],
-            dim=2,
-        )
-    elif cu_seq_lens is None and query.shape[2] != key.shape[2]:
+    if cu_seq_lens is not None and query.shape[0] != 1:
+        raise ValueError(f"packed attention needs one row, got batch {query.shape[0]}")
+    if cu_seq_lens is None and query.shape[2] != key.shape[2]:
         # After a KV cache (the localiser's prefix replays): the queries are the last positions, so
         # the causal mask aligns to the bottom right; SDPA's is_causal aligns it to the top left.
         mask = _causal_after_prefix(query.shape[2], key.shape[2], query.device)
@@ -83,23 +77,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
             query, key, value, is_causal=True, scale=scaling, dropout_p=dropout
         )
     else:
-        if query.shape[0] != 1:
-            raise ValueError(f"packed attention needs one row, got batch {query.shape[0]}")
-        bounds = list(cu_seq_lens)
-        out = torch.cat(
-            [
-                F.scaled_dot_product_attention(
-                    query[:, :, s:e],
-                    key[:, :, s:e],
-                    value[:, :, s:e],
-                    is_causal=True,
-                    scale=scaling,
-                    dropout_p=dropout,
-                )
-                for s, e in itertools.pairwise(bounds)
-            ],
-            dim=2,
-        )
+        out = _segmented_attention(query, key, value, cu_seq_lens, scaling, dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -120,30 +98,60 @@ class SharedSegments(tuple):
     to all of [prefix_start, prefix_end) (empty for a prompt, or a sequence alone)."""
 
 
-def _segment_attention(query, key, value, segment, scaling, dropout):
+def _segments(bounds) -> Sequence[tuple[int, int, int, int]]:
+    """(prefix_start, prefix_end, start, end) per segment; plain bounds have empty prefixes."""
+    if isinstance(bounds, SharedSegments):
+        return bounds
+    return [(start, start, start, end) for start, end in itertools.pairwise(bounds)]
+
+
+def _segmented_attention(query, key, value, bounds, scaling, dropout):
+    """Each segment's queries against its prefix's and, causally, its own keys; [1, H, N, D].
+
+    The row is cut with `split`, not sliced: a slice's backward writes a zero tensor of the whole
+    row and adds into it (S segments: S x N work per layer), a split's backward is one concatenation.
+    A prefix that is itself a segment (a shared prompt) is that segment's piece."""
     import torch
     import torch.nn.functional as F
 
-    prefix_start, prefix_end, start, end = segment
-    if prefix_start == prefix_end:
-        return F.scaled_dot_product_attention(
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
-            is_causal=True,
-            scale=scaling,
-            dropout_p=dropout,
+    segments = _segments(bounds)
+    sizes = [end - start for _, _, start, end in segments]
+    if sum(sizes) != query.shape[2]:
+        raise ValueError(f"cu_seq_lens cover {sum(sizes)} positions, the packed row has {query.shape[2]}")
+    pieces = {start: index for index, (_, _, start, _) in enumerate(segments)}
+    queries, keys, values = (t.split(sizes, dim=2) for t in (query, key, value))
+    outputs = []
+    for index, (prefix_start, prefix_end, start, end) in enumerate(segments):
+        if prefix_start == prefix_end:
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    queries[index],
+                    keys[index],
+                    values[index],
+                    is_causal=True,
+                    scale=scaling,
+                    dropout_p=dropout,
+                )
+            )
+            continue
+        shared = pieces.get(prefix_start)
+        if shared is not None and segments[shared][3] == prefix_end:
+            prefix_keys, prefix_values = keys[shared], values[shared]
+        else:  # a prefix that is not one segment: sliced from the row
+            prefix_keys = key[:, :, prefix_start:prefix_end]
+            prefix_values = value[:, :, prefix_start:prefix_end]
+        allowed = _causal_after_prefix(end - start, prefix_end - prefix_start + end - start, query.device)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                queries[index],
+                torch.cat([prefix_keys, keys[index]], dim=2),
+                torch.cat([prefix_values, values[index]], dim=2),
+                attn_mask=allowed,
+                scale=scaling,
+                dropout_p=dropout,
+            )
         )
-    prefix, length = prefix_end - prefix_start, end - start
-    allowed = _causal_after_prefix(length, prefix + length, query.device)
-    return F.scaled_dot_product_attention(
-        query[:, :, start:end],
-        torch.cat([key[:, :, prefix_start:prefix_end], key[:, :, start:end]], dim=2),
-        torch.cat([value[:, :, prefix_start:prefix_end], value[:, :, start:end]], dim=2),
-        attn_mask=allowed,
-        scale=scaling,
-        dropout_p=dropout,
-    )
+    return torch.cat(outputs, dim=2)
 
 
 def _causal_after_prefix(q_len: int, k_len: int, device):
