@@ -380,6 +380,25 @@ def test_grpc_environment_plays_an_episode_with_records_and_auth(
     asyncio.run(source.close())
 
 
+class _LongRecords(GuessNumber):
+    """GuessNumber whose held-out records carry 1.5 MB of text each (a page of 4: 6 MB)."""
+
+    @staticmethod
+    def eval_records(n: int) -> list[dict]:
+        return [
+            {**record, "text": str(i) * 1_500_000} for i, record in enumerate(GuessNumber.eval_records(n))
+        ]
+
+
+def test_grpc_pages_of_records_over_4_mb_arrive_whole() -> None:
+    # Both of the client's channels take the same 64 MB messages: records come over the blocking
+    # one, episodes over the aio one; gRPC's default receive limit is 4 MB.
+    with serving(_LongRecords) as (address, _servicer):
+        records = get_environment(f"env:grpc:{address}").eval_records(4)
+    assert [len(r["text"]) for r in records] == [1_500_000] * 4
+    assert records == _LongRecords.eval_records(4)
+
+
 def test_grpc_without_the_token_fails_at_once(guess_service: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     address, servicer = guess_service
     monkeypatch.delenv("PARITY_AUTH_TOKEN", raising=False)

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from parity.server import RECONNECT_OPTIONS, channel
+from parity.server import CHANNEL_OPTIONS, channel
 from rollout.environments.base import (
     DEFAULT_MAX_OBSERVATION_CHARS,
     DEFAULT_STEP_TIMEOUT_S,
@@ -122,7 +122,7 @@ class EnvironmentClient:
         from parity.v1 import environment_pb2_grpc
 
         if self._blocking is None:
-            self._blocking = grpc.insecure_channel(self.address, options=RECONNECT_OPTIONS)
+            self._blocking = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         return environment_pb2_grpc.EnvironmentServiceStub(self._blocking)
 
     def _failed(self, exc: grpc.RpcError, call: str, attempt: int, episode_id: str) -> EnvironmentFailed:
