@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
 
 
-def run_ranks(world_size: int, out_dir: Path, mode: str, run_dir: Path, steps: int = 1) -> dict | None:
+def run_ranks(
+    world_size: int, out_dir: Path, mode: str, run_dir: Path, steps: int = 1, model: str = "tiny"
+) -> dict | None:
     from parity.ports import free_port
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -46,7 +48,7 @@ def run_ranks(world_size: int, out_dir: Path, mode: str, run_dir: Path, steps: i
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(ROOT),
         }
-        args = [sys.executable, __file__, mode, str(out_dir), str(run_dir), str(steps)]
+        args = [sys.executable, __file__, mode, str(out_dir), str(run_dir), str(steps), model]
         procs.append(subprocess.Popen(args, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True))
     errors = []
     for proc in procs:
@@ -121,6 +123,36 @@ def test_dcp_checkpoint_from_two_ranks_resumes_on_one_with_the_same_next_step(
     assert abs(fresh["losses"][0] - on_one["losses"][0]) > 1e-4
 
 
+def test_two_gloo_ranks_compute_the_one_rank_bf16_logprobs_bit_for_bit(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    # bf16 on one rank casts each layer's and the final norm's weights (trainer/precision.py); on N
+    # ranks FSDP2's policies cast them. Both must be one function: the engine's bf16 forward. The
+    # tiny model's norms are all ones (a product bf16 rounds the same either way), so this copy
+    # gets norm weights that bf16 cannot hold exactly.
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model, model_dir)
+    (weights_file,) = model_dir.glob("*.safetensors")
+    state = load_file(str(weights_file))
+    generator = torch.Generator().manual_seed(7)
+    for name in [n for n in state if n.endswith("norm.weight")]:
+        state[name] = 0.5 + torch.rand(state[name].shape, generator=generator)
+    save_file(state, str(weights_file), metadata={"format": "pt"})
+    one = run_ranks(1, tmp_path / "one", "bf16_logprobs", tmp_path / "run1", model=str(model_dir))
+    two = run_ranks(2, tmp_path / "two", "bf16_logprobs", tmp_path / "run2", model=str(model_dir))
+    assert two["sharded"] and not one["sharded"]
+    lp1 = load_file(str(tmp_path / "one" / "logprobs.safetensors"))["logprobs"]
+    lp2 = load_file(str(tmp_path / "two" / "logprobs.safetensors"))["logprobs"]
+    finite = torch.isfinite(lp1)
+    print(f"bf16 logprobs, 1 rank vs 2: max |Δ| {float((lp1 - lp2)[finite].abs().max()):.2e}")
+    assert torch.equal(lp1, lp2)
+
+
 def _batch_sequences(trainer, step: int):
     import torch
 
@@ -139,7 +171,27 @@ def _batch_sequences(trainer, step: int):
     return prepare(Batch(groups=groups), trainer.config).sequences
 
 
-def _worker(mode: str, out_dir: Path, run_dir: Path, steps: int) -> None:
+def _bf16_logprobs(trainer, out_dir: Path, rank: int) -> None:
+    """Every rank scores the whole batch (no data split): the sharded model's bf16 forward."""
+    import torch
+    from safetensors.torch import save_file
+
+    from trainer.policy import token_logprobs
+
+    sequences = _batch_sequences(trainer, 0)
+    with torch.no_grad():
+        logprobs_T, _ = token_logprobs(trainer.scorer, [s.inputs for s in sequences])
+    if rank == 0:
+        save_file({"logprobs": logprobs_T.contiguous()}, str(out_dir / "logprobs.safetensors"))
+        (out_dir / "result.json").write_text(json.dumps({"sharded": trainer.distributed}))
+    if trainer.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _worker(mode: str, out_dir: Path, run_dir: Path, steps: int, model: str) -> None:
     from safetensors.torch import save_file
 
     from tests.conftest import config_for
@@ -148,11 +200,20 @@ def _worker(mode: str, out_dir: Path, run_dir: Path, steps: int) -> None:
     from trainer.loop import Trainer
 
     config = config_for(
-        "trainer", model="tiny", device="cpu", run_dir=str(run_dir), lr=1e-3, micro_batch_size=3
+        "trainer",
+        model=model,
+        device="cpu",
+        run_dir=str(run_dir),
+        lr=1e-3,
+        micro_batch_size=3,
+        precision="bf16" if mode == "bf16_logprobs" else "fp32",
     )
     trainer = Trainer(config)
     trainer.setup_model()
     rank, world_size = fsdp.world()
+    if mode == "bf16_logprobs":
+        _bf16_logprobs(trainer, out_dir, rank)
+        return
     if mode == "step" and rank == 0 and world_size == 1:
         initial = {k: v.clone() for k, v in fsdp.full_parameters(trainer.model).items()}
         (out_dir.parent / "one_initial").mkdir(exist_ok=True)
@@ -210,4 +271,4 @@ def _worker(mode: str, out_dir: Path, run_dir: Path, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))
+    _worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5])

@@ -3,9 +3,10 @@
 Invariants:
 - One process per device; the backend is NCCL on CUDA and gloo on CPU; every collective has the
   group's timeout (`trainer.dist_timeout_s`), so a lost rank is an error, never a hang.
-- `fully_shard` wraps each decoder layer, then the CompletionScorer as the root: the root's group
-  holds the embeddings, final norm and lm_head with float32 params (the head stays fp32); the layers
-  get the precision policy (bf16 params, fp32 gradient reduction in bf16 mode).
+- `fully_shard` wraps each decoder layer and the final norm, then the CompletionScorer as the root:
+  the root's group holds the embeddings and lm_head with float32 params (the head stays fp32); the
+  layers and the final norm get the precision policy (bf16 params, fp32 gradient reduction in bf16
+  mode). So N ranks compute the one-rank bf16 forward bit for bit (tests/test_trainer_fsdp.py).
 - Each rank's loss is already divided by the *global* token (or sequence) count, so gradients are
   summed across ranks (divide factor 1), not averaged: N ranks then give the 1-rank gradient.
 - Parameters are DTensors after sharding; `full_parameters` and `weight_history.weight_buckets`
@@ -58,6 +59,11 @@ def shard_scorer(scorer, precision: str, reshard_after_forward: bool = True):
         fully_shard(
             layer, mp_policy=mixed_precision_policy(precision), reshard_after_forward=reshard_after_forward
         )
+    norm = getattr(decoder, "norm", None)
+    if norm is not None:
+        # The final norm computes in the layers' precision, as on one rank (precision.bf16_decoder)
+        # and in a bf16 engine: in the root's float32 it would skip a bf16 rounding of its output.
+        fully_shard(norm, mp_policy=mixed_precision_policy(precision))
     fully_shard(scorer, mp_policy=mixed_precision_policy(precision, for_head=True))
     scorer.sharded = True
     for module in scorer.modules():
@@ -69,8 +75,8 @@ def shard_scorer(scorer, precision: str, reshard_after_forward: bool = True):
 
 
 def reshard_all(module) -> None:
-    """Reshard every FSDP2 group of `module`. FSDP2 leaves the root group (embeddings, final norm,
-    lm_head) unsharded after a forward, expecting the backward to use it; after a forward without
+    """Reshard every FSDP2 group of `module`. FSDP2 leaves the root group (embeddings, lm_head)
+    unsharded after a forward, expecting the backward to use it; after a forward without
     gradient the module would then expose unsharded parameters with no `.grad`, and a gradient-norm
     clip over `module.parameters()` would silently leave that group out."""
     from torch.distributed.fsdp import FSDPModule

@@ -14,7 +14,7 @@ Invariants:
 - The batch is built on the host and crosses to the model's device once per micro-batch (pinned on
   CUDA); every tensor returned lives on that device.
 - The forward runs through `CompletionScorer`, one module holding the HF model: it is what FSDP2
-  shards (its forward hooks unshard the embeddings, final norm and head), and the place where the
+  shards (its forward hooks unshard the embeddings and head), and the place where the
   decoder may run in bf16 while the head and log-softmax stay float32 (trainer/precision.py).
 
 Shapes: B sequences, L padded length, H hidden, V vocab, T completion tokens of the micro-batch.

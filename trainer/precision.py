@@ -6,8 +6,8 @@ Invariants:
   state); the decoder computes in bfloat16 with bfloat16 copies of its weights, activations
   included, as a bf16 inference engine does — on one device by `bf16_decoder` (each layer's and
   the final norm's weights cast on entry, the embeddings' output cast), under FSDP2's
-  MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) when sharded, so gradients are reduced
-  in float32. Gradients reach the float32 weights through the casts. Not autocast: it keeps a float32
+  MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on the layers and the final norm when
+  sharded, so gradients are reduced in float32. Both give the same logprobs, bit for bit. Gradients reach the float32 weights through the casts. Not autocast: it keeps a float32
   residual stream, a different function from the engine's (k3 ~1e-2 against a bf16 engine on the
   tiny model, against ~1e-4 this way; bench/bf16_forward.py).
 - In both modes the lm_head and the log-softmax run in float32 on float32 weights: the trainer's
@@ -82,8 +82,8 @@ def fp32_region(device: torch.device):
 
 
 def mixed_precision_policy(precision: str, for_head: bool = False):
-    """FSDP2 policy: layers get bf16 params and fp32 gradient reduction in bf16 mode; the root
-    (embeddings, final norm, lm_head) keeps fp32 params so the head stays float32."""
+    """FSDP2 policy: layers and the final norm get bf16 params and fp32 gradient reduction in bf16
+    mode; the root (embeddings, lm_head: `for_head`) keeps fp32 params so the head stays float32."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
