@@ -140,7 +140,7 @@ def _segmented_attention(query, key, value, bounds, scaling, dropout):
         else:  # a prefix that is not one segment: sliced from the row
             prefix_keys = key[:, :, prefix_start:prefix_end]
             prefix_values = value[:, :, prefix_start:prefix_end]
-        allowed = _causal_after_prefix(end - start, prefix_end - prefix_start + end - start, query.device)
+        allowed = _prefix_mask(bounds, end - start, prefix_end - prefix_start, query.device)
         outputs.append(
             F.scaled_dot_product_attention(
                 queries[index],
@@ -152,6 +152,16 @@ def _segmented_attention(query, key, value, bounds, scaling, dropout):
             )
         )
     return torch.cat(outputs, dim=2)
+
+
+def _prefix_mask(bounds, length: int, prefix: int, device):
+    """`_causal_after_prefix(length, prefix + length)`, built once per row for all the layers (kept
+    on the SharedSegments; a plain tuple has nowhere to keep it)."""
+    masks = getattr(bounds, "__dict__", {})
+    key = (length, prefix, str(device))
+    if key not in masks:
+        masks[key] = _causal_after_prefix(length, prefix + length, device)
+    return masks[key]
 
 
 def _causal_after_prefix(q_len: int, k_len: int, device):
