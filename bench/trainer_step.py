@@ -4,7 +4,7 @@
                                  [--groups 2 --group_size 4 --prompt_len 16 --completion_len 48
                                   --repeats 3 --micro_batch_size 8[,16...]
                                   --device auto|cpu|cuda --precision fp32|bf16
-                                  --compile off|inductor|aot_eager]
+                                  --compile off|inductor|aot_eager --profile DIR]
 
 "ours" is the real `trainer.loop.Trainer` step: XREADGROUP from a private redis-server, dedupe and
 lag checks, fp32-head logprobs under the replayed sampling transform, GRPO/PPO-clip loss with
@@ -31,6 +31,11 @@ allocator peak during each side's step, null on CPU.
 `--compile inductor` benches ours with `trainer.compile` (trainer/compiled.py) against the same
 eager plain step; each side's warm-up round (not counted in tokens/s) is `*_warmup_s`, so ours'
 minus plain's is about the compile time.
+
+`--profile DIR` adds one step of each side under torch.profiler after the first size's rounds
+(bench/op_profile.py): DIR/ours_ops.txt and DIR/plain_ops.txt hold the top ops (by kernel time on
+CUDA), and the JSON's `profile` has the same with ours' time per trainer stage. Not counted in
+tokens/s.
 """
 
 from __future__ import annotations
@@ -209,6 +214,47 @@ def run_side(
     return SideRun("ok", wall_s, cpu_s, peak)
 
 
+def profile_sides(
+    out_dir: Path,
+    sides: dict[str, SideResults],
+    make_batch: Callable[[str], list],
+    queue: Any,
+    run_ours: Callable[[], None],
+    plain_model: Any,
+    plain_opt: Any,
+    size: int,
+    device: torch.device,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One more step of each side that ran (not out of memory), under torch.profiler."""
+    import torch
+
+    from bench.op_profile import profile_step, write_profile
+
+    profiles: dict[str, Any] = {}
+    groups = make_batch(f"profile-mb{size}")
+    if sides["ours"].status == "ok":
+        for group in groups:
+            queue.publish(group)
+        wall_s, averages = profile_step(run_ours, device)
+        profiles["ours"] = write_profile(averages, wall_s, device, out_dir, "ours")
+    if sides["plain"].status == "ok":
+
+        def run_plain() -> None:
+            with torch.compiler.set_stance("force_eager"):
+                plain_step(plain_model, plain_opt, groups, size, device, args.precision)
+
+        wall_s, averages = profile_step(run_plain, device)
+        profiles["plain"] = write_profile(averages, wall_s, device, out_dir, "plain")
+    for name, profile in profiles.items():
+        stages = ", ".join(f"{k} {v['cpu']:.1f}" for k, v in profile["stages_ms"].items())
+        top = ", ".join(f"{op['name']} {op['self_ms']:.1f}" for op in profile["top_ops"][:5])
+        print(
+            f"profile {name} ({profile['clock']} ms): wall {profile['wall_ms']:.1f}; {stages or 'no stages'}; top: {top}"
+        )
+    return profiles
+
+
 def model_flops_utilization(
     flops: float, seconds: float, device: torch.device, precision: str
 ) -> float | None:
@@ -312,6 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["off", "inductor", "aot_eager"],
         help="trainer.compile for ours; plain stays eager (its warm-up round shows the compile time)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="after the first size's rounds, one more step of each side under torch.profiler: "
+        "DIR/{ours,plain}_ops.txt and a `profile` entry in the JSON (bench/op_profile.py)",
+    )
     args = parser.parse_args(argv)
     if args.num_layers is not None and args.shape is None:
         parser.error("--num_layers needs --shape")
@@ -406,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer.flops_per_token * sequences_per_step * (args.prompt_len + args.completion_len)
         )
         per_size: list[dict[str, Any]] = []
+        profiles: dict[str, Any] = {}
         first_size_results: dict[str, SideResults] = {}
         first_size_metrics: dict[str, Any] = {}
         taken: list = []  # the batch ours collected, until its step finishes
@@ -469,6 +523,19 @@ def main(argv: list[str] | None = None) -> int:
             if size_index == 0:
                 first_size_results = sides
                 first_size_metrics = dict(trainer.last_metrics) if sides["ours"].status == "ok" else {}
+                if args.profile is not None:
+                    profiles = profile_sides(
+                        args.profile,
+                        sides,
+                        make_batch,
+                        queue,
+                        run_ours,
+                        plain_model,
+                        plain_opt,
+                        size,
+                        device,
+                        args,
+                    )
 
         first = first_size_results
         ours_tps = _tokens_per_s(first["ours"], tokens_per_step, "wall")
@@ -509,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
             "lag0_mismatch_k3": metrics.get("mismatch_k3"),
             "lag0_mismatch_max_abs": metrics.get("mismatch_max_abs"),
             "per_micro_batch": per_size,
+            **({"profile": profiles} if args.profile is not None else {}),
         }
         for entry in per_size:
             ours, plain = (

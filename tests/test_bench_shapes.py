@@ -252,6 +252,7 @@ def test_trainer_bench_runs_a_named_shape_at_two_micro_batch_sizes(tmp_path: Pat
         *("--shape_dir", str(small)),
         *("--micro_batch_size", "2,4", "--groups", "1", "--group_size", "4", "--prompt_len", "8"),
         *("--completion_len", "8", "--repeats", "1", "--threads", "2", "--device", "cpu"),
+        *("--profile", str(tmp_path / "profile")),
     ]
     proc = subprocess.run(
         command,
@@ -282,3 +283,14 @@ def test_trainer_bench_runs_a_named_shape_at_two_micro_batch_sizes(tmp_path: Pat
     assert summary["ours_tokens_per_s"] == first["ours_tokens_per_s"]
     assert summary["overhead_ratio"] > 0 and summary["overhead_ratio_cpu"] > 0
     assert f"wrote qwen2.5-0.5b to {small}" in proc.stdout
+    # --profile: one more step of each side under torch.profiler, ours split by trainer stage.
+    profile = summary["profile"]
+    assert set(profile) == {"ours", "plain"}
+    assert {"prepare", "forward_backward", "optimizer_step", "step_metrics"} <= set(
+        profile["ours"]["stages_ms"]
+    )
+    assert profile["plain"]["stages_ms"] == {}
+    for side in ("ours", "plain"):
+        assert profile[side]["clock"] == "cpu" and profile[side]["wall_ms"] > 0
+        assert any(op["name"] == "aten::mm" and op["self_ms"] > 0 for op in profile[side]["top_ops"])
+        assert "aten::mm" in (tmp_path / "profile" / f"{side}_ops.txt").read_text()

@@ -65,9 +65,12 @@ log = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def stage(name: str, timings: dict[str, float]) -> Iterator[None]:
-    """One named stage of a step: a child span of train_step and `time/<name>_s` in the metrics."""
+    """One named stage of a step: a child span of train_step, a torch.profiler range of the same
+    name (bench/op_profile.py) and `time/<name>_s` in the metrics."""
+    from torch.profiler import record_function
+
     start = time.perf_counter()
-    with tracing.span(f"train_step.{name}"):
+    with tracing.span(f"train_step.{name}"), record_function(f"train_step.{name}"):
         yield
     timings[f"time/{name}_s"] = time.perf_counter() - start
 
