@@ -281,6 +281,6 @@ def _token_groups(transforms: Sequence[SamplingTransform], device) -> tuple[Toke
     for position, transform in enumerate(transforms):
         positions[transform].append(position)
     return tuple(
-        TokenGroup(transform, torch.tensor(index, dtype=torch.long).to(device))
+        TokenGroup(transform, to_device(torch.tensor(index, dtype=torch.long), device))
         for transform, index in positions.items()
     )

@@ -165,8 +165,10 @@ def _train_micro_batch(
     new_T, entropy_T = token_logprobs(models.scorer, [s.inputs for s in chunk], keep=keep)
     behaviour_T = _behaviour(chunk, device)
     part = _forward_stats(chunk, new_T, entropy_T, behaviour_T, weight_version)
-    seq_lengths_S = to_device(torch.tensor([s.num_tokens for s in chunk]), device)
-    seq_index_T = torch.repeat_interleave(torch.arange(len(chunk), device=device), seq_lengths_S)
+    lengths_S = torch.tensor([s.num_tokens for s in chunk])
+    seq_lengths_S = to_device(lengths_S, device)
+    # Built on the host: repeat_interleave on the device would wait for the GPU (its output size).
+    seq_index_T = to_device(torch.repeat_interleave(torch.arange(len(chunk)), lengths_S), device)
     recomputed_T = None
     if config.old_logprobs == "recompute":
         recomputed_T, known_T = rescore_at_versions(models.old_model, history, chunk, behaviour_T, device)
