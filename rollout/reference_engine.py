@@ -52,6 +52,7 @@ from parity.faults import (
     penalised,
     reported,
 )
+from parity.head_logits import float32_logits
 from parity.sampling import SamplingTransform, processed_logprobs
 from parity.weights.receiver import StagedWeights, receive_and_verify
 from rollout.engine import CompletionResult, GenerationSpec, RolloutEngine
@@ -151,7 +152,7 @@ class ReferenceEngine(RolloutEngine):
             if fault == "bf16_lm_head":
                 logits = (hidden_nd.bfloat16() @ head.weight.bfloat16().T).float()
             elif self.config.head_dtype == "float32":
-                logits = torch.nn.functional.linear(hidden_nd.float(), head.weight.float())
+                logits = float32_logits(hidden_nd, head.weight)  # as vLLM's fp32 head: exact products
             else:
                 logits = head(hidden_nd)
         return logits, out.past_key_values

@@ -7,7 +7,9 @@
   to 3.8e-6 when a sequence is scored alone instead of in a batch (tiny model, measured);
 - float32 gradients of every parameter equal autograd's through the unchunked path (rtol 1e-4);
 - bfloat16 backward GEMMs: the same logprobs, gradients in the same direction (cosine > 0.999);
-- the packed and padded models give the same logprobs through the new head.
+- the packed and padded models give the same logprobs through the new head;
+- bf16 mode: the logits of the bf16 copy of the head weight (what a bf16 engine multiplies by),
+  and float32 gradients equal to autograd's through that rounding.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def _reference(model, sequences, keep=None):
     """Today's definition: the whole [T, V] float32 logits, processed per transform, gathered."""
     ids_BL, mask_BL, rows_T, cols_T, targets_T = pad_batch(sequences)
     logits_TV = scorer_for(model)(ids_BL, mask_BL, rows_T, cols_T)
+    return _processed(logits_TV, sequences, targets_T, keep)
+
+
+def _processed(logits_TV, sequences, targets_T, keep=None):
+    """Each sequence's [t, V] logits processed under its transform, its targets' logprobs gathered."""
     values, entropies, offset = [], [], 0
     for seq in sequences:
         count = len(seq.completion_ids)
@@ -141,6 +148,35 @@ def test_bfloat16_backward_keeps_the_logprobs_and_the_gradient_direction(tiny_mo
     for name, grad in grads32.items():
         cosine = torch.nn.functional.cosine_similarity(grad.flatten(), grads16[name].flatten(), dim=0)
         assert float(cosine) > 0.999, name
+
+
+def test_bf16_mode_scores_with_the_bf16_head_weight_and_trains_the_float32_one(tiny_model: Path) -> None:
+    """A bf16 engine's fp32 head multiplies its bf16 head weight into float32 logits; the bf16
+    trainer scores with that same bf16 copy of its float32 master weight, and the float32 gradient
+    reaches the master weight through the rounding."""
+    scorer = scorer_for(load_model(tiny_model), "bf16", head=HeadOptions(chunk_tokens=3))
+    sequences = _sequences(load_model(tiny_model))
+    weight = scorer.lm.get_output_embeddings().weight
+    assert weight.dtype == torch.float32 and not torch.equal(weight, weight.to(torch.bfloat16).float())
+    ids_BL, mask_BL, rows_T, cols_T, targets_T = pad_batch(sequences)
+    hidden_TH = scorer.lm.model(input_ids=ids_BL, attention_mask=mask_BL).last_hidden_state[rows_T, cols_T]
+    assert hidden_TH.dtype == torch.bfloat16
+    # the rounded weight's value, with the gradient passed to the float32 weight unrounded (autograd
+    # through `.to(bfloat16)` would round the gradient itself to bf16: ~2e-3 relative)
+    rounded_VH = weight + (weight.to(torch.bfloat16).float() - weight).detach()
+    rounded_TV = torch.nn.functional.linear(hidden_TH.float(), rounded_VH)
+    reference_T, _ = _processed(rounded_TV, sequences, targets_T)
+    ours_T, _ = token_logprobs(scorer, sequences)
+    assert float((ours_T - reference_T).abs().max()) <= 5e-6  # chunking moves the GEMM's rounding
+    with torch.no_grad():
+        master_T, _ = _processed(torch.nn.functional.linear(hidden_TH.float(), weight), sequences, targets_T)
+    assert float((ours_T - master_T).abs().max()) > 1e-3  # the rounding matters on this model
+    ours, reference = _gradients(scorer, ours_T), _gradients(scorer, reference_T)
+    assert ours.keys() == reference.keys() and len(ours) > 3
+    for name, grad in reference.items():
+        assert ours[name].dtype == torch.float32, name
+        scale = float(grad.abs().max())
+        assert scale > 0 and float((ours[name] - grad).abs().max()) <= 1e-4 * scale + 1e-7, name
 
 
 def test_the_head_bench_keeps_less_for_backward_and_the_same_logprobs() -> None:

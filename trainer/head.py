@@ -1,7 +1,8 @@
 """The float32 head, scored in chunks: logprobs of the sampled tokens, never [T, V] at once.
 
+    W = the head weight in weight_dtype (float32, or the bf16 copy a bf16 engine holds)
     for each chunk of <= chunk_tokens tokens sharing one sampling transform:
-        logits_cV = F.linear(hidden_cH.float(), W.float(), b)      # float32, TF32 off
+        logits_cV = float32_logits(hidden_cH, W, b)               # parity/head_logits.py: float32 out
         lp_cV     = processed_logprobs(logits_cV, transform)       # parity.sampling, as the engine sampled
         lp_c      = lp_cV[c, target_c];  entropy_c (no gradient)
         D_cV      = (onehot(target_c) - exp(lp_cV)) * scale        # d lp_c / d logits_cV, kept in grad_dtype
@@ -15,6 +16,11 @@ Invariants:
   1 when greedy), the top-k/top-p mask (a constant: masked entries get 0), log_softmax and the
   gather. It is computed in the forward, from probabilities already there, so the backward
   recomputes no logits: the head costs one float32 GEMM forward and two GEMMs backward.
+- `weight_dtype` is the dtype the weight (and bias) are rounded to before the head GEMM; the logits
+  are float32 either way. bfloat16 (the trainer's bf16 mode) scores with the weight a bf16 engine
+  holds, so the trainer's logits are the engine's function; on CUDA that GEMM runs on tensor cores
+  with float32 accumulation. The gradient reaches the float32 weight through the rounding unchanged,
+  as through the decoder's bf16 casts.
 - `grad_dtype` is the dtype of D and of the two backward GEMMs. float32 reproduces autograd's
   gradient up to rounding; bfloat16 halves D's memory and runs the backward GEMMs on tensor cores.
   The logprobs the parity checks compare never depend on it.
@@ -27,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from parity.head_logits import float32_logits, tensor_core_path
 from parity.sampling import SamplingTransform, processed_logprobs
 
 if TYPE_CHECKING:
@@ -55,10 +62,14 @@ def score_tokens(
     groups: tuple[TokenGroup, ...],
     with_entropy: bool,
     options: HeadOptions,
+    weight_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob of each target token [T], entropy of each position's processed distribution [T]),
-    float32; gradient flows into `hidden_TH`, `weight_VH` and `bias_V` when grad is enabled."""
-    return _ScoredHead.apply(hidden_TH, weight_VH, bias_V, targets_T, groups, with_entropy, options)
+    float32; gradient flows into `hidden_TH`, `weight_VH` and `bias_V` when grad is enabled.
+    `weight_dtype` (None: float32) is what the weight and bias are rounded to for the head GEMM."""
+    return _ScoredHead.apply(
+        hidden_TH, weight_VH, bias_V, targets_T, groups, with_entropy, options, weight_dtype
+    )
 
 
 def _chunks(group: TokenGroup, total: int, size: int):
@@ -72,25 +83,29 @@ def _chunks(group: TokenGroup, total: int, size: int):
 
 def _autograd_function():
     import torch
-    import torch.nn.functional as F
 
     class ScoredHead(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, hidden_TH, weight_VH, bias_V, targets_T, groups, with_entropy, options):
+        def forward(
+            ctx, hidden_TH, weight_VH, bias_V, targets_T, groups, with_entropy, options, weight_dtype
+        ):
             total = hidden_TH.shape[0]
             device = hidden_TH.device
             logprobs_T = torch.empty(total, dtype=torch.float32, device=device)
             entropy_T = torch.zeros(total, dtype=torch.float32, device=device)
             keep_grad = any(ctx.needs_input_grad[:3])
             grad_dtype = getattr(torch, options.grad_dtype)
-            weight = weight_VH.float()
-            bias = None if bias_V is None else bias_V.float()
+            weight_dtype = weight_dtype or torch.float32
+            weight = weight_VH.to(weight_dtype)
+            bias = None if bias_V is None else bias_V.to(weight_dtype)
+            if not tensor_core_path(hidden_TH, weight):
+                weight = weight.float()  # upcast once here, not once per chunk: the same values
             saved: list[tuple[object, torch.Tensor]] = []
             for group in groups:
                 transform = group.transform
                 scale = 1.0 if transform.greedy else 1.0 / transform.temperature
                 for rows in _chunks(group, total, options.chunk_tokens):
-                    logits_cV = F.linear(hidden_TH[rows].float(), weight, bias)
+                    logits_cV = float32_logits(hidden_TH[rows], weight, bias)
                     lp_cV = processed_logprobs(logits_cV, transform)
                     del logits_cV
                     target_c1 = targets_T[rows].unsqueeze(-1)
@@ -117,6 +132,7 @@ def _autograd_function():
                 ctx.rows = [rows for rows, _ in saved]
                 ctx.has_bias = bias_V is not None
                 ctx.grad_dtype = grad_dtype
+                ctx.weight_dtype = weight_dtype
             return logprobs_T, entropy_T
 
         @staticmethod
@@ -124,7 +140,7 @@ def _autograd_function():
             hidden_TH, weight_VH, *d_chunks = ctx.saved_tensors
             needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
             dtype = ctx.grad_dtype
-            weight = weight_VH.to(dtype)
+            weight = weight_VH.to(ctx.weight_dtype).to(dtype)  # the weight the forward multiplied by
             grad_hidden = torch.zeros_like(hidden_TH) if needs_hidden else None
             grad_weight = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
             grad_bias = (
@@ -144,6 +160,7 @@ def _autograd_function():
                 grad_hidden,
                 grad_weight.to(weight_VH.dtype) if needs_weight else None,
                 grad_bias if needs_bias else None,
+                None,
                 None,
                 None,
                 None,

@@ -1,9 +1,10 @@
 """The policy: an HF causal LM whose lm_head runs in float32, scored under each rollout's transform.
 
 Invariants:
-- Logits are computed only at the scored completion positions, as float32
-  `hidden.float() @ W_head.float()ᵀ` whatever the parameter dtype (a bf16 head is a known source of
-  train-inference mismatch), chunk by chunk (trainer/head.py): no [T, V] logits are kept for backward.
+- Logits are computed only at the scored completion positions, in float32 whatever the parameter
+  dtype (a bf16 head is a known source of train-inference mismatch), from the head weight as the
+  engine holds it: float32 in fp32 mode, its bf16 copy in bf16 mode (parity/head_logits.py), chunk
+  by chunk (trainer/head.py): no [T, V] logits are kept for backward.
 - Each sequence's logprobs come from `parity.sampling.processed_logprobs` under *its own* recorded
   transform (temperature, then top-k/top-p mask, renormalised) — the distribution vLLM sampled from
   with `logprobs_mode=processed_logprobs` — so they are directly comparable with rollout logprobs.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from parity.head_logits import float32_logits
 from parity.sampling import SamplingTransform
 from trainer import precision as numerics
 from trainer.device import to_device
@@ -108,8 +110,6 @@ def _scorer_base():
             """Padded: `mask_BL`. Packed: no mask, `position_ids_BL` and `cu_seq_lens` (host).
             Without `scoring`: float32 logits [T, V]. With it: (logprob [T], entropy [T]) of its
             targets, scored in chunks by trainer/head.py (no [T, V] kept for backward)."""
-            import torch.nn.functional as F
-
             device = input_ids_BL.device
             decoder = getattr(self.lm, self.lm.base_model_prefix)
             packed = (
@@ -119,6 +119,7 @@ def _scorer_base():
             hidden_TH = hidden_BLH[rows_T, cols_T]
             with numerics.fp32_region(device):
                 weight_VH, bias_V = head_weight(self.lm)
+                weight_dtype = numerics.head_weight_dtype(self.precision)
                 if scoring is not None:
                     return score_tokens(
                         hidden_TH,
@@ -128,9 +129,10 @@ def _scorer_base():
                         scoring.groups,
                         scoring.with_entropy,
                         self.head,
+                        weight_dtype,
                     )
-                bias = None if bias_V is None else bias_V.float()
-                return F.linear(hidden_TH.float(), weight_VH.float(), bias)
+                bias = None if bias_V is None else bias_V.to(weight_dtype)
+                return float32_logits(hidden_TH, weight_VH.to(weight_dtype), bias)
 
     return CompletionScorer
 

@@ -10,9 +10,12 @@ Invariants:
   sharded, so gradients are reduced in float32. Both give the same logprobs, bit for bit. Gradients reach the float32 weights through the casts. Not autocast: it keeps a float32
   residual stream, a different function from the engine's (k3 ~1e-2 against a bf16 engine on the
   tiny model, against ~1e-4 this way; bench/bf16_forward.py).
-- In both modes the lm_head and the log-softmax run in float32 on float32 weights: the trainer's
-  logprobs are the reference side of the mismatch metrics, and a bf16 head alone moves logprobs by
-  ~1e-2 (8 mantissa bits on logits of magnitude ~10).
+- In both modes the lm_head's logits and the log-softmax are float32: the trainer's logprobs are
+  the reference side of the mismatch metrics, and bf16 logits alone move logprobs by ~1e-2 (8
+  mantissa bits on logits of magnitude ~10). The head weight is the one the engine multiplies by:
+  float32 in fp32 mode; in bf16 mode its bf16 copy, as a bf16 engine with an fp32 head holds it
+  (vLLM's lm_head stays in the model dtype and accumulates into float32), with every product exact
+  in float32 (`head_weight_dtype`, parity/head_logits.py).
 - TF32 is off for every float32 matmul (`torch.backends.cuda.matmul.allow_tf32 = False`, cuDNN too,
   float32 matmul precision "highest"): TF32 keeps 10 mantissa bits, so an fp32 head computed with it
   is closer to a bf16 head than to the fp32 reference vLLM's float32 head produces.
@@ -40,7 +43,8 @@ def bf16_decoder(lm) -> None:
     engine computes (idempotent): the embeddings' output is cast to bf16, and each decoder layer and
     the final norm run with bf16 casts of their weights, swapped in before their forward and the
     float32 parameters put back after it (also when it raises). Activation checkpointing's
-    recompute runs the same hooks. The head is not touched: it stays float32 (trainer/head.py)."""
+    recompute runs the same hooks. The head is not touched here: trainer/head.py rounds its weight
+    and computes float32 logits."""
     import torch
 
     if getattr(lm, "parity_bf16_decoder", False):
@@ -73,6 +77,13 @@ def _put_weights_back(module, _args, _output) -> None:
             owner._parameters[name] = param
 
 
+def head_weight_dtype(precision: str) -> torch.dtype:
+    """The dtype the head weight is rounded to before the float32-output head GEMM."""
+    import torch
+
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
 def fp32_region(device: torch.device):
     """Autocast off: the head and log-softmax are float32 even when a caller runs the scorer under
     autocast."""
@@ -83,7 +94,8 @@ def fp32_region(device: torch.device):
 
 def mixed_precision_policy(precision: str, for_head: bool = False):
     """FSDP2 policy: layers and the final norm get bf16 params and fp32 gradient reduction in bf16
-    mode; the root (embeddings, lm_head: `for_head`) keeps fp32 params so the head stays float32."""
+    mode; the root (embeddings, lm_head: `for_head`) keeps fp32 params: the head rounds its weight
+    itself (`head_weight_dtype`) and its gradient reaches the float32 weight unrounded."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
