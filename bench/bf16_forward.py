@@ -5,13 +5,14 @@
 
 The engine side is what the reference engine computes in bf16: the HF model loaded in bfloat16,
 the prompt prefilled into a KV cache, then one token at a time (the completion teacher-forced), with
-float32 logits from the head. The trainer side scores the same sequences in one forward over the
-float32 weights:
-- "ours": the trainer's bf16 scorer (trainer/precision.py `bf16_decoder`: bf16 casts of the
-  weights, bf16 activations throughout);
+float32 logits from its own bf16 head weight (an fp32 head, as vLLM's `head_dtype float32`). The
+trainer side scores the same sequences in one forward over the float32 weights:
+- "ours": the trainer's bf16 scorer (trainer/precision.py: bf16 casts of the weights, the head's
+  included, bf16 activations throughout, float32 logits);
 - "autocast": the same forward under torch.autocast(bfloat16) (bf16 matmuls over a float32
-  residual stream, the common way to train in bf16); the baseline of the ratio.
-Both use the trainer's float32 head weights. Per side: k3 = mean(exp(r) - 1 - r) with r the
+  residual stream, the common way to train in bf16) with a float32 head on the float32 weight; the
+  baseline of the ratio.
+Per side: k3 = mean(exp(r) - 1 - r) with r the
 trainer-minus-engine logprob, and max |r|, over every completion token; `ratio` is autocast's k3 ÷
 ours (> 1: ours is closer to the engine). What remains for ours is the engine's token-by-token
 bf16 arithmetic against one forward over the sequence. The last line is one JSON object.
@@ -28,17 +29,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def engine_logprobs(model, prompt: list[int], completion: list[int], head_weight):
-    """Logprob of each completion token, decoded token by token by the bf16 `model` (KV cache)."""
+def engine_logprobs(model, prompt: list[int], completion: list[int]):
+    """Logprob of each completion token, decoded token by token by the bf16 `model` (KV cache), its
+    float32 logits from its own bf16 head weight."""
     import torch
-    import torch.nn.functional as F
+
+    from parity.head_logits import float32_logits
 
     out = []
     with torch.no_grad():
+        head_weight = model.lm_head.weight
         device = head_weight.device
         step = model.model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
         for token in completion:
-            logits = F.linear(step.last_hidden_state[0, -1].float(), head_weight)
+            logits = float32_logits(step.last_hidden_state[0, -1], head_weight)
             out.append(logits.log_softmax(-1)[token])
             step = model.model(
                 input_ids=torch.tensor([[token]], device=device),
@@ -73,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     engine = load_model(model_dir, "bfloat16", args.device).eval()
     ours_model = load_model(model_dir, device=args.device).eval()
     autocast_model = load_model(model_dir, device=args.device).eval()
-    head_weight = ours_model.lm_head.weight.detach().float()
     vocab = ours_model.config.vocab_size
     gen = torch.Generator().manual_seed(args.seed)
     sequences = [
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     engine_T = torch.cat(
-        [engine_logprobs(engine, list(s.prompt_ids), list(s.completion_ids), head_weight) for s in sequences]
+        [engine_logprobs(engine, list(s.prompt_ids), list(s.completion_ids)) for s in sequences]
     )
     with torch.no_grad():
         ours_T, _ = token_logprobs(scorer_for(ours_model, "bf16"), sequences)

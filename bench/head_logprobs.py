@@ -1,13 +1,16 @@
 """The float32 head alone: Parity's chunked head (trainer/head.py) vs the whole [T, V] with autograd.
 
     python bench/head_logprobs.py [--vocab 151936 --hidden 1536 --tokens 512 --chunk_tokens 1024
-                                   --grad_dtype float32|bfloat16 --device cpu|cuda --repeats 3
-                                   --temperature 0.8 --top_p 0.95]
+                                   --grad_dtype float32|bfloat16 --weight_dtype float32|bfloat16
+                                   --device cpu|cuda --repeats 3 --temperature 0.8 --top_p 0.95]
 
 Both sides compute the logprobs of T sampled tokens under one processed transform (temperature,
-top-p) from float32 hidden states and a float32 head of Qwen2.5-1.5B's size by default, then the
-backward of a weighted sum into the hidden states and the head weight. "whole" is what the trainer
-did before: `F.linear` over all T rows, `processed_logprobs`, gather, autograd. Reported, per side:
+top-p) from the hidden states and a float32 head weight of Qwen2.5-1.5B's size by default, then the
+backward of a weighted sum into the hidden states and the head weight. `--weight_dtype float32` is
+the trainer's fp32 mode (float32 hidden states); `bfloat16` its bf16 mode (bf16 hidden states, as the
+bf16 decoder hands them over, and the bf16 copy of the head weight: on CUDA one tensor-core GEMM with
+float32 output, parity/head_logits.py). "whole" is what the trainer did before: `F.linear` of the
+upcast operands over all T rows, `processed_logprobs`, gather, autograd. Reported, per side:
 median seconds of forward + backward, bytes autograd keeps for backward beyond the inputs (counted with
 `torch.autograd.graph.saved_tensors_hooks`, the same on any device), and on CUDA the peak memory.
 The last line is one JSON object with the ratios whole/ours (> 1: ours is faster or keeps less).
@@ -32,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--chunk_tokens", type=int, default=1024)
     parser.add_argument("--grad_dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--weight_dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top_p", type=float, default=0.95)
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
+    from parity.head_logits import tensor_core_path
     from parity.sampling import SamplingTransform, processed_logprobs
     from trainer.head import HeadOptions, TokenGroup, score_tokens
     from trainer.precision import disable_tf32
@@ -52,21 +57,22 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     generator = torch.Generator().manual_seed(0)
     weight_VH = (torch.randn(args.vocab, args.hidden, generator=generator) * 0.02).to(device)
-    hidden_TH = torch.randn(args.tokens, args.hidden, generator=generator).to(device)
+    weight_dtype = getattr(torch, args.weight_dtype)
+    hidden_TH = torch.randn(args.tokens, args.hidden, generator=generator).to(device, weight_dtype)
     targets_T = torch.randint(0, args.vocab, (args.tokens,), generator=generator).to(device)
     transform = SamplingTransform(temperature=args.temperature, top_p=args.top_p)
     with torch.no_grad():  # sampled tokens are never masked: take each row's most likely token
-        targets_T = F.linear(hidden_TH, weight_VH).argmax(-1)
+        targets_T = F.linear(hidden_TH.float(), weight_VH).argmax(-1)
     grad_T = torch.linspace(-1.0, 1.0, args.tokens, device=device)
     options = HeadOptions(chunk_tokens=args.chunk_tokens, grad_dtype=args.grad_dtype)
 
     def whole(hidden, weight):
-        lp_TV = processed_logprobs(F.linear(hidden.float(), weight.float()), transform)
+        lp_TV = processed_logprobs(F.linear(hidden.float(), weight.to(weight_dtype).float()), transform)
         return lp_TV.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1)
 
     def ours(hidden, weight):
         groups = (TokenGroup(transform, None),)
-        return score_tokens(hidden, weight, None, targets_T, groups, False, options)[0]
+        return score_tokens(hidden, weight, None, targets_T, groups, False, options, weight_dtype)[0]
 
     def run(fn) -> tuple[float, int, float | None, torch.Tensor]:
         hidden = hidden_TH.clone().requires_grad_(True)
@@ -120,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": args.tokens,
         "chunk_tokens": args.chunk_tokens,
         "grad_dtype": args.grad_dtype,
+        "weight_dtype": args.weight_dtype,
+        "tensor_core_forward": tensor_core_path(hidden_TH, weight_VH.to(weight_dtype)),
         "whole_s": round(whole_s, 4),
         "ours_s": round(ours_s, 4),
         "speed_ratio": round(whole_s / ours_s, 3),

@@ -3,6 +3,7 @@
 
 - a full training step on CUDA (model, optimizer state, loss terms all on the device);
 - CUDA-vs-CPU logprob parity within 2e-4 (fp32, TF32 off);
+- bf16 mode's head GEMM on tensor cores has the float32 GEMM's error against the exact sum;
 - FSDP2 with one rank (NCCL) gives the unsharded step;
 - a DCP checkpoint round trip on the device;
 - a bf16 step on a random 1.5B-shape (Qwen2.5-1.5B) model at batch 8 x 1,024 without OOM, printing
@@ -65,6 +66,32 @@ def test_cuda_logprobs_match_cpu_within_2e_4(tmp_path: Path, tiny_model: Path) -
     diff = float((cpu_T - cuda_T.cpu()).abs().max())
     print(f"max |Δlogprob| CUDA vs CPU {diff:.2e}")
     assert diff <= 2e-4
+
+
+def test_the_bf16_head_on_tensor_cores_sums_its_exact_products_in_float32() -> None:
+    """bf16 mode's head GEMM (parity/head_logits.py): bf16 operands, torch.mm out_dtype=float32 on
+    CUDA, the call vLLM's fp32 head makes. Its error against the exact sum (float64) is of the float32
+    GEMM's size, not of a bf16 result's (1.1e-6 vs 1.5e-2 at these shapes, on CPU)."""
+    import torch.nn.functional as F
+
+    from parity.head_logits import float32_logits, tensor_core_path
+    from trainer.precision import disable_tf32
+
+    disable_tf32()
+    generator = torch.Generator().manual_seed(0)
+    hidden_TH = torch.randn(512, 1536, generator=generator).bfloat16().cuda()
+    weight_VH = (torch.randn(8192, 1536, generator=generator) * 0.02).bfloat16().cuda()
+    assert tensor_core_path(hidden_TH, weight_VH), f"torch {torch.__version__} has no aten::mm.dtype on CUDA"
+    exact_TV = hidden_TH.double() @ weight_VH.double().T
+    ours_TV = float32_logits(hidden_TH, weight_VH)
+    float32_TV = F.linear(hidden_TH.float(), weight_VH.float())
+    assert ours_TV.dtype == torch.float32
+    ours_err = float((ours_TV.double() - exact_TV).abs().max())
+    float32_err = float((float32_TV.double() - exact_TV).abs().max())
+    lp_diff = float((ours_TV.log_softmax(-1) - float32_TV.log_softmax(-1)).abs().max())
+    print(f"head GEMM max error: tensor cores {ours_err:.2e}, float32 {float32_err:.2e}; logprobs {lp_diff:.2e}")
+    assert ours_err <= 16 * float32_err + 1e-7
+    assert lp_diff <= 1e-5
 
 
 def test_fsdp2_one_rank_gives_the_unsharded_step(tmp_path: Path, tiny_model: Path) -> None:

@@ -35,7 +35,8 @@ class TrainerConfig(ServiceConfig):
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="fp32: everything float32 (parity checks). bf16: bf16 decoder compute over fp32 master "
-        "weights and fp32 AdamW state; the lm_head and log-softmax stay fp32 either way.",
+        "weights and fp32 AdamW state, as a bf16 engine computes; the lm_head multiplies the bf16 copy of "
+        "its weight into float32 logits (as a bf16 engine's fp32 head does), and the log-softmax is fp32.",
     )
     dist_timeout_s: float = Field(
         300.0,
