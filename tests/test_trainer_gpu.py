@@ -89,7 +89,9 @@ def test_the_bf16_head_on_tensor_cores_sums_its_exact_products_in_float32() -> N
     ours_err = float((ours_TV.double() - exact_TV).abs().max())
     float32_err = float((float32_TV.double() - exact_TV).abs().max())
     lp_diff = float((ours_TV.log_softmax(-1) - float32_TV.log_softmax(-1)).abs().max())
-    print(f"head GEMM max error: tensor cores {ours_err:.2e}, float32 {float32_err:.2e}; logprobs {lp_diff:.2e}")
+    print(
+        f"head GEMM max error: tensor cores {ours_err:.2e}, float32 {float32_err:.2e}; logprobs {lp_diff:.2e}"
+    )
     assert ours_err <= 16 * float32_err + 1e-7
     assert lp_diff <= 1e-5
 
