@@ -90,6 +90,26 @@ def test_bf16_trainer_scores_what_a_bf16_model_scores(tiny_model: Path, packing:
     assert worst <= 1e-6
 
 
+def test_a_model_is_scored_one_way(tiny_model: Path) -> None:
+    """A bf16 scorer changes its model's decoder for good: scoring the HF model afterwards goes
+    through that scorer (not a new fp32 one, which would put the float32 head weight under a bf16
+    decoder), and asking for another way is an error naming the setting."""
+    from trainer.head import HeadOptions
+    from trainer.policy import load_model, scorer_for, token_logprobs
+
+    model = load_model(tiny_model)
+    bf16 = scorer_for(model, "bf16")
+    assert scorer_for(model) is bf16 and scorer_for(bf16) is bf16 and scorer_for(model, "bf16") is bf16
+    with pytest.raises(ValueError, match="precision"):
+        scorer_for(model, "fp32")
+    with pytest.raises(ValueError, match="head"):
+        scorer_for(bf16, head=HeadOptions(chunk_tokens=7))
+    inputs = _inputs()
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(model, inputs)[0], token_logprobs(bf16, inputs)[0])
+    assert scorer_for(load_model(tiny_model)) is not bf16
+
+
 def test_bf16_gradients_reach_the_float32_weights_which_stay_in_place(tiny_model: Path) -> None:
     from trainer.policy import load_model, scorer_for, token_logprobs
 

@@ -23,6 +23,7 @@ Shapes: B sequences, L padded length, H hidden, V vocab, T completion tokens of 
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ def _scorer_base():
             self.head = head or HeadOptions()
             if precision == "bf16" and not sharded:  # sharded: FSDP2's MixedPrecisionPolicy casts
                 numerics.bf16_decoder(lm)
+            lm.__dict__[_SCORER_ATTR] = weakref.ref(self)  # scorer_for(lm) finds this scorer again
 
         def forward(
             self,
@@ -138,16 +140,42 @@ def _scorer_base():
 
 
 _SCORER_CLASS = None
+_SCORER_ATTR = "_parity_scorer"
 
 
-def scorer_for(model, precision: str = "fp32", sharded: bool = False, head: HeadOptions | None = None):
-    """The CompletionScorer of `model` (itself when it already is one)."""
+def scorer_for(
+    model, precision: str | None = None, sharded: bool | None = None, head: HeadOptions | None = None
+):
+    """The CompletionScorer of `model`: itself when it is one; for an HF model, the scorer that
+    already wraps it, if any, else a new one (defaults: fp32, unsharded, default head options).
+
+    A model is scored one way: a bf16 scorer changes its model's decoder for good, and the trainer's
+    scorer may be sharded, so a second scorer of the same model would compute something else (a
+    bf16 decoder under a float32 head weight, or unsharded parameters). An argument given that
+    contradicts the existing scorer is a ValueError naming it."""
     global _SCORER_CLASS
     if _SCORER_CLASS is None:
         _SCORER_CLASS = _scorer_base()
     if isinstance(model, _SCORER_CLASS):
-        return model
-    return _SCORER_CLASS(model, precision, sharded, head)
+        existing = model
+    else:
+        ref = model.__dict__.get(_SCORER_ATTR)
+        existing = ref() if ref is not None else None
+        if existing is not None and existing.lm is not model:  # a copy of a wrapped model
+            existing = None
+    if existing is None:
+        return _SCORER_CLASS(model, precision or "fp32", bool(sharded), head)
+    for name, wanted, held in (
+        ("precision", precision, existing.precision),
+        ("sharded", sharded, existing.sharded),
+        ("head", head, existing.head),
+    ):
+        if wanted is not None and wanted != held:
+            raise ValueError(
+                f"{name}: this model is already scored with {name}={held!r}, not {wanted!r}; "
+                "pass its scorer, or load the model again"
+            )
+    return existing
 
 
 def pad_batch(sequences: Sequence[SequenceInput]):
