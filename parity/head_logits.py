@@ -13,8 +13,8 @@ Invariants:
   GEMM of the upcast operands only in the order of the float32 sums.
 - On CUDA such operands go to `torch.mm(..., out_dtype=torch.float32)`: tensor cores, float32
   accumulation, no float32 copy of the [V, H] weight. This is the call vLLM makes for an fp32 head.
-- Anywhere else (CPU, mixed dtypes, a torch without `aten::mm.dtype`, autograd recording), both operands are upcast and
-  multiplied in float32: on CPU the same values vLLM's CPU path computes.
+- Anywhere else (CPU, mixed dtypes, a torch without `aten::mm.dtype`, autograd recording), both
+  operands are upcast and multiplied in float32: on CPU the same values vLLM's CPU path computes.
 - A float32 weight is used as it is (the trainer's fp32 mode). TF32 must be off for that GEMM to be
   float32 (trainer/precision.py `disable_tf32`).
 

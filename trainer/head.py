@@ -15,7 +15,7 @@ Invariants:
 - The gradient is the analytic one autograd derives through temperature (scale = 1/temperature,
   1 when greedy), the top-k/top-p mask (a constant: masked entries get 0), log_softmax and the
   gather. It is computed in the forward, from probabilities already there, so the backward
-  recomputes no logits: the head costs one float32 GEMM forward and two GEMMs backward.
+  recomputes no logits: the head costs one GEMM forward (float32 output) and two GEMMs backward.
 - `weight_dtype` is the dtype the weight (and bias) are rounded to before the head GEMM; the logits
   are float32 either way. bfloat16 (the trainer's bf16 mode) scores with the weight a bf16 engine
   holds, so the trainer's logits are the engine's function; on CUDA that GEMM runs on tensor cores
