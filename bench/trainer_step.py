@@ -41,6 +41,7 @@ tokens/s.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import shutil
@@ -124,6 +125,14 @@ def plain_step(
         (loss / total_tokens).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
+
+
+def eager_plain_step(model, optimizer, groups, micro_batch_size: int, device, precision: str) -> None:
+    """`plain_step` with its layers eager: the model is shared, and ours may have compiled them."""
+    import torch
+
+    with torch.compiler.set_stance("force_eager"):
+        plain_step(model, optimizer, groups, micro_batch_size, device, precision)
 
 
 Status = Literal["ok", "oom"]
@@ -227,8 +236,6 @@ def profile_sides(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """One more step of each side that ran (not out of memory), under torch.profiler."""
-    import torch
-
     from bench.op_profile import profile_step, write_profile
 
     profiles: dict[str, Any] = {}
@@ -239,11 +246,9 @@ def profile_sides(
         wall_s, averages = profile_step(run_ours, device)
         profiles["ours"] = write_profile(averages, wall_s, device, out_dir, "ours")
     if sides["plain"].status == "ok":
-
-        def run_plain() -> None:
-            with torch.compiler.set_stance("force_eager"):
-                plain_step(plain_model, plain_opt, groups, size, device, args.precision)
-
+        run_plain = functools.partial(
+            eager_plain_step, plain_model, plain_opt, groups, size, device, args.precision
+        )
         wall_s, averages = profile_step(run_plain, device)
         profiles["plain"] = write_profile(averages, wall_s, device, out_dir, "plain")
     for name, profile in profiles.items():
@@ -486,10 +491,9 @@ def main(argv: list[str] | None = None) -> int:
                     for group in groups:
                         queue.publish(group)
 
-                def run_plain(groups: list = groups, size: int = size) -> None:
-                    # The model is shared: plain runs its layers eager even when ours compiled them.
-                    with torch.compiler.set_stance("force_eager"):
-                        plain_step(plain_model, plain_opt, groups, size, device, args.precision)
+                run_plain = functools.partial(
+                    eager_plain_step, plain_model, plain_opt, groups, size, device, args.precision
+                )
 
                 # Alternate which goes first, so that neither always meets the same load.
                 order = [("ours", run_ours, ack_taken), ("plain", run_plain, None)]
