@@ -15,7 +15,7 @@ never imports torch or vllm. Each target is a function `(argv) -> exit code`.
   parity --version                         the installed version
 
 `kill -USR1 PID` of any parity process prints its threads' stacks to its log and changes nothing
-else. `parity` alone prints this help. Each config-taking command (run, serve, actor, check) lists its
+else; a crash in native code prints them too. `parity` alone prints this help. Each config-taking command (run, serve, actor, check) lists its
 common options with `--help` and every option with `--help-all`.
 """
 
@@ -180,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def dump_stacks_on_sigusr1() -> None:
     """`kill -USR1 PID` writes every Python thread's stack to the process's stderr (its log) and
-    the process goes on: how to see where a service or a run that seems stuck is waiting."""
+    the process goes on: how to see where a service or a run that seems stuck is waiting. A fatal
+    signal (SIGSEGV, SIGABRT, SIGFPE, SIGBUS, SIGILL: a crash in native code) writes them too,
+    before the process dies, so its log says which Python call was running."""
     import contextlib
     import faulthandler
     import signal
@@ -190,6 +192,7 @@ def dump_stacks_on_sigusr1() -> None:
         # No file descriptor behind stderr (an embedding host): no stack dumps, nothing else lost.
         with contextlib.suppress(OSError, ValueError):
             faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
+            faulthandler.enable(file=stderr, all_threads=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

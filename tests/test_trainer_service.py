@@ -4,6 +4,7 @@ that lose no rollout and apply none twice."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ from parity.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.fakes.synthetic_rollouts import make_group
 from trainer.policy import load_model
 
+ROOT = Path(__file__).resolve().parents[1]
+TEARDOWN_ABORTS = ROOT / "tests" / "fakes" / "teardown_abort"  # its sitecustomize aborts at exit
 STREAM = "svc:rollouts"
 TOKEN = "s3cret"
 
@@ -76,7 +79,12 @@ def test_grpc_status_checkpoint_and_graceful_stop(
     redis_url: str, tmp_path: Path, start_services, groups: list
 ) -> None:
     run_dir = tmp_path / "run"
-    svc = start_services("trainer", *trainer_args(redis_url, run_dir, "--steps", "50"))
+    # A teardown that aborts (a fake): the trainer must still exit 0 once stopped, as it does when
+    # gloo or gRPC abort in a finalising interpreter (parity.process_exit)
+    path = os.pathsep.join([str(TEARDOWN_ABORTS), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    svc = start_services(
+        "trainer", *trainer_args(redis_url, run_dir, "--steps", "50"), env={"PYTHONPATH": path}
+    )
     queue = RolloutQueue(redis_url, stream=STREAM)
     with grpc.insecure_channel(svc.address) as chan:
         stub = trainer_pb2_grpc.TrainerServiceStub(chan)

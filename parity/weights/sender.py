@@ -66,6 +66,7 @@ NamedTensors = Sequence[tuple[str, "torch.Tensor"]]
 
 log = logging.getLogger(__name__)
 
+CLOSE_JOIN_S = 10.0  # close(): how long to wait for a catch-up being sent
 CATCH_UP_POLL_S = 5.0
 PUBLISH_BACKOFF_CAP_S = 30.0
 
@@ -351,9 +352,11 @@ class Publisher:
                     timeout=CATCH_UP_POLL_S + 10,
                     metadata=self.metadata,
                 )
-            except grpc.RpcError as exc:
+            except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel was closed meanwhile
                 if self._closed.is_set():
                     return
+                if not isinstance(exc, grpc.RpcError):
+                    raise
                 log.warning("AwaitCatchUp: %s", exc.code().name)
                 self._closed.wait(1.0)
                 continue
@@ -418,10 +421,20 @@ class Publisher:
             self._closed.wait(0.2)
 
     def close(self) -> None:
+        """Stop serving catch-ups and release the data group and the channel. Waits up to
+        CLOSE_JOIN_S for the catch-up thread (closing the channel cancels its long poll; a catch-up
+        being sent finishes or fails first), so no thread of ours is left inside gRPC or gloo."""
         self._closed.set()
-        self._holder.close()
         if self._channel is not None:
             self._channel.close()
+        thread = self._catch_up_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(CLOSE_JOIN_S)
+            if thread.is_alive():
+                log.warning(
+                    "the catch-up thread is still sending after %.0fs; closing without it", CLOSE_JOIN_S
+                )
+        self._holder.close()
 
 
 def _device_uuid(named: NamedTensors) -> str:

@@ -3,7 +3,8 @@
 Lifecycle: load the run config (the `trainer` section plus the shared `model` and `run`; a bad value
 -> exit 2 naming the key) -> bind gRPC (NOT_SERVING) -> load
 model, restore checkpoint, rewind the stream (in a worker thread) -> SERVING -> train `steps` steps
--> final publish + checkpoint -> NOT_SERVING -> exit 0. SIGTERM/SIGINT and `Stop` finish the current
+-> final publish + checkpoint -> NOT_SERVING -> exit 0, without interpreter teardown
+(parity.process_exit). SIGTERM/SIGINT and `Stop` finish the current
 step, publish, checkpoint and exit 0. A crash in the loop exits 1.
 
 RPCs: services/trainer/service.py (RequestCheckpoint and Stop are token-protected). Health is NOT_SERVING while Redis is unreachable: the queue retries with capped backoff
@@ -25,6 +26,7 @@ from parity import tracing
 from parity.config import ParityConfig
 from parity.config.entry import entrypoint
 from parity.metrics import serve_metrics
+from parity.process_exit import exit_after_shutdown
 from parity.server import GrpcServer, install_shutdown_handlers
 from parity.v1 import trainer_pb2_grpc
 from services.trainer.service import PROTECTED_METHODS, SERVICE_NAME, TrainerServicer
@@ -112,7 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from trainer.multirank import follow
 
             return follow(config)
-        return asyncio.run(serve(config))
+        # A trainer that served has finished its work (checkpoint, last publish, groups closed):
+        # it ends without interpreter teardown, which can abort in native code (parity.process_exit).
+        exit_after_shutdown(asyncio.run(serve(config)))
 
     return entrypoint("parity serve trainer", "trainer", list(sys.argv[1:] if argv is None else argv), body)
 
