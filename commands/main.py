@@ -15,8 +15,9 @@ never imports torch or vllm. Each target is a function `(argv) -> exit code`.
   parity --version                         the installed version
 
 `kill -USR1 PID` of any parity process prints its threads' stacks to its log and changes nothing
-else; a crash in native code prints them too. `parity` alone prints this help. Each config-taking command (run, serve, actor, check) lists its
-common options with `--help` and every option with `--help-all`.
+else; a crash in native code prints them too. `parity` alone prints this help. Each config-taking
+command (run, serve, actor, check) lists its common options with `--help` and every option with
+`--help-all`.
 """
 
 from __future__ import annotations
