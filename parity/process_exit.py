@@ -7,9 +7,8 @@ still running in it (gloo's workers releasing the tensors of a finished collecti
 pollers) can need the GIL of an interpreter that is being torn down. CPython then ends such a
 thread with `pthread_exit`, whose forced unwind through a C++ frame calls `std::terminate`: the
 process dies with SIGABRT ("terminate called without an active exception") after it logged
-success, and the launcher reports a finished run as a crashed trainer. Seen once in a CI run of the
-suite, after "done: step 2, version 2"; torch's issues #190489 and PR #179291 describe the same
-abort at exit with gloo.
+success, and the launcher reports a finished run as a crashed trainer. torch's issue #190489 and PR
+#179291 describe the same abort at exit with gloo.
 
 So a service that returns from its work flushes what it would lose (pending trace spans, log
 handlers, stdout and stderr) and calls `os._exit` with its exit code. Nothing it holds needs the
