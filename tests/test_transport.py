@@ -87,7 +87,23 @@ def _run_rank(
         results.put((rank, "error", traceback.format_exc()))
 
 
+PORT_TAKEN = "Address already in use"
+
+
 def _spawn(world_size: int, host_rank: int, layout: str = "scattered") -> dict:
+    """Every rank in its own process; the host rank serves the store on a port found free here. The
+    port stays unbound until that process has started and imported torch (seconds), and on a busy
+    box another process's connection can take it meanwhile: then the ranks run again on a new port
+    (at most three tries). Any other error fails the test."""
+    for _ in range(3):
+        out = _spawn_once(world_size, host_rank, layout)
+        if out is not None:
+            return out
+    raise AssertionError(f"the store's port was taken on each of three tries ({PORT_TAKEN})")
+
+
+def _spawn_once(world_size: int, host_rank: int, layout: str) -> dict | None:
+    """The ranks' results, or None when the host rank found its port taken."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -102,13 +118,21 @@ def _spawn(world_size: int, host_rank: int, layout: str = "scattered") -> dict:
     out: dict = {}
     expected = 1 + 2 * (world_size - 1)
     deadline = time.monotonic() + 90
-    while len(out) < expected and time.monotonic() < deadline:
-        rank, key, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-        assert key != "error", f"rank {rank}:\n{value}"
-        out[(rank, key)] = value
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    try:
+        while len(out) < expected and time.monotonic() < deadline:
+            rank, key, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            if key == "error" and rank == host_rank and PORT_TAKEN in value:
+                return None
+            assert key != "error", f"rank {rank}:\n{value}"
+            out[(rank, key)] = value
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
     return out
 
 
