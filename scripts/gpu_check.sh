@@ -36,13 +36,7 @@ python3 -m parity.weights.wsum_kernel 2>&1 | tee "$out/wsum_kernel.log"
 step pipeline_run 240 python3 -m commands.main run --model tiny --steps 4 --rollout.engine reference --rollout.device cuda \
   --trainer.device cuda --precision bf16 --rollout.dtype bfloat16 --skip_preflight --eval_size 8 \
   --groups_per_step 2 --group_size 4 --out "$out/pipeline_run"
-python3 - "$out/pipeline_run" <<'PY' 2>&1 | tee "$out/pipeline_k3.log"
-import json, sys
-from pathlib import Path
-for line in (Path(sys.argv[1]) / "metrics.jsonl").read_text().splitlines():
-    row = json.loads(line)
-    print("step", row.get("step"), "own-version k3", row.get("mismatch_k3_own_version"), "max", row.get("mismatch_max_abs"))
-PY
+python3 scripts/step_mismatch.py "$out/pipeline_run" 2>&1 | tee "$out/pipeline_k3.log"
 # A real-size step: Qwen2.5-1.5B's shape, randomly initialised (no download), ours vs plain per micro-batch.
 step trainer_step_1.5b 300 python3 bench/trainer_step.py --shape qwen2.5-1.5b --device cuda --precision bf16 --groups 8 --group_size 8 \
   --prompt_len 128 --completion_len 896 --micro_batch_size 4,8 --repeats 3 --profile "$out/profile_1.5b"

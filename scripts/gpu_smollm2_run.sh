@@ -32,16 +32,7 @@ timeout "$limit" python3 -m commands.main run --model smollm2-135m --steps "$ste
   --rollout.device "$device" --trainer.device "$device" "${dtypes[@]}" --skip_preflight --tracker none \
   --out "$run" 2>&1 | tee "$out/run.log"
 echo "parity run exit ${PIPESTATUS[0]} (limit ${limit}s)" | tee -a "$out/run.log"
-python3 - "$run" <<'PY' 2>&1 | tee "$out/k3.log"
-import json, sys
-from pathlib import Path
-run = Path(sys.argv[1])
-metrics = run / "metrics.jsonl"
-for line in metrics.read_text().splitlines() if metrics.exists() else []:
-    row = json.loads(line)
-    print("step", row.get("step"), "reward", row.get("reward_mean"), "own-version k3",
-          row.get("mismatch_k3_own_version"), "max", row.get("mismatch_max_abs"))
-PY
+python3 scripts/step_mismatch.py "$run" 2>&1 | tee "$out/k3.log"
 for f in summary.md metrics.jsonl eval_reward.png mismatch.png; do
   [ -f "$run/$f" ] && cp "$run/$f" "$out/"
 done
