@@ -352,11 +352,13 @@ class Publisher:
                     timeout=CATCH_UP_POLL_S + 10,
                     metadata=self.metadata,
                 )
-            except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel was closed meanwhile
+            except ValueError:  # the channel was closed between the loop's check and the call
                 if self._closed.is_set():
                     return
-                if not isinstance(exc, grpc.RpcError):
-                    raise
+                raise
+            except grpc.RpcError as exc:
+                if self._closed.is_set():
+                    return
                 log.warning("AwaitCatchUp: %s", exc.code().name)
                 self._closed.wait(1.0)
                 continue
