@@ -215,6 +215,7 @@ def test_corrupted_tensor_is_detected_receiver_keeps_old_weights_next_version_ap
     cluster: Cluster,
 ) -> None:
     version, tensor = CORRUPT_AT
+    reach(cluster, version - 1)
     assert cluster.latest() == version - 1
     epoch = cluster.stub.GetStatus(pb.WeightBroadcastServiceGetStatusRequest(), timeout=5).epoch
     publish(cluster.stub, version)
@@ -239,6 +240,14 @@ def test_corrupted_tensor_is_detected_receiver_keeps_old_weights_next_version_ap
     assert workers(cluster.stub)["r0"].state == pb.WORKER_STATE_SERVING
 
 
+def reach(cluster: Cluster, version: int) -> None:
+    """Publish and distribute every version up to `version` that this module's earlier tests did
+    not, so each test also runs alone (`-k`) from the state it expects."""
+    while (latest := cluster.latest()) < version:
+        publish(cluster.stub, latest + 1)
+        wait_distributed(cluster.stub, latest + 1)
+
+
 def _expect(code: grpc.StatusCode, call: Callable[[], object], field: str) -> None:
     with pytest.raises(grpc.RpcError) as caught:
         call()
@@ -250,6 +259,7 @@ def _expect(code: grpc.StatusCode, call: Callable[[], object], field: str) -> No
 def test_bad_metadata_backwards_versions_and_missing_token_are_rejected(cluster: Cluster) -> None:
     import torch
 
+    reach(cluster, 1)  # the schema a version is checked against is the first published one's
     stub, latest = cluster.stub, cluster.latest()
     auth = bearer(TOKEN)
     good = toy_weights(latest + 1)
@@ -341,6 +351,7 @@ def test_bad_metadata_backwards_versions_and_missing_token_are_rejected(cluster:
 
 @pytest.mark.slow
 def test_three_quick_versions_end_on_newest_never_backwards_none_twice(cluster: Cluster) -> None:
+    reach(cluster, CORRUPT_AT[0])  # past the failed version, so the three share one epoch
     first = cluster.latest() + 1
     events: list[pb.VersionEvent] = []
     watch = cluster.stub.WatchVersions(pb.WatchVersionsRequest(after_version=first - 1), timeout=120)
