@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from parity.grpc_retry import RETRYABLE
 from rollout.environments import (
     AsyncEpisodeEnv,
     EnvironmentFailed,
@@ -25,7 +26,7 @@ from rollout.environments import (
 )
 from rollout.environments import base as env_base
 from rollout.environments.builtin import MAX_TOOL_CALLS, GuessNumber, UnsafeExpression, calculate
-from rollout.environments.remote import RETRYABLE, RemoteSource
+from rollout.environments.remote import RemoteSource
 from rollout.tasks import TaskError
 from tests.fakes import environments as fakes
 from tests.fakes.env_service import serving
@@ -397,6 +398,27 @@ def test_grpc_pages_of_records_over_4_mb_arrive_whole() -> None:
         records = get_environment(f"env:grpc:{address}").eval_records(4)
     assert [len(r["text"]) for r in records] == [1_500_000] * 4
     assert records == _LongRecords.eval_records(4)
+
+
+class _HugeRecords(GuessNumber):
+    """GuessNumber whose held-out records carry 17 MB of text each (a page of 4: over 64 MB)."""
+
+    @staticmethod
+    def eval_records(n: int) -> list[dict]:
+        return [{**record, "text": "x" * 17_000_000} for record in GuessNumber.eval_records(n)]
+
+
+def test_grpc_page_over_the_message_limit_fails_at_once_naming_the_sizes() -> None:
+    # gRPC reports an over-size message as RESOURCE_EXHAUSTED, a retried status; the same page
+    # would come back just as large, so it is not asked for again.
+    with serving(_HugeRecords) as (address, servicer):
+        source = get_environment(f"env:grpc:{address}")
+        assert source.client.retries == 2
+        with pytest.raises(EnvironmentFailed) as info:
+            source.eval_records(4)
+    assert "RESOURCE_EXHAUSTED" in str(info.value) and "larger than max" in str(info.value)
+    assert "(attempt 1)" in str(info.value)
+    assert [c[0] for c in servicer.calls] == ["ListRecords"]
 
 
 def test_grpc_without_the_token_fails_at_once(guess_service: tuple, monkeypatch: pytest.MonkeyPatch) -> None:

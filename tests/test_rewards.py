@@ -131,13 +131,15 @@ def test_reward_code_never_blocks_the_event_loop() -> None:
 
 # --- grpc:HOST:PORT against a stand-in RewardService ----------------------------------------------
 class StandInRewardService(reward_pb2_grpc.RewardServiceServicer):
-    """Scores len(completion) / 10; can be told to fail its next calls, sleep, or miscount."""
+    """Scores len(completion) / 10; can be told to fail its next calls, sleep, miscount, or answer
+    with a reply over the client's 64 MB message limit."""
 
     def __init__(self) -> None:
         self.requests: list[reward_pb2.ScoreRequest] = []
         self.fail_next: list[grpc.StatusCode] = []
         self.sleep_s = 0.0
         self.drop_one = False
+        self.oversize = False
 
     def Score(self, request, context):
         self.requests.append(request)
@@ -145,6 +147,8 @@ class StandInRewardService(reward_pb2_grpc.RewardServiceServicer):
             context.abort(self.fail_next.pop(0), "stand-in failure")
         time.sleep(self.sleep_s)
         scores = [len(item.completion) / 10 for item in request.items]
+        if self.oversize:
+            scores *= 4_250_000  # 8.5M packed doubles: 68 MB
         return reward_pb2.ScoreResponse(scores=scores[:-1] if self.drop_one else scores)
 
 
@@ -185,6 +189,10 @@ def test_grpc_reward_retries_unavailable_with_backoff_then_succeeds(reward_servi
     [
         (lambda s: s.fail_next.extend([grpc.StatusCode.INVALID_ARGUMENT]), "error", "INVALID_ARGUMENT", 1),
         (lambda s: s.fail_next.extend([grpc.StatusCode.UNAVAILABLE] * 3), "error", "UNAVAILABLE", 3),
+        # a server's own RESOURCE_EXHAUSTED (a rate limit) is retried; a reply over the message
+        # limit is not: it would be as large on every attempt
+        (lambda s: s.fail_next.extend([grpc.StatusCode.RESOURCE_EXHAUSTED] * 3), "error", "stand-in", 3),
+        (lambda s: setattr(s, "oversize", True), "error", "larger than max", 1),
         (lambda s: setattr(s, "sleep_s", 1.0), "timeout", "DEADLINE_EXCEEDED", 3),
         (lambda s: setattr(s, "drop_one", True), "error", "1 scores for 2 completions", 1),
     ],

@@ -4,7 +4,8 @@
 Invariants:
   - Every RPC attempt has a deadline of `step_timeout_s`. UNAVAILABLE, DEADLINE_EXCEEDED and
     RESOURCE_EXHAUSTED are retried `retries` times with exponential backoff (`backoff_s`, doubling);
-    any other status fails at once. The whole call (attempts and backoff) is bounded too, so an
+    any other status, and a message over gRPC's size limit, fails at once (parity/grpc_retry.py).
+    The whole call (attempts and backoff) is bounded too, so an
     episode never waits longer than `call_deadline_s`.
   - Retries are safe because calls are idempotent by id: Reset by episode_id, Step by
     (episode_id, step_index), Close by episode_id. A retried Step carries the same step_index.
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from parity.grpc_retry import retryable
 from parity.server import CHANNEL_OPTIONS, channel
 from rollout.environments.base import (
     DEFAULT_MAX_OBSERVATION_CHARS,
@@ -42,9 +44,6 @@ from rollout.environments.base import (
     StepResult,
 )
 
-RETRYABLE = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-)
 AUTH_TOKEN_ENV = "PARITY_AUTH_TOKEN"
 T = TypeVar("T")
 
@@ -140,7 +139,7 @@ class EnvironmentClient:
             try:
                 return await rpc()
             except grpc.aio.AioRpcError as exc:
-                if exc.code() in RETRYABLE and attempt < self.retries:
+                if retryable(exc) and attempt < self.retries:
                     await asyncio.sleep(delay)
                     delay *= 2
                     continue
@@ -153,7 +152,7 @@ class EnvironmentClient:
             try:
                 return rpc()
             except grpc.RpcError as exc:
-                if exc.code() in RETRYABLE and attempt < self.retries:  # type: ignore[attr-defined]
+                if retryable(exc) and attempt < self.retries:
                     time.sleep(delay)
                     delay *= 2
                     continue

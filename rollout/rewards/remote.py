@@ -3,7 +3,8 @@
 Invariants:
   - One Score call per batch (a GRPO group, or an eval batch), with a deadline of `timeout_s`.
   - UNAVAILABLE, DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED are retried `retries` times with
-    exponential backoff (`backoff_s`, doubling); any other status fails at once. A reply without
+    exponential backoff (`backoff_s`, doubling); any other status, and a message over gRPC's size
+    limit, fails at once (parity/grpc_retry.py). A reply without
     exactly one score per item fails. Failures raise `RewardFailed` naming the address and status.
   - The channel is a grpc.aio channel made on first use in the calling event loop (replaced when the loop changes), so
     the actor's loop never blocks on the network.
@@ -18,13 +19,10 @@ from collections.abc import Sequence
 
 import grpc
 
+from parity.grpc_retry import retryable
 from parity.server import channel
 from rollout.rewards.scorer import RewardFailed
 from rollout.tasks import Prompt
-
-RETRYABLE = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-)
 
 
 class RemoteReward:
@@ -72,7 +70,7 @@ class RemoteReward:
             try:
                 reply = await stub.Score(request, timeout=self.timeout_s)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() in RETRYABLE and attempt < self.retries:
+                if retryable(exc) and attempt < self.retries:
                     await asyncio.sleep(delay)
                     delay *= 2
                     continue

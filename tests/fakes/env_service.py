@@ -73,6 +73,7 @@ class PythonEnvironmentService(environment_pb2_grpc.EnvironmentServiceServicer):
 
     async def ListRecords(self, request, context):
         await self._check(context)
+        self.calls.append(("ListRecords", "", request.offset))
         if request.split == environment_pb2.RECORD_SPLIT_TRAIN:
             stream = self.environment.train_records(request.seed)
             records = list(itertools.islice(stream, request.offset, request.offset + request.limit))
