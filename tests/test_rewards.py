@@ -221,11 +221,11 @@ def test_grpc_reward_failures_fail_the_group(
 def test_grpc_reward_to_nothing_fails_as_unavailable() -> None:
     import socket
 
-    with socket.socket() as s:
+    with socket.socket() as s:  # bound, never listening: refused, and nobody else can take it
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(RewardFailed, match="UNAVAILABLE"):
-        _score(f"grpc:127.0.0.1:{port}", ["a"], timeout_s=0.5)
+        with pytest.raises(RewardFailed, match="UNAVAILABLE"):
+            _score(f"grpc:127.0.0.1:{port}", ["a"], timeout_s=0.5)
 
 
 def test_eval_scoring_reports_failures_in_place() -> None:
