@@ -21,6 +21,7 @@ from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2
 from parity.weights import checksum
 from parity.weights.sender import Publisher
+from tests.conftest import eventually
 from tests.test_broadcast import start_standin, state
 
 TOKEN = "test-token"
@@ -140,7 +141,7 @@ def test_frozen_tensors_are_not_resent_and_every_worker_ends_on_the_whole_versio
         receivers["r2"] = start_standin(tmp_path, broadcast.address, "r2")
         receivers["r2"].wait_ready(240)
         assert state(tmp_path, "r2") == {"version": 2, "checksums": expected}
-        assert publisher.catch_ups_sent == 1
+        assert eventually(lambda: publisher.catch_ups_sent == 1), publisher.catch_ups_sent
 
         def all_three_verified() -> bool:
             reply = stub.GetStatus(pb.WeightBroadcastServiceGetStatusRequest(), timeout=5)

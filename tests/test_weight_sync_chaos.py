@@ -25,6 +25,7 @@ from parity.procs import ServiceProcess, start_service
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc
 from parity.weights.sender import Publisher, PublishError
+from tests.conftest import eventually
 from tests.fakes.fake_trainer import BUCKET_BYTES, MODEL, toy_weights, trainer_checksums
 
 pytestmark = pytest.mark.slow
@@ -214,7 +215,7 @@ def test_worker_joining_during_training_catches_up_then_joins_the_next_epoch(clu
     epoch = cluster.status().epoch
     late = cluster.add("late", wait=False)  # starts at the checkpoint (v0), behind the trainer
     late.wait_ready(30)  # ready only once it serves the latest version: the trainer's catch-up
-    assert publisher.catch_ups_sent == 1
+    assert eventually(lambda: publisher.catch_ups_sent == 1), publisher.catch_ups_sent
     cluster.assert_verified(("r0", "late"), 2)
     publisher.publish_tensors(toy_weights(3), 3)  # the join started a new epoch with both
     cluster.assert_verified(("r0", "late"), 3)
