@@ -7,7 +7,8 @@ by default). So `free_port` draws from below that range, where the kernel never 
 its own accord: a port it returns can then only be lost to another caller that picks the same one
 (a random draw among ~20,000) or to a program that asked for that number itself. Callers that start
 a child on a port still retry on another one when it is taken (`parity.procs.start_redis`). Where
-there is no room below the range (fewer than `MIN_SPAN` ports above 1024), it asks the kernel.
+there is no room below the range (fewer than `MIN_SPAN` ports between `LOWEST` and it), it asks the
+kernel.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ def test_ports_are_free_and_below_the_ephemeral_range() -> None:
     drawn = [ports.free_port() for _ in range(200)]
     assert all(ports.LOWEST <= port < low for port in drawn), (low, min(drawn), max(drawn))
     assert len(set(drawn)) > 150  # random draws, not one sequence every process repeats
-    for port in drawn[:20]:
+    for port in drawn[:5]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))  # free when returned (nothing else here took it since)
 
