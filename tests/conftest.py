@@ -80,18 +80,6 @@ def _restore_environment() -> Iterator[None]:
     os.environ.update(saved)
 
 
-def eventually(predicate: Callable[[], bool], timeout_s: float = 60.0) -> bool:
-    """`predicate()` once it holds, or its last value after `timeout_s` (polled every 50 ms): for a
-    count another thread updates after the effect a test has already seen (a catch-up's receiver
-    holds the version before the sender's thread has counted it)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return value
-
-
 def config_for(home: str, **values: object) -> ParityConfig:
     """A run config built the way a command line builds it: `key=value` is `--key value` for the
     command whose own section is `home` (so `steps` is run.steps, `dtype` is home's dtype)."""

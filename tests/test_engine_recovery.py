@@ -44,8 +44,8 @@ from parity.ports import free_port
 from parity.rollout_queue import RolloutQueue
 from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from parity.weights.sender import Publisher
-from tests.conftest import eventually
 from tests.fakes.rollout_helpers import perturbed_state_dict
+from tests.test_trainer_service import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -208,7 +208,9 @@ def test_a_killed_engine_is_restarted_at_the_current_version(
         after = greedy(stub)
         assert set(after.token_weight_versions) == {1}
         assert list(after.token_ids) == list(before.token_ids)
-        assert eventually(lambda: publisher.catch_ups_sent == 1), publisher.catch_ups_sent
+        # counted by the sender's thread after its group closes: later than the engine shows the version
+        wait_for(lambda: publisher.catch_ups_sent >= 1, 60, "the catch-up counted")
+        assert publisher.catch_ups_sent == 1
 
         second = []
         while not second:

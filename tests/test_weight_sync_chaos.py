@@ -25,7 +25,6 @@ from parity.procs import ServiceProcess, start_service
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc
 from parity.weights.sender import Publisher, PublishError
-from tests.conftest import eventually
 from tests.fakes.fake_trainer import BUCKET_BYTES, MODEL, toy_weights, trainer_checksums
 
 pytestmark = pytest.mark.slow
@@ -215,7 +214,9 @@ def test_worker_joining_during_training_catches_up_then_joins_the_next_epoch(clu
     epoch = cluster.status().epoch
     late = cluster.add("late", wait=False)  # starts at the checkpoint (v0), behind the trainer
     late.wait_ready(30)  # ready only once it serves the latest version: the trainer's catch-up
-    assert eventually(lambda: publisher.catch_ups_sent == 1), publisher.catch_ups_sent
+    # counted by the sender's thread after its group closes: later than the worker shows the version
+    cluster.wait_until(lambda: publisher.catch_ups_sent >= 1, 60, "the catch-up was never counted")
+    assert publisher.catch_ups_sent == 1
     cluster.assert_verified(("r0", "late"), 2)
     publisher.publish_tensors(toy_weights(3), 3)  # the join started a new epoch with both
     cluster.assert_verified(("r0", "late"), 3)
