@@ -7,7 +7,8 @@ A seeded schedule picks, for each kill, a part (the trainer, the rollout service
 actor, vLLM's engine-core process with `--engine vllm`, the broadcast service, Redis, or the
 launcher itself) and a moment: a random time after the launch started (start-up, the first
 publish, mid-step), or a random delay after the next checkpoint. SIGKILL. A dead service stops the
-launcher (exit 1, naming it); the bench then runs `parity run --resume RUN_DIR`, as a user would.
+launcher (exit 1, naming it); the bench then runs `parity run --resume RUN_DIR`, as a user would
+(or the first command again, for a launcher killed before it wrote RUN_DIR/config.toml).
 A dead engine core is restarted by its rollout service: the bench waits for the service to log a
 restarted engine and for the run to reach a checkpoint after that, then ends that launch (`went_on`;
 a kill during the service's first engine start is followed by a second start, counted apart).
@@ -90,6 +91,15 @@ def run_flags(out: Path, steps: int, mode: str, engine: str, seed: int) -> list[
         "--rollout.engine", engine, "--seed", str(seed), "--out", str(out), "--tracker", "none",
         "--rollout.skip_zero_variance", "false",  # every drawn prompt is published unless in flight
     ]  # fmt: skip
+
+
+def next_launch(out: Path, steps: int, mode: str, engine: str, seed: int) -> list[str]:
+    """The command after a kill, as a user would type it: `--resume` once the run wrote its
+    config.toml; before that (a launcher killed during its start) nothing ran, so the first command
+    again (`--resume` refuses a directory without config.toml)."""
+    if (out / "config.toml").exists():
+        return ["--resume", str(out), "--tracker", "none"]
+    return run_flags(out, steps, mode, engine, seed)
 
 
 def launch(
@@ -239,7 +249,7 @@ def soak(out: Path, kills: list[Kill], steps: int, mode: str, engine: str, seed:
         if finished:
             print("the run trained its last step before all kills were made; raise --steps", flush=True)
             break
-        args = ["--resume", str(out), "--tracker", "none"]
+        args = next_launch(out, steps, mode, engine, seed)
     final_rc = None
     if checkpoint_step(out) < steps:
         marker = uuid.uuid4().hex

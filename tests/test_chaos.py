@@ -32,6 +32,31 @@ def test_three_random_kills_lose_nothing_and_train_nothing_twice(tmp_path: Path)
 
 
 @pytest.mark.slow
+def test_a_launcher_killed_before_its_config_is_started_again_not_resumed(tmp_path: Path) -> None:
+    """A launcher killed at once has written no config.toml, so `--resume` has nothing to read (it
+    exits 2 and says so); the soak starts the run again with its first command, which then trains
+    to the end (CHAOS_SEED=1725270212 drew this kill first, and every later launch failed)."""
+    out = tmp_path / "run"
+    ran = chaos.soak(out, [chaos.Kill("launcher", False, 0.0)], 2, "sync", "reference", 3)
+    assert ran["kills"][0]["what"] == "killed the launcher at checkpoint 0", ran["kills"]
+    assert ran["final_exit"] == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
+    result = chaos.audit(out, 2, 4, 2, 1, in_flight=2)
+    assert result["passed"], result["checks"]
+
+
+def test_the_launch_after_a_kill_resumes_only_a_run_that_wrote_its_config(tmp_path: Path) -> None:
+    first = chaos.next_launch(tmp_path, 5, "sync", "reference", 1)
+    assert first == chaos.run_flags(tmp_path, 5, "sync", "reference", 1)
+    (tmp_path / "config.toml").write_text("")
+    assert chaos.next_launch(tmp_path, 5, "sync", "reference", 1) == [
+        "--resume",
+        str(tmp_path),
+        "--tracker",
+        "none",
+    ]
+
+
+@pytest.mark.slow
 def test_sync_resume_after_lost_versions_trains_the_uninterrupted_runs_prompts(tmp_path: Path) -> None:
     """The trainer is killed after it published versions that no checkpoint holds (no checkpoint
     before the end; killed after step 3): those versions are lost, and the groups sampled from

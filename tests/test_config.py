@@ -291,6 +291,20 @@ def test_resume_with_print_config_prints_the_resumed_runs_config(tmp_path: Path)
     assert missing.returncode == 2 and "run.resume:" in missing.stderr and "no config.toml" in missing.stderr
 
 
+def test_resume_of_a_run_whose_first_launch_died_before_its_config_names_the_first_command(
+    tmp_path: Path,
+) -> None:
+    from commands.run import records
+    from commands.run.resume import ResumeError, plan
+
+    # run.json as a launcher writes it first; this process is its launcher, not a live other one
+    records.start(tmp_path, 6, ["--seed", "1", "--out", str(tmp_path)], resumed_from_step=None, overrides={})
+    with pytest.raises(ResumeError) as refused:
+        plan(tmp_path, ["--resume", str(tmp_path)])
+    assert "no config.toml" in str(refused.value)
+    assert f"parity run --seed 1 --out {tmp_path}" in str(refused.value)
+
+
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 
 

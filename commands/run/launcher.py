@@ -42,7 +42,7 @@ from commands.run import records
 from commands.run.console import log
 from commands.run.cpu_binding import engine_bind_env
 from commands.run.held_out import PeriodicEval, run_eval
-from commands.run.resume import ResumeError, ResumePlan, format_diff, truncate_lineage
+from commands.run.resume import ResumeError, ResumePlan, format_diff, no_config, truncate_lineage
 from commands.run.resume import plan as plan_resume
 from commands.run.supervisor import (
     MARKER_ENV,
@@ -520,7 +520,7 @@ def resumed_config(loaded: LoadedConfig, argv: list[str]) -> LoadedConfig:
         return loaded
     config_path = Path(loaded.config.run.resume) / "config.toml"
     if not config_path.exists():
-        raise ConfigError(f"run.resume: {config_path.parent} holds no run to resume (no config.toml)")
+        raise ConfigError(no_config(config_path.parent))
     resumed = load(argv, home="run", environ={**os.environ, CONFIG_FILE_ENV: str(config_path)})
     return dataclasses.replace(resumed, print_config=loaded.print_config)
 

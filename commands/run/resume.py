@@ -141,6 +141,23 @@ def truncate_lineage(run_dir: Path, step: int) -> None:
         truncate_to_step(run_dir / name, step)
 
 
+def no_config(run_dir: Path) -> str:
+    """Why `run_dir` cannot be resumed when it has no config.toml, and what to do instead."""
+    from commands.run import records
+
+    running = records.live_launcher(run_dir)
+    if running is not None:
+        return f"run.resume: {run_dir} is still running (launcher pid {running})"
+    launches = (records.read(run_dir) or {}).get("launches", [])
+    if not launches:
+        return f"run.resume: {run_dir} holds no run to resume (no config.toml)"
+    first = " ".join(launches[0].get("argv", []))
+    return (
+        f"run.resume: {run_dir} holds no run to resume (no config.toml): its first launch stopped "
+        f"before it wrote one, so nothing ran; start it again with that launch's command: parity run {first}"
+    )
+
+
 def plan(run_dir: Path, argv: list[str], environ: dict[str, str] | None = None) -> ResumePlan:
     """Check that `run_dir` can be resumed with the command line `argv`; raise ResumeError if not."""
     from commands.run import records
@@ -149,7 +166,7 @@ def plan(run_dir: Path, argv: list[str], environ: dict[str, str] | None = None) 
     config_path = run_dir / "config.toml"
     record_path = run_dir / "config.json"
     if not config_path.exists():
-        raise ResumeError(f"run.resume: {run_dir} holds no run to resume (no config.toml)")
+        raise ResumeError(no_config(run_dir))
     running = records.live_launcher(run_dir)
     if running is not None:
         raise ResumeError(f"run.resume: {run_dir} is still running (launcher pid {running})")
