@@ -6,7 +6,8 @@
 A seeded schedule picks, for each kill, a part (the trainer, the rollout service with its in-process
 actor, vLLM's engine-core process with `--engine vllm`, the broadcast service, Redis, or the
 launcher itself) and a moment: a random time after the launch started (start-up, the first
-publish, mid-step), or a random delay after the next checkpoint. SIGKILL. A dead service stops the
+publish, mid-step), or a random delay after the next checkpoint; never later than checkpoint N-1 of
+N steps, so that the run cannot end before the kill. SIGKILL. A dead service stops the
 launcher (exit 1, naming it); the bench then runs `parity run --resume RUN_DIR`, as a user would
 (or the first command again, for a launcher killed before it wrote RUN_DIR/config.toml).
 A dead engine core is restarted by its rollout service: the bench waits for the service to log a
@@ -149,17 +150,21 @@ def wait_gone(marker: str, timeout_s: float = 60.0) -> list[int]:
     return left
 
 
-def strike(kill: Kill, proc: subprocess.Popen, run_dir: Path, marker: str) -> str:
-    """Wait for the kill's moment, then SIGKILL its part. Returns what happened, in words."""
-    start = time.monotonic()
+def strike(kill: Kill, proc: subprocess.Popen, run_dir: Path, marker: str, steps: int) -> str:
+    """Wait for the kill's moment, then SIGKILL its part. Returns what happened, in words.
+
+    A moment that would come after the run's next-to-last checkpoint (`steps - 1`) comes at that
+    checkpoint instead: a faster box, or a resume close to the end, would otherwise finish the run
+    before the kill and lose it."""
+    start, last_kill_at = time.monotonic(), max(steps - 1, 0)
     if kill.after_checkpoint:
-        target = checkpoint_step(run_dir) + 1
+        target = min(checkpoint_step(run_dir) + 1, last_kill_at)
         while checkpoint_step(run_dir) < target and proc.poll() is None:
             if time.monotonic() - start > LAUNCH_TIMEOUT_S:
                 return f"no checkpoint {target} in {LAUNCH_TIMEOUT_S:.0f}s"
             time.sleep(0.05)
     deadline = time.monotonic() + kill.delay_s
-    while time.monotonic() < deadline and proc.poll() is None:
+    while time.monotonic() < deadline and proc.poll() is None and checkpoint_step(run_dir) < last_kill_at:
         time.sleep(0.05)
     if proc.poll() is not None:
         return f"the launch ended first (exit {proc.returncode})"
@@ -222,7 +227,7 @@ def soak(out: Path, kills: list[Kill], steps: int, mode: str, engine: str, seed:
         marker = uuid.uuid4().hex
         proc = launch(args, marker, log_path)
         launches += 1
-        what = strike(kill, proc, out, marker)
+        what = strike(kill, proc, out, marker, steps)
         if kill.part == "engine_core" and proc.poll() is None and what.startswith("killed"):
             # The rollout service restarts its engine and the run goes on: wait for a checkpoint
             # after the death, then end this launch (the next kill starts from a fresh resume).

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,7 @@ def test_three_random_kills_lose_nothing_and_train_nothing_twice(tmp_path: Path)
     ran = chaos.soak(tmp_path / "run", plan, steps, "sync", "reference", seed)
     assert all(k["left_behind"] == 0 for k in ran["kills"]), ran["kills"]
     assert sum(k["what"].startswith("killed") for k in ran["kills"]) >= 2, ran["kills"]
+    assert ran["final_exit"] in (0, None), (tmp_path / "run.launcher.log").read_text()[-3000:]
     result = chaos.audit(tmp_path / "run", steps, 4, 2, len(ran["kills"]), in_flight=2)
     assert result["passed"], result["checks"]
 
@@ -42,6 +47,21 @@ def test_a_launcher_killed_before_its_config_is_started_again_not_resumed(tmp_pa
     assert ran["final_exit"] == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
     result = chaos.audit(out, 2, 4, 2, 1, in_flight=2)
     assert result["passed"], result["checks"]
+
+
+def test_a_kill_due_after_the_next_to_last_checkpoint_comes_at_it(tmp_path: Path) -> None:
+    """At checkpoint 19 of 20 neither a 20 s delay nor "after the next checkpoint" may be waited
+    for: the last step would end the run first (CHAOS_SEED=1008537025 lost its second kill so)."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "LATEST").write_text("step_00000019")
+    for kill in (chaos.Kill("launcher", False, 20.0), chaos.Kill("launcher", True, 20.0)):
+        stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(40)"])  # a launcher
+        started = time.monotonic()
+        assert (
+            chaos.strike(kill, stand_in, tmp_path, "no-marker", 20) == "killed the launcher at checkpoint 19"
+        )
+        assert stand_in.wait(10) == -signal.SIGKILL
+        assert time.monotonic() - started < 10, kill
 
 
 def test_the_launch_after_a_kill_resumes_only_a_run_that_wrote_its_config(tmp_path: Path) -> None:
@@ -62,8 +82,6 @@ def test_sync_resume_after_lost_versions_trains_the_uninterrupted_runs_prompts(t
     before the end; killed after step 3): those versions are lost, and the groups sampled from
     them, or from the restored version renumbered beyond max_lag, would be dropped. A sync resume
     removes them and draws their prompts again: the trained draws equal an uninterrupted run's."""
-    import signal
-    import time
     import uuid
 
     def flags(out: Path) -> list[str]:
@@ -108,9 +126,7 @@ def _run_dir(tmp_path: Path, log: str, checkpoint: int) -> Path:
 def _went_on_after(run_dir: Path, events: list[str | int]) -> str:
     """`chaos.went_on` on a live launch while the service and trainer do `events` in order, 0.3 s
     apart: a str is appended to the rollout log, an int becomes the latest checkpoint."""
-    import subprocess
     import threading
-    import time
 
     launch = subprocess.Popen(["sleep", "60"])
 
@@ -141,9 +157,7 @@ def test_an_engine_core_kill_counts_as_recovered_after_a_restart_and_a_later_che
 
 
 def test_an_engine_core_kill_without_a_restart_is_not_recovered(tmp_path: Path) -> None:
-    import subprocess
     import threading
-    import time
 
     run_dir = _run_dir(tmp_path, "", checkpoint=3)
     launch = subprocess.Popen(["sleep", "60"])

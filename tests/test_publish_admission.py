@@ -7,7 +7,7 @@
   next publish of another model is accepted.
 - Bad `receive_capacity_bytes` and `publisher_id` are INVALID_ARGUMENT naming the field.
 
-Two tests, each with its own service (about 10 s to start).
+Three tests, each with its own service (about 10 s to start).
 
 The workers here are registrations only (their addresses answer nothing): every refusal happens
 before any UpdateWeights, and an accepted version to them fails, which is all these checks need.
@@ -119,3 +119,40 @@ def test_a_version_to_no_worker_binds_nothing_and_one_worker_that_may_hold_it_ad
     _register(stub, "old-client", 0)  # capacity not reported: it may hold it
     plan = stub.PublishVersion(_request(3, "big", BOGUS), metadata=AUTH, timeout=10).plan
     assert plan.version == 3 and plan.rendezvous.world_size == 3
+
+
+def test_waiting_for_workers_at_a_version_gives_up_on_time_and_counts_no_claims(tmp_path: Path) -> None:
+    """Publisher.wait_workers_at, as the trainer waits after its last step (trainer.await_workers):
+    a worker counts once the service verified it holds the version (an applied update or
+    catch-up, tests/test_resume.py covers that path); what a worker claims when it registers does
+    not count. The wait ends at its timeout, or at once when told to stop."""
+    import time
+
+    from parity.weights.sender import Publisher
+
+    broadcast = start_service(
+        "broadcast",
+        ["--heartbeat_timeout_s", "60"],
+        log_dir=tmp_path,
+        env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
+    ).wait_ready(240)
+    publisher = Publisher(broadcast.address, "tiny", auth_token=TOKEN)
+    try:
+        with grpc.insecure_channel(broadcast.address) as chan:
+            stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(chan)
+            stub.RegisterWorker(
+                pb.RegisterWorkerRequest(worker_id="claims-v3", address="127.0.0.1:9", weight_version=3),
+                metadata=AUTH,
+                timeout=5,
+            )
+            assert [w.worker_id for w in _status(stub).workers] == ["claims-v3"]
+        started = time.monotonic()
+        assert publisher.wait_workers_at(2, 1, timeout_s=1.5) == 0
+        assert 1.5 <= time.monotonic() - started < 10
+        started = time.monotonic()
+        assert publisher.wait_workers_at(2, 1, timeout_s=60, stop=lambda: True) == 0
+        assert time.monotonic() - started < 10
+        assert publisher.wait_workers_at(2, 0, timeout_s=60) == 0  # none expected: no wait, no call
+    finally:
+        publisher.close()
+        broadcast.stop(10)

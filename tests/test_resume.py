@@ -401,3 +401,25 @@ def test_run_killed_three_ways_resumes_to_one_lineage(tmp_path: Path) -> None:
     from tests.test_trackers import assert_matches_metrics
 
     assert_matches_metrics(out, launch=4)
+
+
+@pytest.mark.slow
+def test_a_resume_that_trains_its_last_step_from_the_stream_ends_with_the_rollouts_caught_up(
+    tmp_path: Path,
+) -> None:
+    """An async run leaves unread groups in its stream. Resumed for one more step, its trainer
+    (started first, to serve catch-ups) trains that step from them before the rollout service has
+    loaded; it must keep serving until the service holds the final version (trainer.await_workers),
+    or the service never catches up and the launch fails waiting for it to serve."""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    flags = chaos.run_flags(out, 2, "async", "reference", 5)
+    assert chaos.launch(flags, uuid.uuid4().hex, log).wait(600) == 0, log.read_text()[-3000:]
+    more = ["--resume", str(out), "--steps", "3", "--resume_override", "--tracker", "none",
+            "--startup_timeout_s", "120"]  # fmt: skip
+    marker = uuid.uuid4().hex
+    assert chaos.launch(more, marker, log).wait(600) == 0, log.read_text()[-3000:]
+    assert chaos.wait_gone(marker) == []
+    trainer_log = (out / "logs" / "trainer.log").read_text()
+    assert "rollout worker(s) hold the final version" in trainer_log, trainer_log[-3000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]

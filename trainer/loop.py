@@ -510,6 +510,31 @@ class Trainer:
         self.state.applied_rollout_ids = list(self.applied_entries)
         self.state.applied_rollout_entries = list(self.applied_entries.values())
 
+    def await_workers(self) -> int:
+        """After the last step: keep serving catch-ups until `await_workers` rollout workers hold the
+        final version, or its timeout passes (logged). A resumed trainer can train its last steps
+        from rollouts already in the stream while the rollout services are still loading; only this
+        process can send them the final weights. Returns how many held it."""
+        cfg, version = self.config, self.state.weight_version
+        if not cfg.broadcast_address:  # local mode: no workers to wait for
+            return 0
+        start = time.monotonic()
+        held = self.publisher.wait_workers_at(
+            version, cfg.await_workers, cfg.await_workers_timeout_s, self.stop_event.is_set
+        )
+        took = time.monotonic() - start
+        if held < cfg.await_workers:
+            log.warning(
+                "%d of %d rollout workers hold the final version %d after %.0fs; exiting without the rest",
+                held,
+                cfg.await_workers,
+                version,
+                took,
+            )
+        else:
+            log.info("%d rollout worker(s) hold the final version %d (waited %.1fs)", held, version, took)
+        return held
+
     def close(self) -> None:
         self.publisher.close()
         self.queue.close()

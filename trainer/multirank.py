@@ -87,6 +87,7 @@ class RankZeroTrainer(Trainer):
     def setup_model(self) -> None:
         super().setup_model()
         self._last_command = time.monotonic()
+        self._followers_stopped = False
         self.heartbeat_s = min(HEARTBEAT_S, self.config.dist_timeout_s / 4)
         # Every full-weight gather (a publish, the history's first version) is announced first.
         self.announce_gather = lambda: self._command(GATHER)
@@ -119,12 +120,22 @@ class RankZeroTrainer(Trainer):
             self._command(NOOP)
         super()._checkpoint_if_requested()
 
+    def await_workers(self) -> int:
+        # The other ranks have no part in it, and it may outlast their collective timeout: stop
+        # them first.
+        self._stop_followers()
+        return super().await_workers()
+
     def close(self) -> None:
-        # Only after a clean finish: after a failure a command could wait out the timeout, and
-        # torchrun stops the other ranks anyway once this one exits non-zero.
-        if self.finished:
-            self._command(STOP)
+        self._stop_followers()
         super().close()
+
+    def _stop_followers(self) -> None:
+        # Only after a clean finish: after a failure a command could wait out the timeout, and
+        # torchrun stops the other ranks anyway once this one exits non-zero. Once only.
+        if self.finished and not self._followers_stopped:
+            self._command(STOP)
+            self._followers_stopped = True
 
 
 # ---- ranks 1..N-1 -------------------------------------------------------------------------------

@@ -444,7 +444,9 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str], resume: Resu
 def _start_trainer(
     sup: Supervisor, config_path: Path, redis_url: str, token: str, run, gate: dict[str, str] | None = None
 ) -> None:
-    env = {**_child_env(config_path, redis_url, env_for("trainer", auth_token=token)), **(gate or {})}
+    # await_workers: a resumed trainer may train its last steps before the rollout services caught up
+    instance = env_for("trainer", auth_token=token, await_workers=run.rollout_workers)
+    env = {**_child_env(config_path, redis_url, instance), **(gate or {})}
     sup.start(TRAINER, TRAINER, env)
     log("trainer starting")
     sup.wait_ready([TRAINER], run.startup_timeout_s, may_finish=frozenset({TRAINER}))

@@ -152,6 +152,18 @@ class TrainerConfig(ServiceConfig):
     wait_committed_s: float = Field(
         30.0, ge=0, description="Wait this long for the broadcast to commit each version; 0 skips waiting."
     )
+    await_workers: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="After its last step, keep serving catch-ups until this many rollout workers hold the "
+        "final version (up to await_workers_timeout_s), then exit. `parity run` sets it to "
+        "run.rollout_workers: a resumed trainer can train its last steps from the stream before the "
+        "rollout services have caught up, and only it can send them the weights. 0 = do not wait.",
+    )
+    await_workers_timeout_s: float = Field(
+        300.0, gt=0, description="How long await_workers waits; then the trainer exits anyway (logged)."
+    )
     torch_threads: int = Field(0, ge=0, description="torch.set_num_threads; 0 leaves the default.")
     freeze: str = Field(
         "",

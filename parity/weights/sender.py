@@ -146,6 +146,33 @@ class Publisher:
         )
         return int(reply.latest_version)
 
+    def wait_workers_at(
+        self, version: int, workers: int, timeout_s: float, stop: Callable[[], bool] = lambda: False
+    ) -> int:
+        """Wait until `workers` registered workers hold `version` or a later one, the catch-up
+        thread serving the ones behind meanwhile; give up after `timeout_s` or once `stop()`.
+        Returns how many held it when the wait ended (0 at once in local mode)."""
+        if self._stub is None or workers <= 0:
+            return 0
+        deadline = time.monotonic() + timeout_s
+        held = 0
+        while True:
+            try:
+                reply = self._stub.GetStatus(
+                    broadcast_pb2.WeightBroadcastServiceGetStatusRequest(),
+                    timeout=min(self.rpc_timeout_s, 10.0),
+                    metadata=self.metadata,
+                )
+                held = sum(
+                    w.weight_version >= version and w.state != broadcast_pb2.WORKER_STATE_DROPPED
+                    for w in reply.workers
+                )
+            except grpc.RpcError as exc:  # a broadcast restarting: ask again until the deadline
+                log.warning("GetStatus while waiting for workers at v%d: %s", version, exc.code().name)
+            if held >= workers or time.monotonic() >= deadline or stop():
+                return held
+            time.sleep(0.25)
+
     def publish_retrying(
         self,
         named_tensors: Callable[[], NamedTensors],

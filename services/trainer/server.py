@@ -82,6 +82,8 @@ async def serve(run_config: ParityConfig) -> int:
         finally:
             watcher.cancel()
         log.info("done: step %d, version %d", trainer.state.step, trainer.state.weight_version)
+        if trainer.finished and config.await_workers:
+            await loop.run_in_executor(None, trainer.await_workers)
     except MismatchGateError as exc:
         log.error("training stopped by the running mismatch gate: %s", exc)
         rc = 3
