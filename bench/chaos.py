@@ -6,7 +6,7 @@
 A seeded schedule picks, for each kill, a part (the trainer, the rollout service with its in-process
 actor, vLLM's engine-core process with `--engine vllm`, the broadcast service, Redis, or the
 launcher itself) and a moment: a random time after the launch started (start-up, the first
-publish, mid-step), or a random delay after the next checkpoint; never later than checkpoint N-1 of
+publish, mid-step), or a random delay after the next checkpoint; never later than checkpoint N-3 of
 N steps, so that the run cannot end before the kill. SIGKILL. A dead service stops the
 launcher (exit 1, naming it); the bench then runs `parity run --resume RUN_DIR`, as a user would
 (or the first command again, for a launcher killed before it wrote RUN_DIR/config.toml).
@@ -60,6 +60,7 @@ PARTS = {
     "engine_core": "EngineCore",
 }
 LAUNCH_TIMEOUT_S = 900.0
+KILL_MARGIN_STEPS = 3  # every kill lands before the run's last 3 steps (see strike)
 ENGINE_RECOVERY_S = 300.0  # a killed engine core: its service builds a new one, the run goes on
 
 
@@ -153,10 +154,10 @@ def wait_gone(marker: str, timeout_s: float = 60.0) -> list[int]:
 def strike(kill: Kill, proc: subprocess.Popen, run_dir: Path, marker: str, steps: int) -> str:
     """Wait for the kill's moment, then SIGKILL its part. Returns what happened, in words.
 
-    A moment that would come after the run's next-to-last checkpoint (`steps - 1`) comes at that
-    checkpoint instead: a faster box, or a resume close to the end, would otherwise finish the run
-    before the kill and lose it."""
-    start, last_kill_at = time.monotonic(), max(steps - 1, 0)
+    A moment that would come after checkpoint `steps - KILL_MARGIN_STEPS` comes at that checkpoint
+    instead: a faster box, or a resume close to the end, would otherwise finish the run before the
+    kill and lose it (a kill during the last step can also come after the run needed the part)."""
+    start, last_kill_at = time.monotonic(), max(steps - KILL_MARGIN_STEPS, 0)
     if kill.after_checkpoint:
         target = min(checkpoint_step(run_dir) + 1, last_kill_at)
         while checkpoint_step(run_dir) < target and proc.poll() is None:

@@ -49,16 +49,17 @@ def test_a_launcher_killed_before_its_config_is_started_again_not_resumed(tmp_pa
     assert result["passed"], result["checks"]
 
 
-def test_a_kill_due_after_the_next_to_last_checkpoint_comes_at_it(tmp_path: Path) -> None:
-    """At checkpoint 19 of 20 neither a 20 s delay nor "after the next checkpoint" may be waited
-    for: the last step would end the run first (CHAOS_SEED=1008537025 lost its second kill so)."""
+def test_a_kill_due_after_the_last_kill_checkpoint_comes_at_it(tmp_path: Path) -> None:
+    """At checkpoint 17 of 20 neither a 20 s delay nor "after the next checkpoint" may be waited
+    for: the last steps could end the run first (CHAOS_SEED=1008537025 lost its second kill so)."""
+    assert chaos.KILL_MARGIN_STEPS == 3
     (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "LATEST").write_text("step_00000019")
+    (tmp_path / "checkpoints" / "LATEST").write_text("step_00000017")
     for kill in (chaos.Kill("launcher", False, 20.0), chaos.Kill("launcher", True, 20.0)):
         stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(40)"])  # a launcher
         started = time.monotonic()
         assert (
-            chaos.strike(kill, stand_in, tmp_path, "no-marker", 20) == "killed the launcher at checkpoint 19"
+            chaos.strike(kill, stand_in, tmp_path, "no-marker", 20) == "killed the launcher at checkpoint 17"
         )
         assert stand_in.wait(10) == -signal.SIGKILL
         assert time.monotonic() - started < 10, kill
