@@ -140,11 +140,36 @@ def test_a_trainer_that_finished_before_it_was_seen_serving_is_ready_not_dead(tm
         sup.children["trainer"] = child("trainer", 0)
         with pytest.raises(ChildDied, match=r"exit code 0"):
             sup.wait_ready(["trainer"], 5.0)
-        sup.wait_ready(["trainer"], 5.0, may_finish=frozenset({"trainer"}))
+        sup.may_finish.add("trainer")
+        sup.wait_ready(["trainer"], 5.0)
         sup.check()  # expected to be gone from now on
         sup.children["crashed"] = child("crashed", 1)
+        sup.may_finish.add("crashed")
         with pytest.raises(ChildDied, match=r"crashed exited unexpectedly \(exit code 1"):
-            sup.wait_ready(["crashed"], 5.0, may_finish=frozenset({"crashed"}))
+            sup.wait_ready(["crashed"], 5.0)
+
+
+def test_a_trainer_that_finishes_while_the_rollouts_start_is_done_not_dead(tmp_path: Path) -> None:
+    # A resumed trainer (started first) trained its last step from the stream and exited 0 while the
+    # launcher waited for the rollout services: "trainer exited unexpectedly (exit code 0)".
+    from parity.procs import ServiceProcess
+
+    finished = subprocess.Popen([sys.executable, "-c", "raise SystemExit(0)"])
+    finished.wait(30)
+    starting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with Supervisor(tmp_path, uuid.uuid4().hex) as sup:
+            for name, proc in (("trainer", finished), ("rollout0", starting)):
+                sup.children[name] = ServiceProcess(
+                    name=name, proc=proc, port_file=tmp_path / f"{name}.port", log_path=tmp_path / "x.log"
+                )
+            sup.may_finish.add("trainer")
+            with pytest.raises(TimeoutError, match="rollout0 not SERVING"):  # not ChildDied(trainer)
+                sup.wait_ready(["rollout0"], 1.0)
+            assert "trainer" in sup.expect_exit
+    finally:
+        starting.kill()
+        starting.wait(30)
 
 
 def test_metrics_follower_reads_only_complete_lines(tmp_path: Path) -> None:

@@ -448,8 +448,9 @@ def _start_trainer(
     instance = env_for("trainer", auth_token=token, await_workers=run.rollout_workers)
     env = {**_child_env(config_path, redis_url, instance), **(gate or {})}
     sup.start(TRAINER, TRAINER, env)
+    sup.may_finish.add(TRAINER)
     log("trainer starting")
-    sup.wait_ready([TRAINER], run.startup_timeout_s, may_finish=frozenset({TRAINER}))
+    sup.wait_ready([TRAINER], run.startup_timeout_s)
 
 
 def gate_env(cfg: ParityConfig, preflight_record: dict | None) -> dict[str, str]:

@@ -82,6 +82,9 @@ class Supervisor:
     marker: str
     children: dict[str, ServiceProcess] = field(default_factory=dict)
     expect_exit: set[str] = field(default_factory=set)
+    # Children whose exit 0 means their work is done, at any moment (the trainer: a resumed one can
+    # train its last steps from the stream while the rollout services are still starting).
+    may_finish: set[str] = field(default_factory=set)
     stop_seconds: dict[str, float] = field(default_factory=dict)
     # The grace period the exit's stop_all gives every child. Once Redis is gone the services cannot
     # finish a step or checkpoint (they wait for Redis), so it shrinks to REDIS_LOST_GRACE_S then.
@@ -139,9 +142,7 @@ class Supervisor:
         self.children[name] = child
         return child
 
-    def wait_ready(
-        self, names: list[str], timeout_s: float, may_finish: frozenset[str] = frozenset()
-    ) -> None:
+    def wait_ready(self, names: list[str], timeout_s: float) -> None:
         """Wait until each named child is SERVING, failing fast if any child dies meanwhile.
 
         A child in `may_finish` (the trainer) that exits 0 before it was seen SERVING has done its
@@ -150,11 +151,9 @@ class Supervisor:
         pending = list(names)
         deadline = time.monotonic() + timeout_s
         while pending:
-            for name in [n for n in pending if n in may_finish]:
-                if self.children[name].proc.poll() == 0:
-                    self.expect_exit.add(name)
-                    pending.remove(name)
-            self.check()
+            self.check()  # a child in may_finish that exited 0 is expected to be gone from here on
+            for name in [n for n in pending if n in self.expect_exit]:
+                pending.remove(name)
             for name in list(pending):
                 child = self.children[name]
                 if child.read_port() and health.check(child.address, timeout_s=1.0, wait_for_ready=False)[0]:
@@ -170,6 +169,9 @@ class Supervisor:
         """Raise ChildDied for the first child that exited without being expected to."""
         for name, child in self.children.items():
             if name in self.expect_exit:
+                continue
+            if child.proc.poll() == 0 and name in self.may_finish:
+                self.expect_exit.add(name)
                 continue
             if child.proc.poll() is not None:
                 if name == "redis":
