@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from parity.procs import start_service
+from parity.procs import ServiceProcess, start_service
 from parity.server import bearer
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc, common_pb2
@@ -47,18 +47,23 @@ TINY = (4, 4)
 
 
 @pytest.fixture
-def stub(tmp_path: Path) -> Iterator[broadcast_pb2_grpc.WeightBroadcastServiceStub]:
-    broadcast = start_service(
+def broadcast(tmp_path: Path) -> Iterator[ServiceProcess]:
+    service = start_service(
         "broadcast",
         ["--transfer_timeout_s", "5", "--rpc_margin_s", "2", "--heartbeat_timeout_s", "60"],
         log_dir=tmp_path,
         env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
     ).wait_ready(240)
     try:
-        with grpc.insecure_channel(broadcast.address) as chan:
-            yield broadcast_pb2_grpc.WeightBroadcastServiceStub(chan)
+        yield service
     finally:
-        broadcast.stop(10)
+        service.stop(10)
+
+
+@pytest.fixture
+def stub(broadcast: ServiceProcess) -> Iterator[broadcast_pb2_grpc.WeightBroadcastServiceStub]:
+    with grpc.insecure_channel(broadcast.address) as chan:
+        yield broadcast_pb2_grpc.WeightBroadcastServiceStub(chan)
 
 
 def _register(stub, worker_id: str, capacity: int) -> None:
@@ -121,7 +126,9 @@ def test_a_version_to_no_worker_binds_nothing_and_one_worker_that_may_hold_it_ad
     assert plan.version == 3 and plan.rendezvous.world_size == 3
 
 
-def test_waiting_for_workers_at_a_version_gives_up_on_time_and_counts_no_claims(tmp_path: Path) -> None:
+def test_waiting_for_workers_at_a_version_gives_up_on_time_and_counts_no_claims(
+    broadcast: ServiceProcess, stub: broadcast_pb2_grpc.WeightBroadcastServiceStub
+) -> None:
     """Publisher.wait_workers_at, as the trainer waits after its last step (trainer.await_workers):
     a worker counts once the service verified it holds the version (an applied update or
     catch-up, tests/test_resume.py covers that path); what a worker claims when it registers does
@@ -130,22 +137,14 @@ def test_waiting_for_workers_at_a_version_gives_up_on_time_and_counts_no_claims(
 
     from parity.weights.sender import Publisher
 
-    broadcast = start_service(
-        "broadcast",
-        ["--heartbeat_timeout_s", "60"],
-        log_dir=tmp_path,
-        env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
-    ).wait_ready(240)
     publisher = Publisher(broadcast.address, "tiny", auth_token=TOKEN)
     try:
-        with grpc.insecure_channel(broadcast.address) as chan:
-            stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(chan)
-            stub.RegisterWorker(
-                pb.RegisterWorkerRequest(worker_id="claims-v3", address="127.0.0.1:9", weight_version=3),
-                metadata=AUTH,
-                timeout=5,
-            )
-            assert [w.worker_id for w in _status(stub).workers] == ["claims-v3"]
+        stub.RegisterWorker(
+            pb.RegisterWorkerRequest(worker_id="claims-v3", address="127.0.0.1:9", weight_version=3),
+            metadata=AUTH,
+            timeout=5,
+        )
+        assert [w.worker_id for w in _status(stub).workers] == ["claims-v3"]
         started = time.monotonic()
         assert publisher.wait_workers_at(2, 1, timeout_s=1.5) == 0
         assert 1.5 <= time.monotonic() - started < 10
@@ -155,4 +154,3 @@ def test_waiting_for_workers_at_a_version_gives_up_on_time_and_counts_no_claims(
         assert publisher.wait_workers_at(2, 0, timeout_s=60) == 0  # none expected: no wait, no call
     finally:
         publisher.close()
-        broadcast.stop(10)
