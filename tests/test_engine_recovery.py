@@ -117,7 +117,9 @@ def wait_health(address: str, serving: bool, timeout_s: float) -> float:
 def test_a_killed_engine_is_restarted_at_the_current_version(
     start_services, tiny_model: Path, redis_url: str
 ) -> None:
-    broadcast = start_services("broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "60")
+    # 180 s to join a transfer group: on a loaded 2-core box the vLLM worker once took over 60 s to
+    # join the first version's group, and the publish failed
+    broadcast = start_services("broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "180")
     metrics_port = free_port()
     svc = start_services(
         "rollout", "--model", str(tiny_model), "--auth_token", TOKEN, "--engine", "vllm",
