@@ -255,6 +255,24 @@ def test_environment_names_real_config_keys_and_restates_no_default(compose) -> 
     assert checked == len(PARITY_SERVICES)
 
 
+def rollout_services(compose: dict[str, Any], profiles: set[str]) -> list[str]:
+    return [
+        name
+        for name, service in compose["services"].items()
+        if service.get("command") == ["serve", "rollout"] and set(service.get("profiles", [])) <= profiles
+    ]
+
+
+def test_the_trainer_awaits_every_rollout_service_the_file_starts() -> None:
+    """trainer.await_workers is the number of rollout services up: 1 by default, 2 with the gpu2
+    profile and PARITY_ROLLOUT_WORKERS=2 (docker-compose.yml's header)."""
+    for profiles, env in (({"default"}, ENV), ({"gpu2"}, {**ENV, "PARITY_ROLLOUT_WORKERS": "2"})):
+        compose = load_compose(env)
+        awaited = int(compose["services"]["trainer"]["environment"]["PARITY_TRAINER_AWAIT_WORKERS"])
+        assert awaited == len(rollout_services(compose, profiles)), (profiles, awaited)
+    assert len(rollout_services(load_compose(), {"gpu2"})) == 2
+
+
 def test_collector_wires_otlp_receiver_to_jaeger(compose) -> None:
     collector = yaml.safe_load((ROOT / "infra" / "otel-collector.yaml").read_text())
     service = compose["services"]["otel-collector"]

@@ -103,6 +103,11 @@ def violations(docs: list[dict]) -> list[str]:
 
     found: list[str] = []
     backend = tomllib.loads(run_config(docs)).get("broadcast", {}).get("backend", "gloo")
+    rollout_replicas = [
+        int(o["spec"].get("replicas", 1))
+        for o in docs
+        if o["kind"] in WORKLOADS and o["metadata"]["name"] == "rollout"
+    ]
     any_gpu = False
     for obj in docs:
         name = f"{obj['kind']}/{obj['metadata']['name']}"
@@ -146,6 +151,12 @@ def violations(docs: list[dict]) -> list[str]:
                     found.append(f"{where}: torchrun must run PARITY_GPUS_PER_NODE processes per pod")
                 elif backend == "nccl" and int(per_node) != limit:
                     found.append(f"{where}: {per_node} ranks per pod on {limit} GPU(s)")
+                awaited = env_value(c, "PARITY_TRAINER_AWAIT_WORKERS")
+                if rollout_replicas and (awaited is None or int(awaited) != sum(rollout_replicas)):
+                    found.append(
+                        f"{where}: PARITY_TRAINER_AWAIT_WORKERS {awaited} != the {sum(rollout_replicas)} "
+                        "rollout replicas (trainer.await_workers: the workers it catches up after its last step)"
+                    )
     if backend == "gloo" and any_gpu:
         found.append("a gloo (CPU) overlay asks for GPUs")
     if backend == "nccl" and not any_gpu:
@@ -362,6 +373,11 @@ def test_invariants_catch_a_removed_probe_and_gpu_limit(rendered: dict[str, list
     trainer = containers(_find(docs, "StatefulSet", "trainer"))[0]
     trainer["resources"]["limits"][GPU] = trainer["resources"]["requests"][GPU] = "4"  # 8 ranks on 4 GPUs
     assert any("8 ranks per pod on 4 GPU(s)" in v for v in violations(docs))
+
+    docs = copy.deepcopy(rendered["multi-node"])
+    _find(docs, "StatefulSet", "rollout")["spec"]["replicas"] = 12  # scaled without the trainer's wait
+    found = violations(docs)
+    assert any("PARITY_TRAINER_AWAIT_WORKERS 8 != the 12 rollout replicas" in v for v in found), found
 
     docs = copy.deepcopy(rendered["single-node"])
     broadcast = containers(_find(docs, "Deployment", "broadcast"))[0]
