@@ -256,10 +256,13 @@ def test_environment_names_real_config_keys_and_restates_no_default(compose) -> 
 
 
 def rollout_services(compose: dict[str, Any], profiles: set[str]) -> list[str]:
+    """The rollout services `docker compose --profile P ...` starts: those without a profile, and
+    those with one of the enabled profiles."""
     return [
         name
         for name, service in compose["services"].items()
-        if service.get("command") == ["serve", "rollout"] and set(service.get("profiles", [])) <= profiles
+        if service.get("command") == ["serve", "rollout"]
+        and (not service.get("profiles") or set(service["profiles"]) & profiles)
     ]
 
 
