@@ -144,17 +144,20 @@ class VllmEngine(RolloutEngine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
         self.engine_core_wait = cpu_engine_wait.configure(self.config.engine_core_nap_us)  # before it starts
         try:
-            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self.engine_args())
+            # Held by self only, never a local: this frame can outlive the call (a traceback an
+            # import kept), and a local would keep the engine alive into interpreter teardown.
+            self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self.engine_args())
         except RuntimeError as exc:
             if killed_while_starting(exc):  # a death, like one while serving: worth another start
                 raise EngineDeadError(f"the engine core was killed while it started ({exc})") from exc
             raise
         if self._closed:  # the service stopped while this engine was starting (a restart)
-            llm.shutdown()
+            self.llm.shutdown()
+            self.llm = None
             raise EngineDeadError("the engine was shut down while it started")
-        self.llm = llm
         self.vocab_size = int(self.llm.model_config.get_vocab_size())
         self.top_p_impl = await self._rpc_one("parity_install_top_p", mode=self.config.cpu_top_p)
+        await self._rpc_one("parity_leave_group_stop_to_engine_core")  # clean group stops
         head = self.llm.model_config.hf_config
         log.info(
             "vLLM engine ready: vocab=%d, hf head_dtype override=%s, top-k/top-p masking=%s, "

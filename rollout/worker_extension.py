@@ -136,6 +136,30 @@ class ParityWorkerExtension:
 
         return cuda_device_uuid(self.device)
 
+    def parity_leave_group_stop_to_engine_core(self) -> bool:
+        """Let the engine core end this worker when a stop signals the whole process group.
+
+        A stop sends SIGTERM to the service's process group (`parity.procs.stop_groups`), so this
+        worker gets it at the moment its engine core does. vLLM's worker exits on it at once, and an
+        engine core in mid-step then takes the lost worker for a crash: "EngineCore encountered a
+        fatal error" and a dump of its scheduler, in the log of every clean stop. From this call on,
+        the first SIGTERM is let pass: the engine core, signalled too, finishes its step and closes
+        this worker's death pipe, vLLM's orderly end for a worker. A second SIGTERM (vLLM's own,
+        after its grace period) ends the worker as before, and a stop's SIGKILL ends any straggler.
+        Returns whether the handler was installed (only the main thread can)."""
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def first_sigterm(signum: int, frame: object) -> None:
+            signal.signal(signal.SIGTERM, previous)
+
+        signal.signal(signal.SIGTERM, first_sigterm)
+        return True
+
     def parity_install_top_p(self, mode: str) -> str:
         """Select the top-k/top-p masking in this worker ("bounded" or "sort"); returns what is in
         effect: "bounded", or "vllm" (vLLM's own; always on GPU)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +41,8 @@ METRIC_FIELDS = [
     "mismatch_max_abs_own_version", "mismatch_k3_mixed_context", "own_version_tokens", "mismatch_tokens",
 ]  # fmt: skip
 PLOTS = ["reward", "accuracy", "clip_rate", "kl_new_old", "entropy", "mismatch", "policy_drift", "ess", "lag"]
+# A log line no clean run may hold: a logged error (vLLM's and ours), a traceback, a failing __del__.
+ERROR_LINE = re.compile(r"\bERROR\b|Traceback \(most recent call last\)|^Exception ignored in")
 
 
 def _tiny_flags(out: Path, redis_url: str, steps: int, preflight: bool = False) -> list[str]:
@@ -313,6 +316,19 @@ def test_run_directory_holds_config_eval_plots_summary(tiny_run: dict) -> None:
     summary = (out / "summary.md").read_text()
     assert "held-out accuracy" in summary and "(reward.png)" in summary
     assert f"step {TINY_STEPS}/{TINY_STEPS}" in tiny_run["output"]  # progress lines were printed
+
+
+@pytest.mark.slow
+def test_a_clean_run_leaves_no_error_in_any_service_log(tiny_run: dict) -> None:
+    # The stop signals each service's whole process group: vLLM's worker used to exit before its
+    # engine core, which then logged "EngineCore encountered a fatal error" and a dump of its
+    # scheduler at the end of every run; and the engine's __del__ raised in interpreter teardown.
+    assert tiny_run["rc"] == 0, tiny_run["output"][-4000:]
+    logs = sorted((tiny_run["out"] / "logs").glob("*.log"))
+    assert {path.stem for path in logs} >= {"rollout0", "trainer", "broadcast"}, logs
+    for path in logs:
+        bad = [line for line in path.read_text(errors="replace").splitlines() if ERROR_LINE.search(line)]
+        assert bad == [], f"{path.name}:\n" + "\n".join(line[:300] for line in bad[:20])
 
 
 @pytest.mark.slow
