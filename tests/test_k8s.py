@@ -35,6 +35,8 @@ OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomiz
 SCHEMA_VERSION = "1.37.0"
 GPU = "nvidia.com/gpu"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
+# restartPolicy Always (the only one they allow): a container that exits 0 is started again.
+RESTARTS_AFTER_EXIT_0 = ("Deployment", "StatefulSet", "DaemonSet")
 SECRET_NAME = re.compile(r"(TOKEN|PASSWORD|SECRET|REDIS_URL|API_KEY|CREDENTIAL)", re.IGNORECASE)
 SECRET_TEXT = re.compile(r"(--auth_token|auth-token=|requirepass\s+[^\"$]|redis://:[^@$]+@|Bearer\s+\w)")
 # Custom resources the Kubernetes schema does not cover: the fields this repository relies on.
@@ -156,6 +158,12 @@ def violations(docs: list[dict]) -> list[str]:
                     found.append(
                         f"{where}: PARITY_TRAINER_AWAIT_WORKERS {awaited} != the {sum(rollout_replicas)} "
                         "rollout replicas (trainer.await_workers: the workers it catches up after its last step)"
+                    )
+                after = env_value(c, "PARITY_TRAINER_AFTER_LAST_STEP")
+                if obj["kind"] in RESTARTS_AFTER_EXIT_0 and after != "serve":
+                    found.append(
+                        f"{where}: PARITY_TRAINER_AFTER_LAST_STEP {after} in a {obj['kind']}, which restarts "
+                        "a pod that exits 0 (trainer.after_last_step serve keeps a finished trainer up)"
                     )
     if backend == "gloo" and any_gpu:
         found.append("a gloo (CPU) overlay asks for GPUs")
@@ -378,6 +386,12 @@ def test_invariants_catch_a_removed_probe_and_gpu_limit(rendered: dict[str, list
     _find(docs, "StatefulSet", "rollout")["spec"]["replicas"] = 12  # scaled without the trainer's wait
     found = violations(docs)
     assert any("PARITY_TRAINER_AWAIT_WORKERS 8 != the 12 rollout replicas" in v for v in found), found
+
+    docs = copy.deepcopy(rendered["multi-node"])
+    trainer = containers(_find(docs, "StatefulSet", "trainer"))[0]
+    trainer["env"] = [v for v in trainer["env"] if v["name"] != "PARITY_TRAINER_AFTER_LAST_STEP"]
+    found = violations(docs)
+    assert any("PARITY_TRAINER_AFTER_LAST_STEP None in a StatefulSet" in v for v in found), found
 
     docs = copy.deepcopy(rendered["single-node"])
     broadcast = containers(_find(docs, "Deployment", "broadcast"))[0]

@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from parity import health
 from parity.rollout_queue import RolloutQueue
 from parity.server import bearer
 from parity.v1 import trainer_pb2, trainer_pb2_grpc
@@ -169,3 +170,19 @@ def test_kill_9_then_restart_loses_nothing_and_trains_nothing_twice(
     versions = [r["weight_version"] for r in rows]
     assert versions == sorted(versions) and state["weight_version"] > versions[-1]
     assert queue.backlog() == 0
+    # 4) Started again on the finished run, as a Kubernetes StatefulSet restarts a pod that exited 0,
+    # with after_last_step serve: it trains and writes nothing, and serves (finished) until SIGTERM.
+    written = (run_dir / "checkpoints" / "step_00000012" / "state.json").stat().st_mtime_ns
+    svc = start_services("trainer", *args, "--after_last_step", "serve", name="life4")
+    with grpc.insecure_channel(svc.address) as chan:
+        stub = trainer_pb2_grpc.TrainerServiceStub(chan)
+        wait_for(lambda: status(stub).finished, what="finished")
+        time.sleep(1.0)
+        assert svc.alive() and health.check(svc.address) == (True, "SERVING"), svc.log_tail()
+        now = status(stub)
+        assert (now.step, now.finished, now.stopping) == (12, True, False)
+    svc.signal(signal.SIGTERM)
+    assert svc.proc.wait(30) == 0, svc.log_tail()
+    assert (run_dir / "checkpoints" / "step_00000012" / "state.json").stat().st_mtime_ns == written
+    assert "checkpoint step_" not in svc.log_path.read_text(), svc.log_tail()
+    assert (run_dir / "checkpoints" / "LATEST").read_text() == "step_00000012"

@@ -144,6 +144,8 @@ class Trainer:
         self.telemetry = Telemetry(self.run_dir)
         restored = self.store.load(self.model, self.optimizer, scheduler=self.scheduler)
         self.state = restored or TrainerState()
+        if restored is not None:  # on disk already: a trainer started on a finished run writes none
+            self._checkpointed = (self.state.step, self.state.weight_version)
         self.telemetry.resume(self.state.step)
         self.applied_ids = set(self.state.applied_rollout_ids)
         # rollout id -> stream entry id it was trained from (insertion order = training order).

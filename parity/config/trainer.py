@@ -20,6 +20,7 @@ Objective = Literal["grpo", "ppo", "gspo"]
 LossAgg = Literal["token", "sequence"]
 IsCorrection = Literal["none", "tis", "mis"]
 IsLevel = Literal["token", "sequence"]
+AfterLastStep = Literal["exit", "serve"]
 OldLogprobs = Literal["behaviour", "recompute"]
 
 
@@ -163,6 +164,14 @@ class TrainerConfig(ServiceConfig):
     )
     await_workers_timeout_s: float = Field(
         300.0, gt=0, description="How long await_workers waits; then the trainer exits anyway (logged)."
+    )
+    after_last_step: AfterLastStep = Field(
+        "exit",
+        description="exit: exit 0 once the last step is published and checkpointed (and await_workers "
+        "is met). serve: then keep serving (health SERVING, GetStatus with finished true, catch-ups of "
+        "the final version for rollout services that restart) until SIGTERM, for an orchestrator that "
+        "restarts a container that exits 0 (a Kubernetes StatefulSet). A trainer started on a finished "
+        "run trains and writes nothing either way.",
     )
     torch_threads: int = Field(0, ge=0, description="torch.set_num_threads; 0 leaves the default.")
     freeze: str = Field(

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17parity/v1/trainer.proto\x12\tparity.v1\" \n\x1eTrainerServiceGetStatusRequest\"\xe3\x02\n\x1fTrainerServiceGetStatusResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12Q\n\x0clast_metrics\x18\x03 \x03(\x0b\x32;.parity.v1.TrainerServiceGetStatusResponse.LastMetricsEntry\x12\x1e\n\x16rollouts_trained_total\x18\x04 \x01(\x03\x12\x1b\n\x13\x64ropped_stale_total\x18\x05 \x01(\x03\x12 \n\x18\x64uplicates_skipped_total\x18\x06 \x01(\x03\x12\x11\n\tobjective\x18\x07 \x01(\t\x12\x0f\n\x07run_dir\x18\x08 \x01(\t\x12\x10\n\x08stopping\x18\t \x01(\x08\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1a\n\x18RequestCheckpointRequest\")\n\x19RequestCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\r\n\x0bStopRequest\"\x1c\n\x0cStopResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x32\x8d\x02\n\x0eTrainerService\x12\x62\n\tGetStatus\x12).parity.v1.TrainerServiceGetStatusRequest\x1a*.parity.v1.TrainerServiceGetStatusResponse\x12^\n\x11RequestCheckpoint\x12#.parity.v1.RequestCheckpointRequest\x1a$.parity.v1.RequestCheckpointResponse\x12\x37\n\x04Stop\x12\x16.parity.v1.StopRequest\x1a\x17.parity.v1.StopResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17parity/v1/trainer.proto\x12\tparity.v1\" \n\x1eTrainerServiceGetStatusRequest\"\xf5\x02\n\x1fTrainerServiceGetStatusResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12Q\n\x0clast_metrics\x18\x03 \x03(\x0b\x32;.parity.v1.TrainerServiceGetStatusResponse.LastMetricsEntry\x12\x1e\n\x16rollouts_trained_total\x18\x04 \x01(\x03\x12\x1b\n\x13\x64ropped_stale_total\x18\x05 \x01(\x03\x12 \n\x18\x64uplicates_skipped_total\x18\x06 \x01(\x03\x12\x11\n\tobjective\x18\x07 \x01(\t\x12\x0f\n\x07run_dir\x18\x08 \x01(\t\x12\x10\n\x08stopping\x18\t \x01(\x08\x12\x10\n\x08\x66inished\x18\n \x01(\x08\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1a\n\x18RequestCheckpointRequest\")\n\x19RequestCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\"\r\n\x0bStopRequest\"\x1c\n\x0cStopResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x32\x8d\x02\n\x0eTrainerService\x12\x62\n\tGetStatus\x12).parity.v1.TrainerServiceGetStatusRequest\x1a*.parity.v1.TrainerServiceGetStatusResponse\x12^\n\x11RequestCheckpoint\x12#.parity.v1.RequestCheckpointRequest\x1a$.parity.v1.RequestCheckpointResponse\x12\x37\n\x04Stop\x12\x16.parity.v1.StopRequest\x1a\x17.parity.v1.StopResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,17 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINERSERVICEGETSTATUSREQUEST']._serialized_start=38
   _globals['_TRAINERSERVICEGETSTATUSREQUEST']._serialized_end=70
   _globals['_TRAINERSERVICEGETSTATUSRESPONSE']._serialized_start=73
-  _globals['_TRAINERSERVICEGETSTATUSRESPONSE']._serialized_end=428
-  _globals['_TRAINERSERVICEGETSTATUSRESPONSE_LASTMETRICSENTRY']._serialized_start=378
-  _globals['_TRAINERSERVICEGETSTATUSRESPONSE_LASTMETRICSENTRY']._serialized_end=428
-  _globals['_REQUESTCHECKPOINTREQUEST']._serialized_start=430
-  _globals['_REQUESTCHECKPOINTREQUEST']._serialized_end=456
-  _globals['_REQUESTCHECKPOINTRESPONSE']._serialized_start=458
-  _globals['_REQUESTCHECKPOINTRESPONSE']._serialized_end=499
-  _globals['_STOPREQUEST']._serialized_start=501
-  _globals['_STOPREQUEST']._serialized_end=514
-  _globals['_STOPRESPONSE']._serialized_start=516
-  _globals['_STOPRESPONSE']._serialized_end=544
-  _globals['_TRAINERSERVICE']._serialized_start=547
-  _globals['_TRAINERSERVICE']._serialized_end=816
+  _globals['_TRAINERSERVICEGETSTATUSRESPONSE']._serialized_end=446
+  _globals['_TRAINERSERVICEGETSTATUSRESPONSE_LASTMETRICSENTRY']._serialized_start=396
+  _globals['_TRAINERSERVICEGETSTATUSRESPONSE_LASTMETRICSENTRY']._serialized_end=446
+  _globals['_REQUESTCHECKPOINTREQUEST']._serialized_start=448
+  _globals['_REQUESTCHECKPOINTREQUEST']._serialized_end=474
+  _globals['_REQUESTCHECKPOINTRESPONSE']._serialized_start=476
+  _globals['_REQUESTCHECKPOINTRESPONSE']._serialized_end=517
+  _globals['_STOPREQUEST']._serialized_start=519
+  _globals['_STOPREQUEST']._serialized_end=532
+  _globals['_STOPRESPONSE']._serialized_start=534
+  _globals['_STOPRESPONSE']._serialized_end=562
+  _globals['_TRAINERSERVICE']._serialized_start=565
+  _globals['_TRAINERSERVICE']._serialized_end=834
 # @@protoc_insertion_point(module_scope)

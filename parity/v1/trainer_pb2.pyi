@@ -11,7 +11,7 @@ class TrainerServiceGetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainerServiceGetStatusResponse(_message.Message):
-    __slots__ = ("weight_version", "step", "last_metrics", "rollouts_trained_total", "dropped_stale_total", "duplicates_skipped_total", "objective", "run_dir", "stopping")
+    __slots__ = ("weight_version", "step", "last_metrics", "rollouts_trained_total", "dropped_stale_total", "duplicates_skipped_total", "objective", "run_dir", "stopping", "finished")
     class LastMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class TrainerServiceGetStatusResponse(_message.Message):
     OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
     RUN_DIR_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     step: int
     last_metrics: _containers.ScalarMap[str, float]
@@ -37,7 +38,8 @@ class TrainerServiceGetStatusResponse(_message.Message):
     objective: str
     run_dir: str
     stopping: bool
-    def __init__(self, weight_version: _Optional[int] = ..., step: _Optional[int] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., rollouts_trained_total: _Optional[int] = ..., dropped_stale_total: _Optional[int] = ..., duplicates_skipped_total: _Optional[int] = ..., objective: _Optional[str] = ..., run_dir: _Optional[str] = ..., stopping: _Optional[bool] = ...) -> None: ...
+    finished: bool
+    def __init__(self, weight_version: _Optional[int] = ..., step: _Optional[int] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., rollouts_trained_total: _Optional[int] = ..., dropped_stale_total: _Optional[int] = ..., duplicates_skipped_total: _Optional[int] = ..., objective: _Optional[str] = ..., run_dir: _Optional[str] = ..., stopping: _Optional[bool] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class RequestCheckpointRequest(_message.Message):
     __slots__ = ()

@@ -4,8 +4,10 @@ Lifecycle: load the run config (the `trainer` section plus the shared `model` an
 -> exit 2 naming the key) -> bind gRPC (NOT_SERVING) -> load
 model, restore checkpoint, rewind the stream (in a worker thread) -> SERVING -> train `steps` steps
 -> final publish + checkpoint -> NOT_SERVING -> exit 0, without interpreter teardown
-(parity.process_exit). SIGTERM/SIGINT and `Stop` finish the current
-step, publish, checkpoint and exit 0. A crash in the loop exits 1.
+(parity.process_exit). With `trainer.after_last_step serve` it stays SERVING after the last
+checkpoint (status, catch-ups) until SIGTERM, for orchestrators that restart a container that exits
+0. SIGTERM/SIGINT and `Stop` finish the current step, publish, checkpoint and exit 0. A crash in the
+loop exits 1.
 
 RPCs: services/trainer/service.py (RequestCheckpoint and Stop are token-protected). Health is NOT_SERVING while Redis is unreachable: the queue retries with capped backoff
 (parity.rollout_queue, "Redis outages") and training continues where it was once Redis is back.
@@ -84,6 +86,15 @@ async def serve(run_config: ParityConfig) -> int:
         log.info("done: step %d, version %d", trainer.state.step, trainer.state.weight_version)
         if trainer.finished and config.await_workers:
             await loop.run_in_executor(None, trainer.await_workers)
+        if trainer.finished and config.after_last_step == "serve":
+            log.info(
+                "finished at step %d, version %d; serving status and catch-ups until stopped "
+                "(trainer.after_last_step serve)",
+                trainer.state.step,
+                trainer.state.weight_version,
+            )
+            await server.set_serving(True)  # Redis no longer matters: the stream is done with
+            await loop.run_in_executor(None, trainer.stop_event.wait)
     except MismatchGateError as exc:
         log.error("training stopped by the running mismatch gate: %s", exc)
         rc = 3

@@ -39,6 +39,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             objective=self.config.objective,
             run_dir=self.config.run_dir,
             stopping=self.trainer.stop_event.is_set(),
+            finished=self.trainer.finished and self.trainer.state.step >= self.trainer.schedule.steps,
         )
 
     async def _check_running(self, context, allow_stopping: bool) -> None:
