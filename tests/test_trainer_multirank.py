@@ -9,6 +9,8 @@
   weights (its WSUM64 checksums), so rank 0 published the all-gathered full tensors.
 - SIGTERM to the service's process group (a supervisor's stop) stops every rank after rank 0
   finishes: STOP reaches rank 1, and both ranks wrote their checkpoint shards.
+- With `--after_last_step serve`, rank 0 stops rank 1 after the last step and stays SERVING past
+  the collective timeout (rank 1 left waiting would fail its collective and end the service).
 - A gated mismatch (rollouts whose logprobs are shifted by one token) is localised by rank 0 alone,
   on its whole frozen copy, with the same report as one rank's (logprobs_shifted first).
 - Killing rank 1 ends the service with a non-zero status and torchrun's report naming the rank,
@@ -233,6 +235,40 @@ def test_rank_0_localises_a_gated_mismatch_like_one_rank(
     assert named[0] == named[1] and named[0][0][0] == "logprobs_shifted", named
     log = svc.log_path.read_text()
     assert "Localisation: " in log and "Most likely: logprobs_shifted" in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_two_ranks_serving_after_the_last_step_outlive_the_collective_timeout(
+    redis_url: str, tmp_path: Path, start_services, groups: list
+) -> None:
+    # trainer.after_last_step serve (the Kubernetes overlays): rank 0 stays up after its last step.
+    # Rank 1 must be stopped first: left waiting for a command, it would fail its collective after
+    # dist_timeout_s, and torchrun would end the whole service.
+    import grpc
+
+    from parity import health
+    from parity.v1 import trainer_pb2, trainer_pb2_grpc
+
+    publish_to_both(redis_url, ("serve:two", "serve:unused"), groups[:2])
+    timeout_s = 20
+    svc = start_services(
+        "trainer", *service_args(redis_url, "serve:two", tmp_path / "two", "--steps", "1"),
+        "--after_last_step", "serve", "--dist_timeout_s", str(timeout_s), name="trainer2", timeout_s=120,
+    )  # fmt: skip
+    with grpc.insecure_channel(svc.address) as chan:
+        stub = trainer_pb2_grpc.TrainerServiceStub(chan)
+        deadline = time.monotonic() + 120
+        while not stub.GetStatus(trainer_pb2.TrainerServiceGetStatusRequest(), timeout=5).finished:
+            assert svc.alive() and time.monotonic() < deadline, svc.log_tail(40)
+            time.sleep(0.2)
+        time.sleep(timeout_s + 5)
+        assert svc.alive(), svc.log_tail(40)
+        assert health.check(svc.address) == (True, "SERVING"), svc.log_tail(40)
+        assert stub.GetStatus(trainer_pb2.TrainerServiceGetStatusRequest(), timeout=5).step == 1
+    log = svc.log_path.read_text()
+    assert "rank 1: stopped by rank 0 after 1 steps" in log, log[-3000:]
+    svc.signal(signal.SIGTERM)
+    svc.proc.wait(60)  # gone within a minute; torchrun's agent, signalled, exits 1 whatever its ranks did
 
 
 def rank_pids(agent_pid: int) -> dict[int, int]:

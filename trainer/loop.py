@@ -537,6 +537,11 @@ class Trainer:
             log.info("%d rollout worker(s) hold the final version %d (waited %.1fs)", held, version, took)
         return held
 
+    def serve_finished(self) -> None:
+        """`trainer.after_last_step serve`: after the last step, wait for a stop while the publisher's
+        catch-up thread goes on sending the final version to rollout workers that restart."""
+        self.stop_event.wait()
+
     def close(self) -> None:
         self.publisher.close()
         self.queue.close()

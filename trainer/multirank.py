@@ -126,6 +126,10 @@ class RankZeroTrainer(Trainer):
         self._stop_followers()
         return super().await_workers()
 
+    def serve_finished(self) -> None:
+        self._stop_followers()  # as in await_workers: the wait may outlast their collective timeout
+        super().serve_finished()
+
     def close(self) -> None:
         self._stop_followers()
         super().close()

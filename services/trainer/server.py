@@ -94,7 +94,7 @@ async def serve(run_config: ParityConfig) -> int:
                 trainer.state.weight_version,
             )
             await server.set_serving(True)  # Redis no longer matters: the stream is done with
-            await loop.run_in_executor(None, trainer.stop_event.wait)
+            await loop.run_in_executor(None, trainer.serve_finished)
     except MismatchGateError as exc:
         log.error("training stopped by the running mismatch gate: %s", exc)
         rc = 3
