@@ -15,7 +15,6 @@ hold no error, and no engine process may be left.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import threading
 import time
@@ -26,15 +25,10 @@ import psutil
 import pytest
 
 from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from tests.test_engine_recovery import vllm_processes
+from tests.test_launcher import ERROR_LINE
 
 pytestmark = pytest.mark.slow
-
-ERROR_LINE = re.compile(r"\bERROR\b|Traceback \(most recent call last\)|^Exception ignored in")
-
-
-def _engine_processes(service_pid: int) -> dict[str, psutil.Process]:
-    found = {p.name(): p for p in psutil.Process(service_pid).children(recursive=True)}
-    return {name: p for name, p in found.items() if name.startswith("VLLM::")}
 
 
 def test_a_group_sigterm_while_the_worker_is_mid_step_stops_the_service_cleanly(
@@ -42,7 +36,7 @@ def test_a_group_sigterm_while_the_worker_is_mid_step_stops_the_service_cleanly(
 ) -> None:
     svc = start_services("rollout", "--model", str(tiny_model), "--engine", "vllm", "--max_model_len", "512")
     stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(svc.address))
-    engines = _engine_processes(svc.proc.pid)
+    engines = {p.name(): p for p in vllm_processes(svc.proc.pid)}
     assert set(engines) == {"VLLM::EngineCore", "VLLM::Worker"}, engines
     worker = engines["VLLM::Worker"]
     answers: list[object] = []

@@ -249,7 +249,9 @@ def test_two_ranks_serving_after_the_last_step_outlive_the_collective_timeout(
     from parity import health
     from parity.v1 import trainer_pb2, trainer_pb2_grpc
 
-    publish_to_both(redis_url, ("serve:two", "serve:unused"), groups[:2])
+    queue = RolloutQueue(redis_url, stream="serve:two")
+    for group in groups[:2]:
+        queue.publish(group)
     timeout_s = 20
     svc = start_services(
         "trainer", *service_args(redis_url, "serve:two", tmp_path / "two", "--steps", "1"),
