@@ -190,6 +190,11 @@ class RolloutEngine(ABC):
     @abstractmethod
     async def shutdown(self) -> None: ...
 
+    def service_stopping(self) -> None:
+        """The service has begun to stop (SIGTERM): an engine process that exits from now on is
+        part of the stop, not a crash. Nothing to do for an engine in the service's process."""
+        return None
+
     async def device_uuid(self) -> str:
         """The UUID of the GPU the engine runs on; "" on CPU (the default)."""
         return ""

@@ -44,7 +44,7 @@ from typing import Any, Literal, TypeVar
 from parity.config.rollout import RolloutConfig
 from parity.versions import expand_spans, parse_version_label
 from parity.weights.receiver import forget_ready_groups, rendezvous_ready
-from rollout import cpu_engine_wait
+from rollout import cpu_engine_wait, vllm_stop_log
 from rollout.engine import (
     FINISH_REASONS,
     CompletionResult,
@@ -141,6 +141,7 @@ class VllmEngine(RolloutEngine):
         loop, so that health and every other RPC keep answering while it loads."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        vllm_stop_log.quiet_engine_stop()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
         self.engine_core_wait = cpu_engine_wait.configure(self.config.engine_core_nap_us)  # before it starts
         try:
@@ -156,6 +157,10 @@ class VllmEngine(RolloutEngine):
             self.llm = None
             raise EngineDeadError("the engine was shut down while it started")
         self.vocab_size = int(self.llm.model_config.get_vocab_size())
+        # AsyncLLM asks its engine core for the supported tasks at the first request and keeps the
+        # answer: asked here, no request ever waits on that call. An engine core that is stopping
+        # refuses it with a bare Exception, which failed a request that met a stop as INTERNAL.
+        await self._engine_call("get_supported_tasks", lambda llm: llm.get_supported_tasks())
         self.top_p_impl = await self._rpc_one("parity_install_top_p", mode=self.config.cpu_top_p)
         await self._rpc_one("parity_leave_group_stop_to_engine_core")  # clean group stops
         head = self.llm.model_config.hf_config
@@ -403,6 +408,9 @@ class VllmEngine(RolloutEngine):
                 old.shutdown()
         forget_ready_groups()  # the new worker holds no data group: it joins afresh
         await self._start_llm()
+
+    def service_stopping(self) -> None:
+        vllm_stop_log.service_stopping()
 
     async def shutdown(self) -> None:
         self._closed = True

@@ -113,6 +113,7 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
         if servicer.shutting_down:
             return
         servicer.shutting_down = True
+        engine.service_stopping()  # before a group stop's engine core can exit (rollout/vllm_stop_log.py)
         await servicer.refresh_serving()
         await server.set_serving(False)
         for task in background:
