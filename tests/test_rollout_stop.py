@@ -72,7 +72,7 @@ def test_a_group_sigterm_while_the_worker_is_mid_step_stops_the_service_cleanly(
         os.killpg(svc.proc.pid, signal.SIGTERM)
         time.sleep(0.5)  # the engine core and the service act on theirs; the worker's is pending
         worker.send_signal(signal.SIGCONT)
-        assert svc.proc.wait(30) == 0, svc.log_tail()
+        assert svc.proc.wait(120) == 0, svc.log_tail()  # 3-5 s; 18-27 s on a box loaded 2.5x
         took = time.monotonic() - stopped
         for client in clients:
             client.join(30)
