@@ -2,8 +2,8 @@
 
 A stop that signals the service's whole process group (`parity run`, `parity.procs.stop_groups`)
 reaches vLLM's engine core at the moment it reaches the service. The engine core aborts the
-requests it holds (they end with finish reason `abort`) and exits once idle. A request that was
-still on its way to the engine core (in its input queue, or sent after its last step) is never
+requests it holds and those that reach it while it stops (they end with finish reason `abort`), and
+exits once idle. A request that reaches it after its last pass over its input queue is never
 answered: the service's vLLM client sees the engine-core process gone and fails that request with
 EngineDeadError, which the service answers UNAVAILABLE. That is the stop working, but vLLM's client
 says it as a crash: "engine core exited unexpectedly" and "AsyncLLM output_handler failed" with a
