@@ -227,7 +227,7 @@ def test_resumed_trainer_dropping_the_whole_backlog_does_not_stall_the_actor(
     threads = [threading.Thread(target=actor, daemon=True), threading.Thread(target=trainer.run, daemon=True)]
     for thread in threads:
         thread.start()
-    threads[1].join(timeout=60)
+    threads[1].join(timeout=300)  # 2 steps: seconds on a normal box; over 60 s on one 2.5x slower
     stalled = threads[1].is_alive()
     if stalled:
         trainer.request_stop()
