@@ -14,8 +14,8 @@ both are made certain here by freezing the worker (SIGSTOP) before the requests 
   answered: UNAVAILABLE, with vLLM's ERROR turned into INFO by rollout/vllm_stop_log.py; that race
   is rare here, so tests/test_vllm_stop_log.py checks the log filter itself.)
 
-The service must exit 0 on its own (in 3-5 s on an idle box), every request must get an answer (OK, UNAVAILABLE or
-CANCELLED), the log must hold no error, and no engine process may be left.
+The service must exit 0 on its own (in 3-5 s on an idle box), every request must get an answer
+(OK, UNAVAILABLE or CANCELLED), the log must hold no error, and no engine process may be left.
 """
 
 from __future__ import annotations
