@@ -30,6 +30,7 @@ from parity.procs import ServiceProcess, start_redis, stop_groups
 from parity.rollout_queue import RolloutQueue, connection_gauge, redis_connected
 from parity.v1 import rollouts_pb2, trainer_pb2_grpc
 from tests.fakes.synthetic_rollouts import make_group
+from tests.service_exit import exit_code
 from tests.test_trainer_service import lineage, status, trainer_args, wait_for
 
 RECOVERY_S = 10.0
@@ -143,7 +144,7 @@ def test_trainer_waits_out_a_kill_9_and_trains_every_rollout_once(
             recovered_s = _wait_health(svc.address, serving=True, timeout_s=RECOVERY_S)
             for g in groups[4:]:
                 queue.publish(g)
-        assert svc.proc.wait(180) == 0, svc.log_tail()
+        assert exit_code(svc, 180) == 0, svc.log_tail()
         assert recovered_s < RECOVERY_S
         expected = sorted(s.rollout_id for g in groups for s in g.samples)
         assert sorted(lineage(run_dir)) == expected  # 0 lost, 0 trained twice

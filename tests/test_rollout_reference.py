@@ -22,6 +22,7 @@ from parity.sampling import SamplingTransform
 from parity.server import bearer
 from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, rollouts_pb2
 from tests.fakes.rollout_helpers import HfScorer, perturbed_state_dict, push_weights
+from tests.service_exit import exit_code
 
 TOKEN = "reference-test-token"
 EXACT_TOL = 2e-4
@@ -155,7 +156,7 @@ def test_requests_during_shutdown_are_unavailable_and_inflight_ones_finish(
     finished = future.result()
     assert len(finished.completions) == 4  # completed normally (EOS or length), not aborted
     assert all(c.finish_reason != common_pb2.FINISH_REASON_ABORT for c in finished.completions)
-    assert service.proc.wait(60) == 0
+    assert exit_code(service, 60) == 0, service.log_tail()
 
 
 # Ctrl-C as a terminal delivers it, whatever this pytest worker passes on: in the suite a child once

@@ -40,6 +40,7 @@ from parity.rollout_queue import RolloutQueue
 from tests.conftest import config_for
 from tests.fakes.synthetic_rollouts import make_group
 from tests.fakes.trainer_helpers import metrics
+from tests.service_exit import exit_code
 from trainer.policy import load_model
 
 TOKEN = "multirank-token"
@@ -228,7 +229,7 @@ def test_rank_0_localises_a_gated_mismatch_like_one_rank(
         "trainer", *service_args(redis_url, "loc:two", two_dir, "--steps", "1", "--check.on_mismatch", "warn"),
         name="trainer2", timeout_s=120,
     )  # fmt: skip
-    assert svc.proc.wait(120) == 0, svc.log_tail(40)
+    assert exit_code(svc, 120) == 0, svc.log_tail(40)
     train_one_rank(redis_url, "loc:one", one_dir, 1, **{"check.on_mismatch": "warn"})
     reports = [json.loads((d / "mismatch_report.json").read_text()) for d in (two_dir, one_dir)]
     named = [[(c["fault"], round(c["score"], 3)) for c in r["candidates"][:3]] for r in reports]

@@ -18,6 +18,7 @@ from parity.rollout_queue import RolloutQueue
 from parity.server import bearer
 from parity.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.fakes.synthetic_rollouts import make_group
+from tests.service_exit import exit_code
 from trainer.policy import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,7 +160,7 @@ def test_kill_9_then_restart_loses_nothing_and_trains_nothing_twice(
     # 3) Runs to the end and exits 0.
     # Everything it needs is already queued, so it may finish before a health check sees it serving.
     svc = start_services("trainer", *args, name="life3", wait=False)
-    assert svc.proc.wait(120) == 0, svc.log_tail()
+    assert exit_code(svc, 120) == 0, svc.log_tail()
     trained = lineage(run_dir)
     expected = sorted(s.rollout_id for g in groups for s in g.samples)
     assert sorted(trained) == expected  # every rollout exactly once in the final weights' lineage
