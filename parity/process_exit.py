@@ -14,14 +14,22 @@ So a service that returns from its work flushes what it would lose (pending trac
 handlers, stdout and stderr) and calls `os._exit` with its exit code. Nothing it holds needs the
 teardown: files are closed, connections are closed by the kernel, and child processes die with
 their parent (`parity.procs.die_with_parent`).
+
+A service whose stop can leave blocking calls running on its event loop's default executor (the
+rollout service: a weight update waiting for a transfer group that never forms, up to the
+rendezvous's timeout_s; an engine being built) runs its main coroutine with `serve_then_exit`.
+`asyncio.run` would wait for every such thread before returning, so a stopped service held on for
+minutes after it logged that it had stopped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
-from typing import NoReturn
+from collections.abc import Coroutine
+from typing import Any, NoReturn
 
 from parity import tracing
 
@@ -43,3 +51,18 @@ def exit_after_shutdown(rc: int) -> NoReturn:
         except (OSError, ValueError):  # closed or no descriptor behind it: nothing to flush
             pass
     os._exit(rc)
+
+
+def serve_then_exit(main: Coroutine[Any, Any, int]) -> NoReturn:
+    """Run a service's main coroutine on a new event loop and, once it returns an exit code (its
+    orderly stop done), end the process with `exit_after_shutdown`, without waiting for threads
+    still running on the loop's default executor (see the module docstring). An exception out of
+    the coroutine is logged with its traceback and ends the process with 1, the same way."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        rc = loop.run_until_complete(main)
+    except Exception:
+        log.exception("service failed")
+        rc = 1
+    exit_after_shutdown(rc)

@@ -99,3 +99,48 @@ def test_a_group_sigterm_while_the_worker_is_mid_step_stops_the_service_cleanly(
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def test_a_stop_does_not_wait_out_an_update_whose_group_never_forms(start_services, tiny_model: Path) -> None:
+    """SIGTERM while an UpdateWeights waits for a transfer group that never forms (its trainer
+    gone): the service stops in seconds, not after the rendezvous's timeout_s (300 s here)."""
+    from parity.ports import free_port
+    from parity.server import bearer
+    from parity.weights.rendezvous import serve_store
+    from tests.fakes.rollout_helpers import transfer_plan
+    from tests.test_broadcast_rollout import TOKEN, version_weights
+
+    svc = start_services(
+        "rollout", "--model", str(tiny_model), "--engine", "vllm", "--max_model_len", "512", "--auth_token", TOKEN
+    )  # fmt: skip
+    stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(svc.address))
+    engines = vllm_processes(svc.proc.pid)
+    plan, _sender, _ = transfer_plan(dict(version_weights(tiny_model, 1)), 1, timeout_s=300.0)
+    plan.rendezvous.port = free_port()
+    serve_store("127.0.0.1", plan.rendezvous.port)  # the store answers; rank 0 never comes
+    answers: list[object] = []
+
+    def update() -> None:
+        try:
+            answers.append(
+                stub.UpdateWeights(
+                    rollout_pb2.UpdateWeightsRequest(plan=plan), metadata=bearer(TOKEN), timeout=400
+                )
+            )
+        except grpc.RpcError as exc:
+            answers.append(exc)
+
+    client = threading.Thread(target=update)
+    client.start()
+    time.sleep(3.0)  # the service is in the rendezvous, waiting for rank 0
+    assert not answers, answers
+    stopped = time.monotonic()
+    os.killpg(svc.proc.pid, signal.SIGTERM)
+    assert exit_code(svc, 60) == 0, svc.log_tail()
+    took = time.monotonic() - stopped
+    client.join(30)
+    assert len(answers) == 1 and isinstance(answers[0], grpc.RpcError), answers
+    assert answers[0].code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), answers[0]
+    _, alive = psutil.wait_procs(engines, timeout=15)
+    assert alive == [], f"left behind: {alive}"
+    print(f"stopped in {took:.1f}s")

@@ -23,6 +23,7 @@ from parity import procs, tracing
 from parity.config import ParityConfig
 from parity.config.entry import entrypoint
 from parity.metrics import serve_metrics
+from parity.process_exit import serve_then_exit
 from parity.server import GrpcServer, install_shutdown_handlers
 from parity.v1 import rollout_pb2_grpc
 from parity.weights.membership_client import MembershipClient
@@ -225,7 +226,9 @@ def main(argv: Sequence[str]) -> int:
         except models.ModelError as exc:
             print(f"parity serve rollout: error: {exc}", file=sys.stderr)
             return 2
-        return asyncio.run(serve(config, model_dir))
+        # Ended without waiting for leftover executor threads: a rendezvous still waiting for its
+        # group would otherwise hold the stopped service for its timeout_s (parity.process_exit).
+        serve_then_exit(serve(config, model_dir))
 
     return entrypoint("parity serve rollout", "rollout", list(argv), body)
 
