@@ -21,6 +21,7 @@ The service must exit 0 on its own (in 3-5 s on an idle box), every request must
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -143,4 +144,5 @@ def test_a_stop_does_not_wait_out_an_update_whose_group_never_forms(start_servic
     assert answers[0].code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), answers[0]
     _, alive = psutil.wait_procs(engines, timeout=15)
     assert alive == [], f"left behind: {alive}"
+    assert re.search(r"rollout service stopped \(\d+\.\ds after the stop began\)", svc.log_path.read_text())
     print(f"stopped in {took:.1f}s")

@@ -106,6 +106,7 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     stopped = asyncio.Event()
     gave_up: list[str] = []  # a recovery loop gave up (its one-line error): the service exits 1
     stopping: list[asyncio.Future] = []  # the shutdown a give-up started, held: not collected mid-run
+    stop_began: list[float] = []  # when shutdown() began, for the last log line
     openai_server = None  # services/rollout/openai_api.py, when rollout.openai_port is not -1
 
     async def shutdown() -> None:
@@ -114,6 +115,7 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
         if servicer.shutting_down:
             return
         servicer.shutting_down = True
+        stop_began.append(time.monotonic())
         engine.service_stopping()  # before a group stop's engine core can exit (rollout/vllm_stop_log.py)
         await servicer.refresh_serving()
         await server.set_serving(False)
@@ -207,7 +209,10 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     if servicer._recovery is not None and not servicer._recovery.done():
         # a restart in progress: the engine it is building is shut down as soon as it is built
         await asyncio.wait({servicer._recovery}, timeout=config.shutdown_grace_s)
-    log.info("rollout service stopped")
+    log.info(
+        "rollout service stopped%s",
+        f" ({time.monotonic() - stop_began[0]:.1f}s after the stop began)" if stop_began else "",
+    )
     return 1 if gave_up else 0
 
 
