@@ -107,7 +107,7 @@ def test_a_stop_does_not_wait_out_an_update_whose_group_never_forms(start_servic
     gone): the service stops in seconds, not after the rendezvous's timeout_s (300 s here)."""
     from parity.ports import free_port
     from parity.server import bearer
-    from parity.weights.rendezvous import serve_store
+    from parity.weights.rendezvous import group_store, serve_store
     from tests.fakes.rollout_helpers import transfer_plan
     from tests.test_broadcast_rollout import TOKEN, version_weights
 
@@ -133,7 +133,12 @@ def test_a_stop_does_not_wait_out_an_update_whose_group_never_forms(start_servic
 
     client = threading.Thread(target=update)
     client.start()
-    time.sleep(3.0)  # the service is in the rendezvous, waiting for rank 0
+    arrived = group_store(plan.rendezvous)  # the service marks its rank, then waits for rank 0
+    deadline = time.monotonic() + 120
+    while not arrived.check(["joined/1"]):
+        assert time.monotonic() < deadline and not answers, f"never reached the rendezvous: {answers}"
+        time.sleep(0.1)
+    time.sleep(0.5)  # from the mark to its wait
     assert not answers, answers
     stopped = time.monotonic()
     os.killpg(svc.proc.pid, signal.SIGTERM)
