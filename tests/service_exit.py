@@ -1,4 +1,5 @@
-"""Waiting for a signalled service to exit, with the evidence when it does not.
+"""Waiting for a service to exit (signalled, or at the end of its work), with the evidence when it
+does not.
 
 A bare `proc.wait(N)` that runs out raises TimeoutExpired before the assertion's message (the
 service's log) is ever built, so a red CI run said only "timed out after 60 seconds". Here a
@@ -23,7 +24,7 @@ def exit_code(service: ServiceProcess, timeout_s: float, lines: int = 150) -> in
         return service.proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         service.proc.send_signal(signal.SIGUSR1)
-        time.sleep(3.0)  # faulthandler writes from its own thread: give it the moment it needs
+        time.sleep(3.0)  # faulthandler writes the stacks from the signal handler: time to land in the log
         raise AssertionError(
             f"{service.name} still running {time.monotonic() - started:.0f}s after the wait began "
             f"(limit {timeout_s:.0f}s); its stacks and log:\n{service.log_tail(lines)}"

@@ -16,6 +16,10 @@ both are made certain here by freezing the worker (SIGSTOP) before the requests 
 
 The service must exit 0 on its own (in 3-5 s on an idle box), every request must get an answer
 (OK, UNAVAILABLE or CANCELLED), the log must hold no error, and no engine process may be left.
+
+A stop while a weight update waits for a transfer group that never forms ends in seconds too: the
+service no longer waits for the thread that waits for the group (parity.process_exit.serve_then_exit;
+it waited out the rendezvous's timeout_s after logging that it had stopped).
 """
 
 from __future__ import annotations
