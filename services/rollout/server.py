@@ -209,10 +209,8 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
     if servicer._recovery is not None and not servicer._recovery.done():
         # a restart in progress: the engine it is building is shut down as soon as it is built
         await asyncio.wait({servicer._recovery}, timeout=config.shutdown_grace_s)
-    log.info(
-        "rollout service stopped%s",
-        f" ({time.monotonic() - stop_began[0]:.1f}s after the stop began)" if stop_began else "",
-    )
+    # only shutdown() sets `stopped`, so the stop's start is always recorded here
+    log.info("rollout service stopped (%.1fs after the stop began)", time.monotonic() - stop_began[0])
     return 1 if gave_up else 0
 
 
