@@ -26,6 +26,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from parity.stack_dumps import dump_stacks_on_sigusr1
+
 if __name__ == "__mp_main__":
     # A multiprocessing child of a parity command (vLLM's engine core and its workers, spawned by
     # `parity serve rollout`) imports this module as its main: it dies with its parent, so a
@@ -177,23 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models_cmd.add_argument("--force", action="store_true", help="rebuild or re-download even if present")
     return parser
-
-
-def dump_stacks_on_sigusr1() -> None:
-    """`kill -USR1 PID` writes every Python thread's stack to the process's stderr (its log) and
-    the process goes on: how to see where a service or a run that seems stuck is waiting. A fatal
-    signal (SIGSEGV, SIGABRT, SIGFPE, SIGBUS, SIGILL: a crash in native code) writes them too,
-    before the process dies, so its log says which Python call was running."""
-    import contextlib
-    import faulthandler
-    import signal
-
-    stderr = sys.__stderr__  # the process's own stderr (a caller may have replaced sys.stderr)
-    if hasattr(signal, "SIGUSR1") and stderr is not None:
-        # No file descriptor behind stderr (an embedding host): no stack dumps, nothing else lost.
-        with contextlib.suppress(OSError, ValueError):
-            faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
-            faulthandler.enable(file=stderr, all_threads=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,7 +3,7 @@ does not.
 
 A bare `proc.wait(N)` that runs out raises TimeoutExpired before the assertion's message (the
 service's log) is ever built, so a red CI run said only "timed out after 60 seconds". Here a
-service still running at the deadline gets SIGUSR1 first (`commands.main.dump_stacks_on_sigusr1`:
+service still running at the deadline gets SIGUSR1 first (`parity.stack_dumps`:
 every Python thread's stack goes to its log), and the failure carries the log's tail with them.
 """
 

@@ -8,7 +8,8 @@
   1e-6 where the gradient is well above AdamW's eps); the worker serves exactly the checkpointed
   weights (its WSUM64 checksums), so rank 0 published the all-gathered full tensors.
 - SIGTERM to the service's process group (a supervisor's stop) stops every rank after rank 0
-  finishes: STOP reaches rank 1, and both ranks wrote their checkpoint shards.
+  finishes: STOP reaches rank 1, both ranks wrote their checkpoint shards, and the service exits 0
+  (`trainer.agent`: plain torchrun exits 1 after any signal).
 - With `--after_last_step serve`, rank 0 stops rank 1 after the last step and stays SERVING past
   the collective timeout (rank 1 left waiting would fail its collective and end the service).
 - A gated mismatch (rollouts whose logprobs are shifted by one token) is localised by rank 0 alone,
@@ -137,9 +138,10 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
             assert svc.proc.poll() is None and time.monotonic() < deadline, svc.log_tail(40)
             time.sleep(0.1)
         os.killpg(svc.proc.pid, signal.SIGTERM)
-        svc.proc.wait(60)
+        assert exit_code(svc, 60) == 0, svc.log_tail(40)  # the agent ends as rank 0 did (trainer.agent)
         log = svc.log_path.read_text()
         assert "rank 1/2 ready" in log and "rank 1: stopped by rank 0 after 2 steps" in log, log[-3000:]
+        assert "stopped by SIGTERM: rank 0 exited 0" in log, log[-3000:]
         shards = sorted((two_dir / "checkpoints" / "step_00000002" / "dcp").glob("*.distcp"))
         assert len(shards) == 2, shards  # each rank wrote its own
 
@@ -271,7 +273,7 @@ def test_two_ranks_serving_after_the_last_step_outlive_the_collective_timeout(
     log = svc.log_path.read_text()
     assert "rank 1: stopped by rank 0 after 1 steps" in log, log[-3000:]
     svc.signal(signal.SIGTERM)
-    svc.proc.wait(60)  # gone within a minute; torchrun's agent, signalled, exits 1 whatever its ranks did
+    assert exit_code(svc, 60) == 0, svc.log_tail(40)  # rank 0's graceful stop, through trainer.agent
 
 
 def rank_pids(agent_pid: int) -> dict[int, int]:

@@ -1,8 +1,8 @@
 """`parity serve trainer` with `trainer.nproc` > 1: the service re-launches itself under torchrun.
 
     parity serve trainer --nproc 2 ...            (this process)
-      -> exec python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 0
-               -m commands.main serve trainer      (the elastic agent replaces this process)
+      -> exec python -m trainer.agent --standalone --nproc-per-node 2 --max-restarts 0
+               -m commands.main serve trainer      (torchrun's elastic agent replaces this process)
            -> rank 0: the service (gRPC, Redis, publisher); ranks 1..: followers (trainer/multirank.py)
 
 Invariants:
@@ -11,7 +11,8 @@ Invariants:
   secret is put on the command line. Secrets (auth tokens, a Redis password inside the URL) are
   left out of the file by the writer and travel in the ranks' environment only.
 - exec, not a child: the agent keeps this pid, so a supervisor's signals and process-group kill
-  reach it, it forwards SIGTERM/SIGINT to the ranks, and its exit status is the service's.
+  reach it, it forwards SIGTERM/SIGINT to the ranks, and its exit status is the service's: after a
+  signal stop, rank 0's (trainer/agent.py), so a graceful stop of every rank exits 0.
 - `--max-restarts 0`: a rank that dies ends the service (the agent stops the others and exits
   non-zero with a report naming the rank); restarting is the supervisor's decision, and a restart
   resumes from the last checkpoint.
@@ -56,7 +57,7 @@ def torchrun_command(nproc: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "trainer.agent",  # torchrun's agent, ending a signal stop with rank 0's exit status
         "--standalone",
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",

@@ -129,7 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return follow(config)
         # A trainer that served has finished its work (checkpoint, last publish, groups closed):
         # it ends without interpreter teardown, which can abort in native code (parity.process_exit).
-        exit_after_shutdown(asyncio.run(serve(config)))
+        rc = asyncio.run(serve(config))
+        if launch.under_torchrun():
+            from trainer.agent import record_rank0_exit
+
+            record_rank0_exit(rc)  # the agent's exit status after a signal stop
+        exit_after_shutdown(rc)
 
     return entrypoint("parity serve trainer", "trainer", list(sys.argv[1:] if argv is None else argv), body)
 

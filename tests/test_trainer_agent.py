@@ -1,0 +1,85 @@
+"""trainer.agent: torchrun's real agent, ending a signal stop with rank 0's recorded exit status.
+
+Plain torchrun exits 1 with a SignalException traceback after any SIGTERM, whatever its ranks did.
+These run the real agent (`python -m trainer.agent --standalone ...`) over one tiny rank
+(tests/agent_rank.py) and SIGTERM it, as a supervisor stops the trainer service; the two-rank
+trainer service's own stop is in tests/test_trainer_multirank.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.agent import EXIT_FILE_ENV, rank0_exit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_agent(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, Path]:
+    ready, log = tmp_path / "ready", tmp_path / "agent.log"
+    env = {k: v for k, v in os.environ.items() if k != EXIT_FILE_ENV}
+    command = [
+        sys.executable, "-m", "trainer.agent", "--standalone", "--nproc-per-node=1", "--max-restarts=0",
+        "--monitor-interval=0.5", "-m", "tests.agent_rank", mode, str(ready),
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    return proc, log
+
+
+def stop(proc: subprocess.Popen, log: Path) -> tuple[int, str]:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(log.read_text()[-3000:]) from None
+    return rc, log.read_text()
+
+
+@pytest.mark.parametrize("recorded", [0, 3])
+def test_a_signal_stop_exits_with_what_rank_0_recorded(tmp_path: Path, recorded: int) -> None:
+    proc, log = start_agent(tmp_path, str(recorded))
+    rc, text = stop(proc, log)
+    assert rc == recorded, text[-3000:]
+    assert f"stopped by SIGTERM: rank 0 exited {recorded}" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+
+
+def test_a_rank_0_that_recorded_nothing_fails_the_stop_saying_so(tmp_path: Path) -> None:
+    proc, log = start_agent(tmp_path, "unrecorded")
+    rc, text = stop(proc, log)
+    assert rc == 1, text[-3000:]
+    assert "rank 0 exited without an exit status" in text, text[-3000:]
+
+
+def test_sigusr1_dumps_the_agents_stacks_and_it_goes_on(tmp_path: Path) -> None:
+    proc, log = start_agent(tmp_path, "0")
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while "Current thread" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    assert proc.poll() is None
+    rc, text = stop(proc, log)
+    assert rc == 0, text[-3000:]
+
+
+def test_rank0_exit_reads_only_a_recorded_status(tmp_path: Path) -> None:
+    path = tmp_path / "rank0.exit"
+    assert rank0_exit(path) is None
+    path.write_text("garbage\n")
+    assert rank0_exit(path) is None
+    path.write_text("0\n")
+    assert rank0_exit(path) == 0

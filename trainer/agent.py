@@ -1,0 +1,81 @@
+"""torchrun's elastic agent for `parity serve trainer --nproc N`, ending a signal stop like one rank.
+
+    python -m trainer.agent --standalone --nproc-per-node=N ... -m commands.main serve trainer
+
+It runs torchrun's own agent (`torch.distributed.run.main`, same arguments) with two changes at
+the edges:
+- A stop by SIGTERM or SIGINT exits with rank 0's exit status (0 after its graceful stop: finish
+  the step, publish, checkpoint, stop the other ranks), as the one-rank service does. torchrun's
+  agent turns such a signal into `SignalException`: it forwards the signal to the ranks, waits for
+  them up to its shutdown timeout (then SIGKILL), and re-raises, so plain torchrun always ended
+  with a traceback and exit 1, whatever the ranks did. Rank 0 writes its exit status to the file
+  named by `PARITY_RANK0_EXIT_FILE` (`record_rank0_exit`) just before it exits; a rank 0 that never
+  wrote it (killed at the shutdown timeout, or crashed) makes the agent exit 1, saying so.
+- `kill -USR1 PID` dumps the agent's Python stacks to its log (as every Parity command does)
+  instead of killing it.
+
+Anything else (a rank that failed: torchrun's ChildFailedError with its report naming the rank;
+a bad argument) goes out exactly as torchrun's own command would end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from parity.config.entry import LOG_FORMAT
+from parity.stack_dumps import dump_stacks_on_sigusr1
+
+EXIT_FILE_ENV = "PARITY_RANK0_EXIT_FILE"
+
+log = logging.getLogger("parity.trainer.agent")
+
+
+def record_rank0_exit(rc: int) -> None:
+    """Rank 0, about to exit with `rc`: leave it where the agent reads it after a signal stop."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if path:
+        Path(path).write_text(f"{rc}\n")
+
+
+def rank0_exit(path: Path) -> int | None:
+    """What rank 0 recorded, or None when it exited without recording (killed, crashed)."""
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun_main
+
+    dump_stacks_on_sigusr1()
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="parity-agent-") as scratch:
+        exit_file = Path(scratch) / "rank0.exit"
+        os.environ[EXIT_FILE_ENV] = str(exit_file)  # the ranks inherit it
+        try:
+            torchrun_main(list(sys.argv[1:] if argv is None else argv))
+        except SignalException as exc:
+            name = signal.Signals(exc.sigval).name
+            rc = rank0_exit(exit_file)
+            if rc is None:
+                log.error(
+                    "stopped by %s: rank 0 exited without an exit status (killed at torchrun's "
+                    "shutdown timeout, or crashed): exit 1",
+                    name,
+                )
+                return 1
+            log.info("stopped by %s: rank 0 exited %d", name, rc)
+            return rc
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
