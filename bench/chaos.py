@@ -7,7 +7,9 @@ A seeded schedule picks, for each kill, a part (the trainer, the rollout service
 actor, vLLM's engine-core process with `--engine vllm`, the broadcast service, Redis, or the
 launcher itself) and a moment: a random time after the launch started (start-up, the first
 publish, mid-step), or a random delay after the next checkpoint; never later than checkpoint N-3 of
-N steps, so that the run cannot end before the kill. SIGKILL. A dead service stops the
+N steps, so that the run cannot end before the kill, and never more than (N-3) / kills checkpoints
+after the launch began, so that every kill is made however fast the box trains (on a fast box the
+seconds-after-launch moments alone let the run finish with a third of the kills unmade). SIGKILL. A dead service stops the
 launcher (exit 1, naming it); the bench then runs `parity run --resume RUN_DIR`, as a user would
 (or the first command again, for a launcher killed before it wrote RUN_DIR/config.toml).
 A dead engine core is restarted by its rollout service: the bench waits for the service to log a
@@ -151,13 +153,19 @@ def wait_gone(marker: str, timeout_s: float = 60.0) -> list[int]:
     return left
 
 
-def strike(kill: Kill, proc: subprocess.Popen, run_dir: Path, marker: str, steps: int) -> str:
+def strike(
+    kill: Kill, proc: subprocess.Popen, run_dir: Path, marker: str, steps: int, per_launch: int = 0
+) -> str:
     """Wait for the kill's moment, then SIGKILL its part. Returns what happened, in words.
 
     A moment that would come after checkpoint `steps - KILL_MARGIN_STEPS` comes at that checkpoint
     instead: a faster box, or a resume close to the end, would otherwise finish the run before the
-    kill and lose it (a kill during the last step can also come after the run needed the part)."""
+    kill and lose it (a kill during the last step can also come after the run needed the part).
+    With `per_launch` > 0, likewise a moment that would come more than `per_launch` checkpoints
+    after the one the launch started from: the steps are shared out between the kills."""
     start, last_kill_at = time.monotonic(), max(steps - KILL_MARGIN_STEPS, 0)
+    if per_launch > 0:
+        last_kill_at = min(last_kill_at, checkpoint_step(run_dir) + per_launch)
     if kill.after_checkpoint:
         target = min(checkpoint_step(run_dir) + 1, last_kill_at)
         while checkpoint_step(run_dir) < target and proc.poll() is None:
@@ -224,11 +232,12 @@ def soak(out: Path, kills: list[Kill], steps: int, mode: str, engine: str, seed:
     done: list[dict] = []
     launches = 0
     start = time.monotonic()
+    per_launch = max((steps - KILL_MARGIN_STEPS) // max(len(kills), 1), 1)
     for index, kill in enumerate(kills, start=1):
         marker = uuid.uuid4().hex
         proc = launch(args, marker, log_path)
         launches += 1
-        what = strike(kill, proc, out, marker, steps)
+        what = strike(kill, proc, out, marker, steps, per_launch)
         if kill.part == "engine_core" and proc.poll() is None and what.startswith("killed"):
             # The rollout service restarts its engine and the run goes on: wait for a checkpoint
             # after the death, then end this launch (the next kill starts from a fresh resume).

@@ -65,6 +65,29 @@ def test_a_kill_due_after_the_last_kill_checkpoint_comes_at_it(tmp_path: Path) -
         assert time.monotonic() - started < 10, kill
 
 
+def test_a_kill_comes_at_most_its_share_of_the_steps_after_its_launch_began(tmp_path: Path) -> None:
+    """A kill due 30 s after its launch, on a box that trains fast, comes once the run is
+    `per_launch` checkpoints past where the launch began, not 30 s later: `--kills 50` on a fast
+    box finished its 410 steps with 30 kills made."""
+    latest = tmp_path / "checkpoints" / "LATEST"
+    latest.parent.mkdir()
+    latest.write_text("step_00000005")
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a launcher
+    advance = subprocess.Popen(  # the run trains on: checkpoint 13 (5 + 8) a second later
+        [
+            sys.executable,
+            "-c",
+            f"import time; time.sleep(1); open({str(latest)!r}, 'w').write('step_00000013')",
+        ]
+    )
+    started = time.monotonic()
+    what = chaos.strike(chaos.Kill("launcher", False, 30.0), stand_in, tmp_path, "no-marker", 100, 8)
+    assert what == "killed the launcher at checkpoint 13"
+    assert stand_in.wait(10) == -signal.SIGKILL
+    assert time.monotonic() - started < 15
+    assert advance.wait(10) == 0
+
+
 def test_the_launch_after_a_kill_resumes_only_a_run_that_wrote_its_config(tmp_path: Path) -> None:
     first = chaos.next_launch(tmp_path, 5, "sync", "reference", 1)
     assert first == chaos.run_flags(tmp_path, 5, "sync", "reference", 1)
