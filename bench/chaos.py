@@ -10,8 +10,9 @@ publish, mid-step), or a random delay after the next checkpoint; never later tha
 N steps, so that the run cannot end before the kill, and never more than (N-3) / kills checkpoints
 after the launch began, so that every kill is made however fast the box trains (on a fast box, the
 moments in seconds alone let a 50-kill run finish with 20 kills unmade). SIGKILL. A dead service
-stops the launcher (exit 1, naming it); the bench then runs `parity run --resume RUN_DIR`, as a user would
-(or the first command again, for a launcher killed before it wrote RUN_DIR/config.toml).
+stops the launcher (exit 1, naming it); the bench then runs `parity run --resume RUN_DIR`, as a
+user would (or the first command again, for a launcher killed before it wrote
+RUN_DIR/config.toml).
 A dead engine core is restarted by its rollout service: the bench waits for the service to log a
 restarted engine and for the run to reach a checkpoint after that, then ends that launch (`went_on`;
 a kill during the service's first engine start is followed by a second start, counted apart).
