@@ -163,8 +163,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         [
             "--heartbeat_interval_s",
             "0.5",
+            # Long enough that a stand-in starved of CPU on a loaded box is not dropped: no test here
+            # needs a drop, and at 3 s a fresh-clone suite run saw both stand-ins dropped mid-module.
             "--heartbeat_timeout_s",
-            "3",
+            "30",
             "--transfer_timeout_s",
             "10",
             "--retry_failed_after_s",

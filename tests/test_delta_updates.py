@@ -96,7 +96,7 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
 def test_frozen_tensors_are_not_resent_and_every_worker_ends_on_the_whole_version(tmp_path: Path) -> None:
     broadcast = start_service(
         "broadcast",
-        ["--delta_updates", "true", "--heartbeat_interval_s", "0.5", "--heartbeat_timeout_s", "5",
+        ["--delta_updates", "true", "--heartbeat_interval_s", "0.5", "--heartbeat_timeout_s", "30",
          "--transfer_timeout_s", "20"],
         log_dir=tmp_path,
         env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
