@@ -22,10 +22,10 @@ def main() -> None:
     mode, ready = sys.argv[1], Path(sys.argv[2])
 
     def stop(signum: int, frame: object) -> None:
-        rc = 0 if mode == "unrecorded" else int(mode)
-        if mode != "unrecorded":
-            record_rank0_exit(rc)
-        os._exit(rc)
+        if mode == "unrecorded":
+            os._exit(0)
+        record_rank0_exit(int(mode))
+        os._exit(int(mode))
 
     signal.signal(signal.SIGTERM, stop)
     ready.write_text(str(os.getpid()))
