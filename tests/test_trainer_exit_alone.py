@@ -49,7 +49,7 @@ def test_restarted_trainer_catches_up_a_restarted_worker_and_exits_after_its_las
         "--auth_token",
         TOKEN,
         "--heartbeat_timeout_s",
-        "5",
+        "30",
         env={"PARITY_RUN_REDIS_URL": redis_url},
     )
     common = ("--model", "tiny", "--groups_per_step", "1", "--group_size", "2", "--max_tokens", "4",

@@ -50,7 +50,7 @@ def test_a_new_publisher_starts_a_new_epoch_with_the_same_workers() -> None:
 def cluster(tmp_path: Path) -> Iterator[str]:
     broadcast = start_service(
         "broadcast",
-        ["--heartbeat_interval_s", "0.5", "--heartbeat_timeout_s", "5", "--transfer_timeout_s", str(TIMEOUT_S),
+        ["--heartbeat_interval_s", "0.5", "--heartbeat_timeout_s", "30", "--transfer_timeout_s", str(TIMEOUT_S),
          "--rpc_margin_s", "5", "--bucket_bytes", str(BUCKET_BYTES)],
         log_dir=tmp_path,
         env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
@@ -135,7 +135,7 @@ def test_a_broadcast_service_restarted_alone_syncs_the_next_version_within_30_s(
     worker registers again on its own, and the trainer's next version reaches it."""
     import signal
 
-    args = ["--heartbeat_interval_s", "0.5", "--heartbeat_timeout_s", "5", "--transfer_timeout_s",
+    args = ["--heartbeat_interval_s", "0.5", "--heartbeat_timeout_s", "30", "--transfer_timeout_s",
             str(TIMEOUT_S), "--rpc_margin_s", "5", "--bucket_bytes", str(BUCKET_BYTES)]  # fmt: skip
     env = {"PARITY_BROADCAST_AUTH_TOKEN": TOKEN}
     broadcast = start_service("broadcast", args, log_dir=tmp_path, env=env).wait_ready(240)

@@ -40,7 +40,7 @@ class Cluster:
         self.log_dir = log_dir
         self.broadcast = start_service(
             "broadcast",
-            ["--heartbeat_interval_s", "0.5", "--heartbeat_timeout_s", "3", "--transfer_timeout_s",
+            ["--heartbeat_interval_s", "0.5", "--heartbeat_timeout_s", "30", "--transfer_timeout_s",
              str(TIMEOUT_S), "--retry_failed_after_s", "30", "--bucket_bytes", str(BUCKET_BYTES)],
             log_dir=log_dir,
             env={"PARITY_BROADCAST_AUTH_TOKEN": TOKEN},
