@@ -1,0 +1,138 @@
+"""scripts/gpu_check.sh, rehearsed on CPU: every command it runs on a GPU host accepts its arguments.
+
+A GPU host is lent rarely and for minutes, and the script's newer steps have never run there, so a
+renamed flag or config key would cost a whole lease. Here each command of the script is read from the
+script itself and checked without running it:
+- `parity run`: the config loads (`--print-config`), so every key exists and every value validates;
+- each bench (`bench/*.py`): its argument parser accepts the arguments (the bench stops right after);
+- `pytest -m gpu FILES`: every file exists and collects at least one gpu-marked test;
+- `scripts/step_mismatch.py`: prints one line per step of a metrics.jsonl with the keys a run writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+class _Parsed(Exception):  # a signal that parsing succeeded, not an error
+    def __init__(self, namespace: argparse.Namespace) -> None:
+        super().__init__("parsed")
+        self.namespace = namespace
+
+
+def script_commands(text: str, out: str) -> list[tuple[str, list[str]]]:
+    """(step name, argv) of every `step NAME LIMIT COMMAND...` line, with `$out` / `"$out"` replaced."""
+    joined = text.replace("\\\n", " ")
+    steps = []
+    for line in joined.splitlines():
+        if not line.startswith("step "):
+            continue
+        words = shlex.split(line.replace('"$out"', out).replace("$out", out))
+        steps.append((words[1], words[3:]))
+    return steps
+
+
+def test_the_script_has_the_steps_the_docs_name() -> None:
+    names = [name for name, _ in script_commands(SCRIPT.read_text(), "/tmp/out")]
+    assert names[:2] == ["pipeline_run", "trainer_step_1.5b"], names  # the new figures first
+    for expected in ("gpu_tests", "head_bf16", "trainer_step_1.5b_compile", "ipc_update"):
+        assert expected in names
+
+
+def _commands(kind: str, tmp_path: Path) -> list[tuple[str, list[str]]]:
+    found = []
+    for name, argv in script_commands(SCRIPT.read_text(), str(tmp_path)):
+        assert argv[0] == "python3", f"{name}: {argv}"
+        if kind == "run" and argv[1:4] == ["-m", "commands.main", "run"]:
+            found.append((name, argv[4:]))
+        elif kind == "bench" and argv[1].startswith("bench/"):
+            found.append((name, argv[1:]))
+        elif kind == "pytest" and argv[1:3] == ["-m", "pytest"]:
+            found.append((name, argv[3:]))
+    assert found, f"no {kind} command in {SCRIPT}"
+    return found
+
+
+def test_the_pipeline_runs_config_loads(tmp_path: Path) -> None:
+    for name, args in _commands("run", tmp_path):
+        done = subprocess.run(
+            [sys.executable, "-m", "commands.main", "run", *args, "--print-config"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, f"{name}: {done.stderr[-2000:]}"
+        config = done.stdout
+        for line in ('device = "cuda"  # --rollout.device', 'engine = "reference"  # --rollout.engine'):
+            assert line in config, f"{name}: {line!r} not in the printed config"
+
+
+def test_every_bench_accepts_its_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as `python3 bench/X.py` runs it
+    benches = _commands("bench", tmp_path)
+    assert len(benches) >= 8, benches
+    for name, (path, *args) in benches:
+        monkeypatch.setattr(sys, "argv", [path, *args])
+        with pytest.raises(_Parsed) as parsed:
+            runpy.run_path(str(ROOT / path), run_name="__main__")
+        if "--device" in args:
+            assert parsed.value.namespace.device == "cuda", name
+
+
+def test_every_gpu_test_file_collects_gpu_tests(tmp_path: Path) -> None:
+    ((name, args),) = _commands("pytest", tmp_path)
+    files = [arg for arg in args if arg.startswith("tests/")]
+    assert len(files) >= 4, args
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", *files],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    for path in files:  # gpu tests listed, or the whole module skipped for want of CUDA
+        listed = any(line.startswith(path + "::") for line in lines)
+        skipped = any(line.startswith(f"SKIPPED [1] {path}:") and "CUDA" in line for line in lines)
+        assert listed or skipped, f"{name}: no gpu test in {path}:\n{done.stdout[-3000:]}"
+
+
+def test_step_mismatch_prints_each_steps_k3(tmp_path: Path) -> None:
+    from scripts.step_mismatch import main
+    from trainer.telemetry import REQUIRED_METRICS
+
+    keys = ("step", "reward_mean", "mismatch_k3_own_version", "mismatch_max_abs")
+    assert set(keys) <= set(REQUIRED_METRICS)  # what every metrics.jsonl row holds
+    rows = [
+        {"step": 1, "reward_mean": 0.25, "mismatch_k3_own_version": 3.5e-06, "mismatch_max_abs": 0.01},
+        {"step": 2, "reward_mean": 0.5, "mismatch_k3_own_version": 4.5e-06, "mismatch_max_abs": 0.02},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    done = subprocess.run(
+        [sys.executable, "scripts/step_mismatch.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "step 1 reward 0.25 own-version k3 3.5e-06 max 0.01",
+        "step 2 reward 0.5 own-version k3 4.5e-06 max 0.02",
+    ]
+    assert main([str(tmp_path / "absent")]) == 0  # a run that wrote no metrics prints nothing
