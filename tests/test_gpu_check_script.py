@@ -1,4 +1,5 @@
-"""scripts/gpu_check.sh, rehearsed on CPU: every command it runs on a GPU host accepts its arguments.
+"""scripts/gpu_check.sh (and gpu_smollm2_run.sh), rehearsed on CPU: every command they run on a GPU host
+accepts its arguments.
 
 A GPU host is lent rarely and for minutes, and the script's newer steps have never run there, so a
 renamed flag or config key would cost a whole lease. Here each command of the script is read from the
@@ -136,3 +137,25 @@ def test_step_mismatch_prints_each_steps_k3(tmp_path: Path) -> None:
         "step 2 reward 0.5 own-version k3 4.5e-06 max 0.02",
     ]
     assert main([str(tmp_path / "absent")]) == 0  # a run that wrote no metrics prints nothing
+
+
+def test_the_smollm2_runs_config_loads(tmp_path: Path) -> None:
+    """scripts/gpu_smollm2_run.sh's `parity run`, with its defaults (cuda, 16 steps, bf16)."""
+    text = (ROOT / "scripts" / "gpu_smollm2_run.sh").read_text().replace("\\\n", " ")
+    (line,) = [line for line in text.splitlines() if "commands.main run" in line]
+    values = {'"$steps"': "16", '"$device"': "cuda", '"$run"': str(tmp_path / "run"),
+              '"${dtypes[@]}"': "--precision bf16 --rollout.dtype bfloat16"}  # fmt: skip
+    for variable, value in values.items():
+        line = line.replace(variable, value)
+    args = shlex.split(line.split("commands.main run", 1)[1].split("2>&1")[0])
+    assert not [arg for arg in args if "$" in arg], args
+    done = subprocess.run(
+        [sys.executable, "-m", "commands.main", "run", *args, "--print-config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'device = "cuda"  # --rollout.device' in done.stdout
+    assert 'dtype = "bfloat16"  # --rollout.dtype' in done.stdout
