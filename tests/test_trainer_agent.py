@@ -17,20 +17,24 @@ from pathlib import Path
 
 import pytest
 
-from trainer.agent import EXIT_FILE_ENV, rank0_exit
+from trainer.agent import EXIT_FILE_ENV, rank0_exit, remove_orphaned_scratch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_agent(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, Path]:
-    ready, log = tmp_path / "ready", tmp_path / "agent.log"
-    env = {k: v for k, v in os.environ.items() if k != EXIT_FILE_ENV}
+def start_agent(tmp_path: Path, mode: str, name: str = "agent") -> tuple[subprocess.Popen, Path]:
+    ready, log = tmp_path / f"{name}.ready", tmp_path / f"{name}.log"
+    scratch_parent = tmp_path / "tmp"  # TMPDIR: where the agent keeps its scratch directory
+    scratch_parent.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != EXIT_FILE_ENV} | {"TMPDIR": str(scratch_parent)}
     command = [
         sys.executable, "-m", "trainer.agent", "--standalone", "--nproc-per-node=1", "--max-restarts=0",
         "--monitor-interval=0.5", "-m", "tests.agent_rank", mode, str(ready),
     ]  # fmt: skip
     with log.open("wb") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.monotonic() + 120
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -83,3 +87,32 @@ def test_rank0_exit_reads_only_a_recorded_status(tmp_path: Path) -> None:
     assert rank0_exit(path) is None
     path.write_text("0\n")
     assert rank0_exit(path) == 0
+
+
+def test_an_agent_removes_the_scratch_left_by_a_sigkilled_one(tmp_path: Path) -> None:
+    killed, _ = start_agent(tmp_path, "0", name="killed")
+    (left,) = (tmp_path / "tmp").glob(f"parity-agent-{killed.pid}-*")
+    os.killpg(killed.pid, signal.SIGKILL)  # the agent and its rank: nothing can clean up
+    killed.wait(30)
+    assert left.is_dir()
+    proc, log = start_agent(tmp_path, "0", name="next")
+    try:
+        assert not left.exists(), log.read_text()[-3000:]
+        assert len(list((tmp_path / "tmp").glob(f"parity-agent-{proc.pid}-*"))) == 1
+    finally:
+        rc, text = stop(proc, log)
+    assert rc == 0, text[-3000:]
+    assert not list((tmp_path / "tmp").iterdir())  # and its own went with it
+
+
+def test_only_the_scratch_of_agents_no_longer_running_is_removed(tmp_path: Path) -> None:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead = tmp_path / f"parity-agent-{int(gone.stdout)}-abc"
+    live = tmp_path / f"parity-agent-{os.getpid()}-def"
+    other = tmp_path / "parity-agent-notapid-ghi"
+    for path in (dead, live, other):
+        path.mkdir()
+    assert remove_orphaned_scratch(tmp_path) == [dead]
+    assert live.is_dir() and other.is_dir() and not dead.exists()

@@ -11,6 +11,9 @@ the edges:
   with a traceback and exit 1, whatever the ranks did. Rank 0 writes its exit status to the file
   named by `PARITY_RANK0_EXIT_FILE` (`record_rank0_exit`) just before it exits; a rank 0 that never
   wrote it (killed at the shutdown timeout, or crashed) makes the agent exit 1, saying so.
+- The exit file, and torchrun's own temporary directories, live in a scratch directory named after
+  the agent's pid, removed when the agent exits; an agent killed by SIGKILL cannot remove its own,
+  so each agent removes those of agents no longer running when it starts.
 - `kill -USR1 PID` dumps the agent's Python stacks to its log (as every Parity command does)
   instead of killing it.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -32,6 +36,7 @@ from parity.config.entry import LOG_FORMAT
 from parity.stack_dumps import dump_stacks_on_sigusr1
 
 EXIT_FILE_ENV = "PARITY_RANK0_EXIT_FILE"
+SCRATCH_PREFIX = "parity-agent-"
 
 log = logging.getLogger("parity.trainer.agent")
 
@@ -51,15 +56,40 @@ def rank0_exit(path: Path) -> int | None:
         return None
 
 
+def remove_orphaned_scratch(parent: Path) -> list[Path]:
+    """Remove the scratch directories of agents that are no longer running (SIGKILLed); returns them."""
+    removed = []
+    for path in parent.glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = path.name.removeprefix(SCRATCH_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun_main
 
     dump_stacks_on_sigusr1()
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="parity-agent-") as scratch:
+    remove_orphaned_scratch(Path(tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
         exit_file = Path(scratch) / "rank0.exit"
         os.environ[EXIT_FILE_ENV] = str(exit_file)  # the ranks inherit it
+        # torchrun's own temporary directories (torchelastic_*: the ranks' error files) go inside
+        # ours, so that they go with it; left in the system's, every signal stop leaked one.
+        tempfile.tempdir = scratch
         try:
             torchrun_main(list(sys.argv[1:] if argv is None else argv))
         except SignalException as exc:
