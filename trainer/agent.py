@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         exit_file = Path(scratch) / "rank0.exit"
         os.environ[EXIT_FILE_ENV] = str(exit_file)  # the ranks inherit it
         # torchrun's own temporary directories (torchelastic_*: the ranks' error files) go inside
-        # ours, so that they go with it; left in the system's, every signal stop leaked one.
+        # ours, so that they go with it: torchrun never removes them, so every start left one.
         tempfile.tempdir = scratch
         try:
             torchrun_main(list(sys.argv[1:] if argv is None else argv))
