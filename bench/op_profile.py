@@ -8,6 +8,10 @@ On CUDA ops are ranked by their own device time (kernels), elsewhere by their ow
 trainer's stages (`train_step.<stage>` ranges, trainer/loop.py) are listed apart with their total
 time, so one profiled step says both which stage and which kernels cost the most. Profiling slows
 the step; its figures are for finding where the time goes, never for tokens/s.
+
+`flops` is what the step executed, as torch.profiler counts it from the ops' shapes (`with_flops`):
+matrix products (aten::mm, addmm, bmm) and element-wise add/mul, not attention kernels. It does not
+depend on the machine, so a CPU run already says whether one side does more arithmetic than the other.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def profile_step(step: Callable[[], None], device: torch.device) -> tuple[float,
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     synchronize(device)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_flops=True) as prof:
         start = time.perf_counter()
         step()
         synchronize(device)
@@ -52,9 +56,12 @@ def summarize(averages: Any, wall_s: float, on_device: bool) -> dict[str, Any]:
         key=lambda e: getattr(e, own),
         reverse=True,
     )[:TOP_OPS]
+    counted = {e.key: float(e.flops) for e in averages if getattr(e, "flops", 0)}
     return {
         "clock": "device" if on_device else "cpu",
         "wall_ms": round(wall_s * 1e3, 3),
+        "flops": sum(counted.values()) if counted else None,
+        "flops_by_op": dict(sorted(counted.items(), key=lambda item: -item[1])),
         "stages_ms": {
             e.key.removeprefix(STAGE_PREFIX): {
                 "cpu": round(e.cpu_time_total / 1e3, 3),

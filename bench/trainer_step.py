@@ -34,8 +34,8 @@ minus plain's is about the compile time.
 
 `--profile DIR` adds one step of each side under torch.profiler after the first size's rounds
 (bench/op_profile.py): DIR/ours_ops.txt and DIR/plain_ops.txt hold the top ops (by kernel time on
-CUDA), and the JSON's `profile` has the same with ours' time per trainer stage. Not counted in
-tokens/s.
+CUDA), and the JSON's `profile` has the same with ours' time per trainer stage and each side's
+executed FLOPs; `flops_ratio` is ours ÷ plain. Not counted in tokens/s.
 """
 
 from __future__ import annotations
@@ -251,6 +251,8 @@ def profile_sides(
         )
         wall_s, averages = profile_step(run_plain, device)
         profiles["plain"] = write_profile(averages, wall_s, device, out_dir, "plain")
+    if (ratio := flops_ratio(profiles)) is not None:
+        print(f"profile: ours executed {ratio:.3f}x plain's FLOPs (matmuls, add/mul; not attention)")
     for name, profile in profiles.items():
         stages = ", ".join(f"{k} {v['cpu']:.1f}" for k, v in profile["stages_ms"].items())
         top = ", ".join(f"{op['name']} {op['self_ms']:.1f}" for op in profile["top_ops"][:5])
@@ -258,6 +260,12 @@ def profile_sides(
             f"profile {name} ({profile['clock']} ms): wall {profile['wall_ms']:.1f}; {stages or 'no stages'}; top: {top}"
         )
     return profiles
+
+
+def flops_ratio(profiles: dict[str, Any]) -> float | None:
+    """Ours ÷ plain FLOPs executed in the profiled step; None unless both sides were counted."""
+    ours, plain = (profiles.get(name, {}).get("flops") for name in ("ours", "plain"))
+    return round(ours / plain, 4) if ours and plain else None
 
 
 def model_flops_utilization(
@@ -581,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
             "lag0_mismatch_max_abs": metrics.get("mismatch_max_abs"),
             "per_micro_batch": per_size,
             **({"profile": profiles} if args.profile is not None else {}),
+            **({"flops_ratio": flops_ratio(profiles)} if args.profile is not None else {}),
         }
         for entry in per_size:
             ours, plain = (

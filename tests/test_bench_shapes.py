@@ -294,3 +294,11 @@ def test_trainer_bench_runs_a_named_shape_at_two_micro_batch_sizes(tmp_path: Pat
         assert profile[side]["clock"] == "cpu" and profile[side]["wall_ms"] > 0
         assert any(op["name"] == "aten::mm" and op["self_ms"] > 0 for op in profile[side]["top_ops"])
         assert "aten::mm" in (tmp_path / "profile" / f"{side}_ops.txt").read_text()
+        assert profile[side]["flops"] == sum(profile[side]["flops_by_op"].values())
+        assert profile[side]["flops_by_op"]["aten::mm"] > 0
+    # The same decoder work on both sides, but ours scores the head at the 8 completion positions
+    # only and plain at all 16: ours executes fewer FLOPs.
+    assert summary["flops_ratio"] == pytest.approx(
+        profile["ours"]["flops"] / profile["plain"]["flops"], rel=1e-3
+    )
+    assert 0.5 < summary["flops_ratio"] < 0.95
