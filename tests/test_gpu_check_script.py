@@ -65,15 +65,20 @@ def _commands(kind: str, tmp_path: Path) -> list[tuple[str, list[str]]]:
     return found
 
 
+def print_config(args: list[str]) -> subprocess.CompletedProcess:
+    """`parity run ARGS --print-config`: loads and validates the config, runs nothing."""
+    return subprocess.run(
+        [sys.executable, "-m", "commands.main", "run", *args, "--print-config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_the_pipeline_runs_config_loads(tmp_path: Path) -> None:
     for name, args in _commands("run", tmp_path):
-        done = subprocess.run(
-            [sys.executable, "-m", "commands.main", "run", *args, "--print-config"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        done = print_config(args)
         assert done.returncode == 0, f"{name}: {done.stderr[-2000:]}"
         config = done.stdout
         for line in ('device = "cuda"  # --rollout.device', 'engine = "reference"  # --rollout.engine'):
@@ -149,13 +154,7 @@ def test_the_smollm2_runs_config_loads(tmp_path: Path) -> None:
         line = line.replace(variable, value)
     args = shlex.split(line.split("commands.main run", 1)[1].split("2>&1")[0])
     assert not [arg for arg in args if "$" in arg], args
-    done = subprocess.run(
-        [sys.executable, "-m", "commands.main", "run", *args, "--print-config"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = print_config(args)
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'device = "cuda"  # --rollout.device' in done.stdout
     assert 'dtype = "bfloat16"  # --rollout.dtype' in done.stdout
