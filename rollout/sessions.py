@@ -44,6 +44,7 @@ from parity.v1 import common_pb2, rollouts_pb2
 from rollout import metrics
 from rollout.engine import FINISH_REASONS, CompletionResult
 from rollout.episodes import Episode, TurnRecord, TurnTemplate, retokenization_drift
+from rollout.tool_calls import ToolCall, ToolParserName, arguments_object, parse_tool_calls
 
 RefusalKind = Literal["invalid", "conflict", "not_found", "busy", "limit"]
 SessionKind = Literal["chat", "completion"]
@@ -118,13 +119,13 @@ def normalize_messages(messages: object, param: str = "messages") -> list[dict]:
             content = "".join(parts)
         elif not isinstance(content, str):
             raise SessionRefused("invalid", f"{where}.content", "must be a string or an array of text parts")
-        if message.get("tool_calls"):
-            raise SessionRefused(
-                "invalid",
-                f"{where}.tool_calls",
-                "structured tool calls are not supported: send the model's reply back as its text content",
-            )
         normal = {"role": role, "content": content}
+        if message.get("tool_calls"):
+            if role != "assistant":
+                raise SessionRefused(
+                    "invalid", f"{where}.tool_calls", "only assistant messages carry tool calls"
+                )
+            normal["tool_calls"] = _normalize_tool_calls(message["tool_calls"], f"{where}.tool_calls")
         if role == "tool" and isinstance(message.get("tool_call_id"), str):
             normal["tool_call_id"] = message["tool_call_id"]
         if isinstance(message.get("name"), str):
@@ -133,11 +134,49 @@ def normalize_messages(messages: object, param: str = "messages") -> list[dict]:
     return out
 
 
+def _normalize_tool_calls(calls: object, where: str) -> list[dict]:
+    """OpenAI `tool_calls` -> [{"type": "function", "function": {"name", "arguments": {...}}}], the
+    form chat templates render (arguments as an object, not a JSON string)."""
+    if not isinstance(calls, list):
+        raise SessionRefused("invalid", where, "must be an array of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise SessionRefused(
+                "invalid", f"{where}[{j}]", "must be {type: function, function: {name, arguments}}"
+            )
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise SessionRefused("invalid", f"{where}[{j}].function.name", "must be a non-empty string")
+        arguments = arguments_object(function.get("arguments", {}))
+        if arguments is None:
+            raise SessionRefused(
+                "invalid",
+                f"{where}[{j}].function.arguments",
+                "must be a JSON object (or a string holding one)",
+            )
+        out.append({"type": "function", "function": {"name": name, "arguments": arguments}})
+    return out
+
+
+def _calls(message: dict) -> list[ToolCall]:
+    return [
+        ToolCall(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])
+    ]
+
+
 def _same_message(recorded: dict, given: dict) -> bool:
     if recorded["role"] != given["role"]:
         return False
-    if recorded["role"] == "assistant":  # harnesses often strip the reply they were given
-        return recorded["content"].strip() == given["content"].strip()
+    if "sampled_calls" in recorded:  # the model's own reply, as `commit` recorded it
+        if given.get("tool_calls"):  # sent back as the structured calls the endpoint parsed out of it
+            return recorded["sampled_calls"] == _calls(given) and (
+                recorded["sampled_content"].strip() == given["content"].strip()
+            )
+        return recorded["content"].strip() == given["content"].strip()  # harnesses often strip it
+    if recorded["role"] == "assistant":
+        return recorded["content"].strip() == given["content"].strip() and _calls(recorded) == _calls(given)
     return recorded["content"] == given["content"]
 
 
@@ -202,6 +241,11 @@ class MessageTemplate:
     def continuation_ids(self, new_messages: list[dict], model_turn_ids: Sequence[int]) -> list[int]:
         text = self.continuation_text(new_messages, model_turn_ids)
         return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+
+def reply_tool_calls(text: str, tools: list | None, parser: ToolParserName) -> tuple[str, list[ToolCall]]:
+    """The reply's text outside its tool calls and the calls, when the call offered tools; else (text, [])."""
+    return parse_tool_calls(text, parser) if tools else (text, [])
 
 
 @dataclass
@@ -360,8 +404,16 @@ class SessionBook:
         return TurnPlan([*session.all_ids(), *env_ids], env_ids, new_text=suffix)
 
     @staticmethod
-    def commit(session: Session, plan: TurnPlan, result: CompletionResult, max_tokens: int) -> None:
-        """Record a successful call: the new messages' tokens (mask 0), then the model's turn."""
+    def commit(
+        session: Session,
+        plan: TurnPlan,
+        result: CompletionResult,
+        max_tokens: int,
+        tool_parser: ToolParserName = "none",
+    ) -> None:
+        """Record a successful call: the new messages' tokens (mask 0), then the model's turn. A chat
+        session with tools also records the calls `tool_parser` reads in the reply, so that the
+        harness may send the reply back as those structured calls."""
         episode = session.episode
         if plan.first:
             episode.prompt_token_ids = list(plan.prompt_ids)
@@ -386,7 +438,14 @@ class SessionBook:
         episode.turns.append(TurnRecord("model", start, len(episode.token_ids), None, result.finish_reason))
         episode.actions.append(result.text)
         if session.kind == "chat":
-            session.messages += [*plan.new_messages, {"role": "assistant", "content": result.text}]
+            content, calls = reply_tool_calls(result.text, session.tools, tool_parser)
+            reply = {
+                "role": "assistant",
+                "content": result.text,
+                "sampled_content": content,
+                "sampled_calls": calls,
+            }
+            session.messages += [*plan.new_messages, reply]
         else:
             session.text += plan.new_text + result.text
         session.max_tokens = max(session.max_tokens, max_tokens)

@@ -22,6 +22,7 @@ EngineName = Literal["vllm", "reference"]
 DtypeName = Literal["float32", "bfloat16"]
 LogprobsModeName = Literal["processed", "raw"]
 HeadDtypeName = Literal["float32", "model"]
+ToolParserName = Literal["none", "hermes"]  # rollout/tool_calls.py
 GenerationConfigName = Literal["vllm", "auto"]
 UpdateModeName = Literal["keep", "recompute"]
 CpuTopPName = Literal["bounded", "sort"]
@@ -200,6 +201,12 @@ class RolloutConfig(ServiceConfig):
         3600.0,
         gt=0,
         description="OpenAI endpoint: an unfinished session idle this long is dropped (counted).",
+    )
+    openai_tool_parser: ToolParserName = Field(
+        "hermes",
+        description="OpenAI endpoint: how tool calls are read from a reply when the call offers tools "
+        "(hermes: <tool_call>{name, arguments}</tool_call>, as Qwen2.5/Qwen3/Hermes/SmolLM3 templates "
+        "write them; none: the reply stays text). The sampled tokens are kept either way.",
     )
     openai_group_timeout_s: float = Field(
         600.0,

@@ -32,6 +32,10 @@ Invariants:
 - The same engine, admission (`max_inflight_requests`, `max_inflight_tokens`), availability
   (503 while not serving) and validation (`rollout.validation.generation_spec`) as Generate.
 - `stream: true` is refused (400): responses carry the per-token fields whole.
+- Tool calls: when a chat call offers `tools`, calls in the reply (`rollout.openai_tool_parser`,
+  rollout/tool_calls.py) come back as the message's `tool_calls` (finish_reason `tool_calls`), and
+  the harness may send that message back as it came; the episode keeps the sampled tokens as they
+  are, markup included.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from parity.v1 import common_pb2, rollout_pb2
 from rollout import sessions as session_book
 from rollout.engine import CompletionResult
 from rollout.sessions import GroupBook, MessageTemplate, SamplingKey, SessionBook, SessionRefused
+from rollout.tool_calls import ToolParserName, openai_tool_calls
 from rollout.validation import MAX_TOP_LOGPROBS, generation_spec
 
 log = logging.getLogger("parity.rollout.openai")
@@ -143,6 +148,23 @@ def _number(body: dict, name: str, kind: type, default, low=None, high=None):
     if (low is not None and value < low) or (high is not None and value > high):
         raise ApiError(400, f"{name}: must be in [{low}, {high}] (got {value})", name)
     return kind(value)
+
+
+def chat_message(
+    text: str, finish_reason: str, tools: list | None, parser: ToolParserName, call_ids: str
+) -> tuple[dict, str]:
+    """A chat choice's (message, finish_reason): the reply as text, or, when the call offered tools
+    and the reply holds calls, the calls as `tool_calls` (ids `call_<call_ids>_<i>`) beside the text
+    outside them, finishing `tool_calls`. The reply's tokens are the same either way."""
+    content, calls = session_book.reply_tool_calls(text, tools, parser)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    message = {
+        "role": "assistant",
+        "content": content or None,
+        "tool_calls": openai_tool_calls(calls, call_ids),
+    }
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def _named_rows(tokenizer, rows: list[list[tuple[int, float]]]) -> list[list[tuple[str, float]]]:
@@ -299,7 +321,8 @@ class OpenAIServer:
         if body.get("tool_choice") not in (None, "auto", "none"):
             raise ApiError(
                 400,
-                "tool_choice: only auto or none (tool calls are not parsed from the reply)",
+                "tool_choice: only auto or none (the model decides; calls are read from its reply, never "
+                "forced by constraining what it samples)",
                 "tool_choice",
             )
         # the K most likely tokens per position, under the distribution sampled from (processed
@@ -375,6 +398,7 @@ class OpenAIServer:
             tools = body.get("tools") or None
             if tools is not None and not isinstance(tools, list):
                 raise ApiError(400, "tools: must be an array", "tools")
+            parser = "none" if body.get("tool_choice") == "none" else self.config.openai_tool_parser
             template = self._template_for(tokenizer)
         else:
             prompt = body.get("prompt")
@@ -395,7 +419,9 @@ class OpenAIServer:
             else:
                 ids = list(prompt)
             spec, results = await self._generate(ids, sampling, prompt_param)
-            return self._response(kind, spec, results, tokenizer, "")
+            return self._response(
+                kind, spec, results, tokenizer, "", tools if kind == "chat" else None, parser
+            )
         if sampling.n > 1:
             raise ApiError(400, "n: a session follows one conversation; n must be 1 within a session", "n")
         key = SamplingKey(sampling.temperature, sampling.top_p or 1.0, sampling.top_k)
@@ -412,13 +438,20 @@ class OpenAIServer:
                     self._thread, SessionBook.plan_completion, session, prompt, tokenizer
                 )
             spec, results = await self._generate(plan.prompt_ids, sampling, prompt_param)
-            SessionBook.commit(session, plan, results[0], spec.max_tokens)
+            SessionBook.commit(session, plan, results[0], spec.max_tokens, parser)
         finally:
             self.sessions.release(session)
-        return self._response(kind, spec, results, tokenizer, session_id)
+        return self._response(kind, spec, results, tokenizer, session_id, session.tools, parser)
 
     def _response(
-        self, kind: str, spec, results: list[CompletionResult], tokenizer, session_id: str
+        self,
+        kind: str,
+        spec,
+        results: list[CompletionResult],
+        tokenizer,
+        session_id: str,
+        tools: list | None = None,
+        parser: ToolParserName = "none",
     ) -> web.Response:
         choices = []
         for r in results:
@@ -434,7 +467,9 @@ class OpenAIServer:
             # per position, (token, logprob) of the most likely tokens, when the request asked
             tops = _named_rows(tokenizer, r.top_logprobs) or [[] for _ in tokens]
             if kind == "chat":
-                choice["message"] = {"role": "assistant", "content": r.text}
+                choice["message"], choice["finish_reason"] = chat_message(
+                    r.text, r.finish_reason, tools, parser, f"{spec.request_id}_{r.index}"
+                )
                 choice["logprobs"] = {
                     "content": [
                         {
