@@ -4,7 +4,9 @@
     call 1 (session s, messages M0):  ids = chat_template(M0, add_generation_prompt)     # rendered once
         turn = engine(ids)            episode += turn.token_ids (mask 1, logprobs, versions)
                                       recorded = M0 + [assistant: turn.text]
-    call 2 (session s, messages M1):  M1 must start with `recorded` (else EditedHistory: 409)
+                                      (with the tool calls read in turn.text when M0's call had tools)
+    call 2 (session s, messages M1):  M1 must start with `recorded` (else EditedHistory: 409); the
+                                      model's reply may come back as its text or as those tool calls
         new = M1[len(recorded):]      # user / tool / system messages, at least one
         env = template delimiters after the model's last token + new + the assistant cue  # tokenized once
         episode += env (mask 0);      turn = engine(prompt + episode.token_ids) ...

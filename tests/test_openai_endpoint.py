@@ -334,6 +334,23 @@ def test_edited_history_and_bad_requests_get_openai_errors_and_the_service_stays
         ({"messages": first, "logprobs": "yes"}, "logprobs"),
         ({"messages": [{"role": "user", "content": "x " * 60}], "max_tokens": 200}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x " * 300}]}, "messages"),
+        ({"messages": first, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "4", "tool_calls": [{}]}]}, "messages[0].tool_calls"),
+        (
+            {
+                "messages": [
+                    *first,
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {"type": "function", "function": {"name": "add", "arguments": "{2, 3}"}}
+                        ],
+                    },
+                ]
+            },
+            "messages[1].tool_calls[0].function.arguments",
+        ),
     ]
     for body, param in cases:
         with pytest.raises(openai.BadRequestError) as bad:

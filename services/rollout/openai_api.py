@@ -393,6 +393,7 @@ class OpenAIServer:
         servicer.admission.precheck()
         tokenizer = servicer.engine.tokenizer
         loop = asyncio.get_running_loop()
+        tools, parser = None, "none"  # completions: text in, text out
         if kind == "chat":
             messages = session_book.normalize_messages(body.get("messages"))
             tools = body.get("tools") or None
@@ -419,9 +420,7 @@ class OpenAIServer:
             else:
                 ids = list(prompt)
             spec, results = await self._generate(ids, sampling, prompt_param)
-            return self._response(
-                kind, spec, results, tokenizer, "", tools if kind == "chat" else None, parser
-            )
+            return self._response(kind, spec, results, tokenizer, "", tools, parser)
         if sampling.n > 1:
             raise ApiError(400, "n: a session follows one conversation; n must be 1 within a session", "n")
         key = SamplingKey(sampling.temperature, sampling.top_p or 1.0, sampling.top_k)
