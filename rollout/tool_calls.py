@@ -8,6 +8,9 @@ Formats (`rollout.openai_tool_parser`):
 - `hermes`: each call is a JSON object `{"name": ..., "arguments": {...}}` between `<tool_call>` and
   `</tool_call>`, the format of the Hermes, Qwen2.5, Qwen3 and SmolLM3 chat templates (`parameters`
   is read as `arguments`, and arguments given as a JSON string are read as the object it holds).
+- `llama3_json`: the whole reply is one JSON object `{"name": ..., "parameters": {...}}` (or several
+  separated by `;`), optionally after `<|python_tag|>`: the Llama 3.1/3.2 templates' format for
+  custom tools. A reply with any other text is text.
 - `none`: never parsed; the reply is text.
 
 Invariants:
@@ -37,6 +40,8 @@ class ToolCall:
 
 def parse_tool_calls(text: str, parser: ToolParserName) -> tuple[str, list[ToolCall]]:
     """(the reply's text outside the calls, stripped; the calls in order); ([text], []) when none."""
+    if parser == "llama3_json":
+        return _llama3_json(text)
     if parser == "none" or "<tool_call>" not in text:
         return text, []
     blocks = _HERMES_BLOCK.findall(text)
@@ -44,18 +49,43 @@ def parse_tool_calls(text: str, parser: ToolParserName) -> tuple[str, list[ToolC
         return text, []  # an unclosed call: the turn ended inside it
     calls = []
     for block in blocks:
-        call = _hermes_call(block)
+        call = _json_call(block)
         if call is None:
             return text, []
         calls.append(call)
     return _HERMES_BLOCK.sub("", text).strip(), calls
 
 
-def _hermes_call(block: str) -> ToolCall | None:
+def _llama3_json(text: str) -> tuple[str, list[ToolCall]]:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):  # objects one after another, `;` between them
+        try:
+            obj, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        call = _call(obj)
+        if call is None:
+            return text, []
+        calls.append(call)
+        rest = body[at:].lstrip()
+        if rest and not rest.startswith(";"):
+            return text, []  # text after a call
+        at = len(body) - len(rest.removeprefix(";").lstrip())
+    return "", calls
+
+
+def _json_call(block: str) -> ToolCall | None:
     try:
         obj = json.loads(block)
     except ValueError:
         return None
+    return _call(obj)
+
+
+def _call(obj: object) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))

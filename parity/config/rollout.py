@@ -22,7 +22,7 @@ EngineName = Literal["vllm", "reference"]
 DtypeName = Literal["float32", "bfloat16"]
 LogprobsModeName = Literal["processed", "raw"]
 HeadDtypeName = Literal["float32", "model"]
-ToolParserName = Literal["none", "hermes"]  # rollout/tool_calls.py
+ToolParserName = Literal["none", "hermes", "llama3_json"]  # rollout/tool_calls.py
 GenerationConfigName = Literal["vllm", "auto"]
 UpdateModeName = Literal["keep", "recompute"]
 CpuTopPName = Literal["bounded", "sort"]
@@ -206,7 +206,8 @@ class RolloutConfig(ServiceConfig):
         "hermes",
         description="OpenAI endpoint: how tool calls are read from a reply when the call offers tools "
         "(hermes: <tool_call>{name, arguments}</tool_call>, as Qwen2.5/Qwen3/Hermes/SmolLM3 templates "
-        "write them; none: the reply stays text). The sampled tokens are kept either way.",
+        "write them; llama3_json: the whole reply is {name, parameters}, as Llama 3.1/3.2 write them; "
+        "none: the reply stays text). The sampled tokens are kept either way.",
     )
     openai_group_timeout_s: float = Field(
         600.0,
