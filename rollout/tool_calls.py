@@ -8,8 +8,8 @@ Formats (`rollout.openai_tool_parser`):
 - `hermes`: each call is a JSON object `{"name": ..., "arguments": {...}}` between `<tool_call>` and
   `</tool_call>`, the format of the Hermes, Qwen2.5, Qwen3 and SmolLM3 chat templates (`parameters`
   is read as `arguments`, and arguments given as a JSON string are read as the object it holds).
-- `llama3_json`: the whole reply is one JSON object `{"name": ..., "parameters": {...}}` (or several
-  separated by `;`), optionally after `<|python_tag|>`: the Llama 3.1/3.2 templates' format for
+- `llama3_json`: the whole reply is one JSON object `{"name": ..., "parameters": {...}}` (or several,
+  separated by `;` or white space), optionally after `<|python_tag|>`: the Llama 3.1/3.2 templates' format for
   custom tools. A reply with any other text is text.
 - `none`: never parsed; the reply is text.
 
@@ -61,19 +61,16 @@ def _llama3_json(text: str) -> tuple[str, list[ToolCall]]:
     if not body.startswith("{"):
         return text, []
     decoder, calls, at = json.JSONDecoder(), [], 0
-    while at < len(body):  # objects one after another, `;` between them
+    while at < len(body):  # objects one after another, `;` or white space between them
         try:
-            obj, at = decoder.raw_decode(body, at)
+            obj, at = decoder.raw_decode(body, at)  # anything but an object here: the reply is text
         except ValueError:
             return text, []
         call = _call(obj)
         if call is None:
             return text, []
         calls.append(call)
-        rest = body[at:].lstrip()
-        if rest and not rest.startswith(";"):
-            return text, []  # text after a call
-        at = len(body) - len(rest.removeprefix(";").lstrip())
+        at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
     return "", calls
 
 

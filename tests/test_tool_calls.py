@@ -64,6 +64,7 @@ def test_llama3_json_reads_a_reply_that_is_only_calls() -> None:
     assert parse_tool_calls(one, "llama3_json") == ("", [ToolCall("add", {"a": 2, "b": 3})])
     two = '<|python_tag|>{"name": "say", "parameters": {"s": "a;b"}}; {"name": "now", "arguments": {}};'
     assert parse_tool_calls(two, "llama3_json") == ("", [ToolCall("say", {"s": "a;b"}), ToolCall("now", {})])
+    assert parse_tool_calls(f"{one}\n{one}", "llama3_json") == ("", [ToolCall("add", {"a": 2, "b": 3})] * 2)
     for text in (f"Sure: {one}", f"{one} and then some", '{"name": "add"', '{"nam": "add"}', CALL):
         assert parse_tool_calls(text, "llama3_json") == (text, []), text
     assert parse_tool_calls(one, "hermes") == (one, [])  # each parser reads its own format only
