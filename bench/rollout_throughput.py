@@ -168,7 +168,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     from parity import models
     from parity.config.rollout import RolloutConfig
     from parity.procs import start_service
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm_engine import VllmEngine, build_async_llm
 
     model_dir = models.resolve(args.model)
     prompts = build_prompts(model_dir, args.prompts)
@@ -181,11 +181,9 @@ async def main_async(args: argparse.Namespace) -> dict:
         name="bench-rollout",
     )  # fmt: skip
     log(f"started the rollout service (log: {service.log_path}); starting the raw AsyncLLM in-process")
-    from vllm.v1.engine.async_llm import AsyncLLM
-
     config = RolloutConfig(max_model_len=512)
     engine_args = VllmEngine(config, model_dir).engine_args()
-    llm = AsyncLLM.from_engine_args(engine_args)
+    llm = build_async_llm(engine_args)  # the service's executor layout (rollout.vllm_cpu_executor)
     # the same top-k/top-p masking the service's engine installs (RolloutConfig.cpu_top_p)
     top_p_impl = (await llm.collective_rpc("parity_install_top_p", kwargs={"mode": config.cpu_top_p}))[0]
     try:

