@@ -1,10 +1,12 @@
 """What a rollout service's start costs: `parity serve rollout --model tiny` until SERVING, with the
-vLLM engine and with the reference engine (the baseline), alternated.
+vLLM engine (on CPU in both executor layouts, `rollout.vllm_cpu_executor` uni and mp) and with the
+reference engine (the baseline), alternated.
 
     .venv/bin/python bench/engine_start.py [--repeats 2] [--model tiny]
 
 Wall time to SERVING, and the CPU time the whole machine spent meanwhile (/proc/stat: the service,
-vLLM's engine-core and worker processes, and anything else running, so run it on a quiet box).
+vLLM's engine-core process and, with mp, its worker process, and anything else running, so run it
+on a quiet box).
 The test suite starts a vLLM rollout service dozens of times, so on a CPU-bound 2-core box this is
 most of what the suite's time is made of. Final stdout line: a JSON object.
 """
@@ -30,11 +32,19 @@ def busy_cpu_s() -> float:
     return (sum(fields) - fields[3] - fields[4]) / 100.0  # USER_HZ is 100 on Linux
 
 
-def one_start(engine: str, model: str) -> tuple[float, float]:
-    log_dir = tempfile.mkdtemp(prefix=f"engine-start-{engine}-")
+# what each row starts: the engine, and the executor layout for vLLM on CPU
+VARIANTS = {
+    "vllm": ["--engine", "vllm", "--vllm_cpu_executor", "uni"],
+    "vllm-mp": ["--engine", "vllm", "--vllm_cpu_executor", "mp"],
+    "reference": ["--engine", "reference"],
+}
+
+
+def one_start(variant: str, model: str) -> tuple[float, float]:
+    log_dir = tempfile.mkdtemp(prefix=f"engine-start-{variant}-")
     busy, start = busy_cpu_s(), time.monotonic()
     service = start_service(
-        "rollout", ["--model", model, "--engine", engine, "--max_model_len", "256"], log_dir=log_dir, env={}
+        "rollout", ["--model", model, *VARIANTS[variant], "--max_model_len", "256"], log_dir=log_dir, env={}
     )
     try:
         service.wait_ready(600)
@@ -48,7 +58,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--model", default="tiny")
     args = parser.parse_args()
-    runs: dict[str, list[tuple[float, float]]] = {"vllm": [], "reference": []}
+    runs: dict[str, list[tuple[float, float]]] = {variant: [] for variant in VARIANTS}
     for repeat in range(args.repeats):
         for engine in runs:
             wall, cpu = one_start(engine, args.model)
@@ -59,9 +69,9 @@ def main() -> None:
     result = {"bench": "engine_start", "model": args.model, "repeats": args.repeats}
     for engine, rows in runs.items():
         result[engine] = {"wall_s": [round(w, 1) for w, _ in rows], "cpu_s": [round(c, 1) for _, c in rows]}
-    result["cpu_ratio_vllm_over_reference"] = round(
-        statistics.median(c for _, c in runs["vllm"]) / statistics.median(c for _, c in runs["reference"]), 1
-    )
+    cpu = {variant: statistics.median(c for _, c in rows) for variant, rows in runs.items()}
+    result["cpu_ratio_vllm_over_reference"] = round(cpu["vllm"] / cpu["reference"], 1)
+    result["cpu_ratio_uni_over_mp"] = round(cpu["vllm"] / cpu["vllm-mp"], 2)
     print(json.dumps(result))
 
 
