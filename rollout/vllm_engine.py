@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WORKER_EXTENSION = "rollout.worker_extension.ParityWorkerExtension"
+IN_ENGINE_CORE = "none (the model runs in the engine core)"  # engine_core_wait without a worker
 
 # vLLM's start error names the exit code of each engine-core process that ended while it started.
 _FAILED_CORES = re.compile(r"Engine core initialization failed\..*?Failed core proc\(s\): (\{[^}]*\})", re.S)
@@ -143,10 +144,10 @@ class VllmEngine(RolloutEngine):
         vllm_stop_log.quiet_engine_stop()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
         args = self.engine_args()
-        if separate_worker(args):  # before it starts
+        if model_in_engine_core(args.distributed_executor_backend):
+            self.engine_core_wait = IN_ENGINE_CORE
+        else:  # before it starts
             self.engine_core_wait = cpu_engine_wait.configure(self.config.engine_core_nap_us)
-        else:
-            self.engine_core_wait = "none (the model runs in the engine core)"
         try:
             # Held by self only, never a local: this frame can outlive the call (a traceback an
             # import kept), and a local would keep the engine alive into interpreter teardown.
@@ -165,7 +166,10 @@ class VllmEngine(RolloutEngine):
         # refuses it with a bare Exception, which failed a request that met a stop as INTERNAL.
         await self._engine_call("get_supported_tasks", lambda llm: llm.get_supported_tasks())
         self.top_p_impl = await self._rpc_one("parity_install_top_p", mode=self.config.cpu_top_p)
-        if separate_worker(args):  # clean group stops; in the engine core itself it would break them
+        # vLLM's choice where it had one (on GPU, one device: "uni")
+        if model_in_engine_core(self.llm.vllm_config.parallel_config.distributed_executor_backend):
+            self.engine_core_wait = IN_ENGINE_CORE
+        else:  # clean group stops; in the engine core itself it would break them
             await self._rpc_one("parity_leave_group_stop_to_engine_core")
         head = self.llm.model_config.hf_config
         log.info(
@@ -556,12 +560,14 @@ def executor_on_cpu(executor: str) -> dict[str, object]:
     return {"distributed_executor_backend": UniProcExecutor}
 
 
-def separate_worker(args) -> bool:
-    """Whether the engine built from `args` runs its model in a worker process of its own."""
+def model_in_engine_core(backend: object) -> bool:
+    """Whether vLLM's executor `backend` (a name or a class) runs the model in the engine-core process
+    rather than in worker processes of its own."""
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-    backend = args.distributed_executor_backend
-    return not (isinstance(backend, type) and issubclass(backend, UniProcExecutor))
+    if isinstance(backend, str):
+        return backend == "uni"
+    return isinstance(backend, type) and issubclass(backend, UniProcExecutor)
 
 
 def build_async_llm(args):
@@ -574,7 +580,7 @@ def build_async_llm(args):
 
     config = args.create_engine_config()
     omp = contextlib.nullcontext()
-    if not separate_worker(args):
+    if model_in_engine_core(args.distributed_executor_backend):
         omp = OMPProcessManager(config).configure_omp_envs(rank=0, local_rank=0)
     with omp:
         return AsyncLLM.from_vllm_config(config, disable_log_stats=args.disable_log_stats)

@@ -95,12 +95,13 @@ def test_the_one_process_engine_has_no_worker_and_the_workers_openmp_environment
     engine = VllmEngine(config, tiny_model, seed=3)
 
     async def scenario() -> tuple[list, dict[str, str], list[str]]:
+        # An engine the test before this one stopped may still be exiting (CI saw its core here).
+        earlier = {p.pid for p in psutil.Process().children(recursive=True)}
         await engine.start()
         try:
-            core = _named("VLLM::EngineCor")
-            names = [
-                p.name() for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")
-            ]
+            started = [p for p in psutil.Process().children(recursive=True) if p.pid not in earlier]
+            names = sorted(p.name() for p in started if p.name().startswith("VLLM"))
+            core = next(p for p in started if p.name().startswith("VLLM::EngineCor"))
             environ = dict(
                 item.split("=", 1)
                 for item in Path(f"/proc/{core.pid}/environ").read_text(errors="replace").split("\0")
