@@ -82,46 +82,29 @@ def test_the_engine_core_naps_while_the_worker_computes(tiny_model: Path) -> Non
 
 
 def test_the_one_process_engine_has_no_worker_and_the_workers_openmp_environment(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+    start_services, tiny_model: Path
 ) -> None:
-    from parity.config.rollout import RolloutConfig
-    from rollout.engine import GenerationSpec
-    from rollout.vllm_engine import VllmEngine
+    # A service of its own: vLLM caches its environment settings in a process that has run an engine
+    # in-process (its env cache), so this test's setting must reach a fresh process. "auto" is vLLM's
+    # own default binding; the suite runs with "nobind", under which vLLM sets nothing.
+    import grpc
 
-    # vLLM's own default binding (the suite runs with "nobind", under which vLLM sets nothing)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    config = RolloutConfig(max_model_len=512, kv_cache_gib=1.0)
-    assert config.vllm_cpu_executor == "uni"  # the default
-    engine = VllmEngine(config, tiny_model, seed=3)
+    from parity.v1 import rollout_pb2_grpc
+    from tests.test_engine_recovery import greedy, vllm_processes
 
-    async def scenario() -> tuple[list, dict[str, str], list[str]]:
-        # An engine the test before this one stopped may still be exiting (CI saw its core here).
-        earlier = {p.pid for p in psutil.Process().children(recursive=True)}
-        await engine.start()
-        try:
-            started = [p for p in psutil.Process().children(recursive=True) if p.pid not in earlier]
-            names = sorted(p.name() for p in started if p.name().startswith("VLLM"))
-            core = next(p for p in started if p.name().startswith("VLLM::EngineCor"))
-            environ = dict(
-                item.split("=", 1)
-                for item in Path(f"/proc/{core.pid}/environ").read_text(errors="replace").split("\0")
-                if "=" in item
-            )
-            spec = GenerationSpec(
-                "uni", list(range(10, 22)), n=4, max_tokens=32, temperature=1.0, seed=5, ignore_eos=True
-            )
-            return [r async for r in engine.generate(spec)], environ, names
-        finally:
-            await engine.shutdown()
-
-    results, environ, names = asyncio.run(scenario())
-    assert names == ["VLLM::EngineCore"], names  # no worker process
-    assert engine.engine_core_wait.startswith("none"), engine.engine_core_wait
-    assert len(results) == 4 and all(len(r.token_ids) == 32 for r in results)
-    # what vLLM's OMPProcessManager sets for a worker: its thread count and its cores
-    assert int(environ.get("OMP_NUM_THREADS", "0")) >= 1, environ.get("OMP_NUM_THREADS")
+    svc = start_services(
+        "rollout", "--model", str(tiny_model), "--engine", "vllm", "--max_model_len", "512",
+        env={"VLLM_CPU_OMP_THREADS_BIND": "auto"},
+    )  # fmt: skip
+    engines = vllm_processes(svc.proc.pid)
+    assert [p.name() for p in engines] == ["VLLM::EngineCore"], engines  # the default: no worker process
+    environ = dict(
+        item.split("=", 1)
+        for item in Path(f"/proc/{engines[0].pid}/environ").read_text(errors="replace").split("\0")
+        if "=" in item
+    )
+    stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(svc.address))
+    assert len(greedy(stub).token_ids) > 0
+    assert "engine-core wait=none (the model runs in the engine core)" in svc.log_path.read_text()
+    # what vLLM's OMPProcessManager sets for a worker: its cores
     assert {"GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES"} & set(environ), sorted(environ)
-    # and only for the engine core: this process's environment is as it was
-    import os
-
-    assert not {"GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES"} & set(os.environ)
