@@ -8,6 +8,7 @@ trainer service's own stop is in tests/test_trainer_multirank.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from trainer.agent import EXIT_FILE_ENV, rank0_exit, remove_orphaned_scratch
@@ -92,8 +94,13 @@ def test_rank0_exit_reads_only_a_recorded_status(tmp_path: Path) -> None:
 def test_an_agent_removes_the_scratch_left_by_a_sigkilled_one(tmp_path: Path) -> None:
     killed, _ = start_agent(tmp_path, "0", name="killed")
     (left,) = (tmp_path / "tmp").glob(f"parity-agent-{killed.pid}-*")
-    os.killpg(killed.pid, signal.SIGKILL)  # the agent and its rank: nothing can clean up
+    # torchrun starts its rank in a session of its own: the group kill below leaves it running
+    ranks = psutil.Process(killed.pid).children(recursive=True)
+    os.killpg(killed.pid, signal.SIGKILL)  # the agent: nothing can clean up
     killed.wait(30)
+    for rank in ranks:  # what a node's shutdown would end; left running, it outlived the suite
+        with contextlib.suppress(psutil.Error):
+            rank.kill()
     assert left.is_dir()
     proc, log = start_agent(tmp_path, "0", name="next")
     try:
