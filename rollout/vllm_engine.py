@@ -144,9 +144,7 @@ class VllmEngine(RolloutEngine):
         vllm_stop_log.quiet_engine_stop()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
         args = self.engine_args()
-        if model_in_engine_core(args.distributed_executor_backend):
-            self.engine_core_wait = IN_ENGINE_CORE
-        else:  # before it starts
+        if not model_in_engine_core(args.distributed_executor_backend):  # naps: set before it starts
             self.engine_core_wait = cpu_engine_wait.configure(self.config.engine_core_nap_us)
         try:
             # Held by self only, never a local: this frame can outlive the call (a traceback an
@@ -572,7 +570,7 @@ def model_in_engine_core(backend: object) -> bool:
 
 def build_async_llm(args):
     """`AsyncLLM` from engine args. With the one-process executor on CPU, the engine-core process
-    starts with the OpenMP environment (threads, core affinity) that vLLM gives its worker process."""
+    starts with the OpenMP environment that vLLM gives its worker process (its cores)."""
     import contextlib
 
     from vllm.utils.ompmultiprocessing import OMPProcessManager
