@@ -38,16 +38,17 @@ TOOLS = [
 ]
 
 
-def few_shot() -> list[dict]:
-    """A system prompt and worked examples of the call format (a small model learns it from them)."""
+def few_shot(examples: int = 6) -> list[dict]:
+    """A system prompt and `examples` worked examples of the call format (a small model learns it from
+    them; each costs context)."""
     messages = [{"role": "system", "content": "Reply with a tool call."}]
-    for a, b in ((12, 30), (4, 9), (21, 5)):
-        for x, y in ((a, b), (b, a)):
-            call = json.dumps({"name": "add", "arguments": {"a": x, "b": y}})
-            messages += [
-                {"role": "user", "content": f"Add {x} and {y}."},
-                {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
-            ]
+    pairs = [(x, y) for a, b in ((12, 30), (4, 9), (21, 5)) for x, y in ((a, b), (b, a))]
+    for x, y in pairs[:examples]:
+        call = json.dumps({"name": "add", "arguments": {"a": x, "b": y}})
+        messages += [
+            {"role": "user", "content": f"Add {x} and {y}."},
+            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+        ]
     return messages
 
 
@@ -61,12 +62,16 @@ def add(arguments: str) -> str:
 
 
 def run_episode(
-    api: openai.OpenAI, question: tuple[int, int], max_turns: int = 3, temperature: float = 1.0
+    api: openai.OpenAI,
+    question: tuple[int, int],
+    max_turns: int = 3,
+    temperature: float = 1.0,
+    examples: int = 6,
 ) -> tuple[str, float, list[str]]:
     """One episode in its own session: (session id, reward, what happened per turn)."""
     a, b = question
     session = f"agent-{uuid.uuid4().hex[:12]}"
-    messages = [*few_shot(), {"role": "user", "content": f"Add {a} and {b}."}]
+    messages = [*few_shot(examples), {"role": "user", "content": f"Add {a} and {b}."}]
     log, reward = [], 0.0
     for _ in range(max_turns):
         reply = api.chat.completions.create(
@@ -110,7 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group_size", type=int, default=4, help="episodes per question")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--examples", type=int, default=6, help="worked examples of the call format in the prompt (0-6)"
+    )
     args = parser.parse_args(argv)
+    if not 0 <= args.examples <= 6:
+        parser.error(f"--examples must be 0-6, got {args.examples}")
     token = os.environ.get("PARITY_ROLLOUT_AUTH_TOKEN", "")  # never on the command line
     api = openai.OpenAI(base_url=args.base_url, api_key=token or "none", max_retries=0, timeout=120)
     rng = random.Random(args.seed)
@@ -118,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         question = (rng.randint(1, 49), rng.randint(1, 49))
         group_id = f"add-{args.seed}-{q}"
         for e in range(args.group_size):
-            session, reward, log = run_episode(api, question, temperature=args.temperature)
+            session, reward, log = run_episode(
+                api, question, temperature=args.temperature, examples=args.examples
+            )
             done = finish(args.base_url, token, session, reward, group_id, args.group_size)
             print(f"{group_id} episode {e}: reward {reward:.0f}; {'; '.join(log)}", flush=True)
         print(f"{group_id}: published {done['published']}", flush=True)

@@ -417,3 +417,34 @@ def test_an_incomplete_group_is_dropped_after_the_timeout(endpoint) -> None:
         time.sleep(6)  # past rollout.openai_group_timeout_s=4: the first episode's group is gone
     assert [a["episodes_in_group"] for a in answers] == [1, 1], json.dumps(answers)
     assert not any(a["published"] for a in answers) and published(r) == []
+
+
+@pytest.mark.slow
+def test_the_tool_call_example_plays_its_episodes_and_publishes_each_group(
+    endpoint, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """examples/tool_call_agent.py as its docstring runs it, against this service: every episode is
+    played and finished, and each question's episodes come out as one published group. (The random
+    tiny model writes no tool call, so each episode is one turn, and its tokenizer spells the worked
+    examples out past this service's 256-token context, so the prompt has none; the tool path needs
+    SmolLM2, see docs/benchmarks.md.)"""
+    import importlib.util
+
+    base_url, r = endpoint
+    r.delete(STREAM)
+    spec = importlib.util.spec_from_file_location(
+        "tool_call_agent", Path(__file__).resolve().parents[1] / "examples" / "tool_call_agent.py"
+    )
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    monkeypatch.setenv("PARITY_ROLLOUT_AUTH_TOKEN", TOKEN)  # the example reads it from there
+    argv = ["--base_url", base_url, "--questions", "2", "--group_size", "2", "--seed", "3", "--examples", "0"]
+    assert agent.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count(": published True") == 2, out
+    groups = published(r)
+    assert len(groups) == 2, out
+    for group in groups:
+        assert len(group.samples) == 2
+        assert all(s.reward in (0.0, 1.0) and len(s.token_ids) > 0 for s in group.samples)
+        assert all(s.token_mismatches == 0 for s in group.samples)
