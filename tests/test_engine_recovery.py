@@ -13,9 +13,9 @@ with SIGKILL. Then:
   (the weights are version 1's, not the checkpoint's relabelled);
 - the actor's lost group is generated again (the same group id, never a half-done one) and
   published with every token at version 1;
-- no engine process is left behind: the dead engine's worker is gone once the service serves
-  again, and after the service's leader alone gets SIGTERM (no process-group kill), the restarted
-  engine core and its worker are gone too.
+- no engine process is left behind: only the restarted engine core runs once the service serves
+  again (a dead engine's worker, with `rollout.vllm_cpu_executor` "mp", would show), and after the
+  service's leader alone gets SIGTERM (no process-group kill), the restarted engine core is gone too.
 
 `test_an_engine_killed_in_its_first_start_is_started_again_and_dies_with_its_service`: an engine
 core SIGKILLed while the service's first start waits for it is started again (vLLM reports the
