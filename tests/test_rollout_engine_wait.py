@@ -98,13 +98,12 @@ def test_the_one_process_engine_has_no_worker_and_the_workers_openmp_environment
     )  # fmt: skip
     engines = vllm_processes(svc.proc.pid)
     assert [p.name() for p in engines] == ["VLLM::EngineCore"], engines  # the default: no worker process
-    environ = dict(
-        item.split("=", 1)
-        for item in Path(f"/proc/{engines[0].pid}/environ").read_text(errors="replace").split("\0")
-        if "=" in item
-    )
     stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(svc.address))
-    assert len(greedy(stub).token_ids) > 0
+    assert len(greedy(stub).token_ids) > 0  # the model has run its OpenMP regions in that process
     assert "engine-core wait=none (the model runs in the engine core)" in svc.log_path.read_text()
-    # what vLLM's OMPProcessManager sets for a worker: its cores
-    assert {"GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES"} & set(environ), sorted(environ)
+    # What vLLM's OMPProcessManager gives a worker, its cores (GOMP_CPU_AFFINITY and the like; "auto"
+    # keeps at least one core for the rest), seen as the effect: OpenMP bound the engine core to
+    # them. Its /proc/PID/environ cannot show the variables: the process title vLLM sets overwrites
+    # most of that memory.
+    bound = engines[0].cpu_affinity()
+    assert 0 < len(bound) < len(psutil.Process().cpu_affinity()), bound
