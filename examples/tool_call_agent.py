@@ -38,12 +38,15 @@ TOOLS = [
 ]
 
 
-def few_shot(examples: int = 6) -> list[dict]:
+# the questions of the worked examples, each pair both ways round
+WORKED = [(x, y) for a, b in ((12, 30), (4, 9), (21, 5)) for x, y in ((a, b), (b, a))]
+
+
+def few_shot(examples: int = len(WORKED)) -> list[dict]:
     """A system prompt and `examples` worked examples of the call format (a small model learns it from
     them; each costs context)."""
     messages = [{"role": "system", "content": "Reply with a tool call."}]
-    pairs = [(x, y) for a, b in ((12, 30), (4, 9), (21, 5)) for x, y in ((a, b), (b, a))]
-    for x, y in pairs[:examples]:
+    for x, y in WORKED[:examples]:
         call = json.dumps({"name": "add", "arguments": {"a": x, "b": y}})
         messages += [
             {"role": "user", "content": f"Add {x} and {y}."},
@@ -66,7 +69,7 @@ def run_episode(
     question: tuple[int, int],
     max_turns: int = 3,
     temperature: float = 1.0,
-    examples: int = 6,
+    examples: int = len(WORKED),
 ) -> tuple[str, float, list[str]]:
     """One episode in its own session: (session id, reward, what happened per turn)."""
     a, b = question
@@ -116,11 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--examples", type=int, default=6, help="worked examples of the call format in the prompt (0-6)"
-    )
+        "--examples", type=int, default=len(WORKED), choices=range(len(WORKED) + 1),
+        help="worked examples of the call format in the prompt",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    if not 0 <= args.examples <= 6:
-        parser.error(f"--examples must be 0-6, got {args.examples}")
     token = os.environ.get("PARITY_ROLLOUT_AUTH_TOKEN", "")  # never on the command line
     api = openai.OpenAI(base_url=args.base_url, api_key=token or "none", max_retries=0, timeout=120)
     rng = random.Random(args.seed)
