@@ -84,6 +84,21 @@ def start_redis() -> tuple[subprocess.Popen, str, str]:
     return proc, f"redis://127.0.0.1:{port}/0", workdir
 
 
+REWARD_PATTERNS = ((1.0, 0.0, 0.0, 1.0), (0.0, 1.0, 0.0, 0.0), (1.0, 1.0, 0.0, 1.0))
+
+
+def group_rewards(group: int, group_size: int) -> list[float]:
+    """The synthetic rewards of the bench's group number `group`: never all equal.
+
+    Ours skips the backward of a group whose rewards are all equal (zero advantage) and the plain
+    step does not, which would flatter ours; so the last reward of such a group is flipped.
+    """
+    rewards = [REWARD_PATTERNS[(group + k) % 3][k % 4] for k in range(group_size)]
+    if len(rewards) > 1 and len(set(rewards)) == 1:
+        rewards[-1] = 1.0 - rewards[-1]
+    return rewards
+
+
 def plain_step(
     model, optimizer, groups, micro_batch_size: int, device, precision: str, clip_eps: float = 0.2
 ) -> None:
@@ -385,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--vocab_size needs --shape")
     if args.shape_dir is not None and args.shape is None:
         parser.error("--shape_dir needs --shape")
+    if args.group_size < 2:
+        parser.error("--group_size must be at least 2: a group of one has no advantage to train on")
 
     import torch
 
@@ -449,7 +466,6 @@ def main(argv: list[str] | None = None) -> int:
         device = trainer.device
         queue = RolloutQueue(redis_url, stream="bench:rollouts")
         gen = torch.Generator().manual_seed(0)
-        reward_patterns = [(1.0, 0.0, 0.0, 1.0), (0.0, 1.0, 0.0, 0.0), (1.0, 1.0, 0.0, 1.0)]
 
         def make_batch(batch_id: str) -> list:
             # Rollout ids are unique over the whole bench: the trainer skips ids it has trained on.
@@ -457,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                 make_group(
                     trainer.model,
                     f"{batch_id}-g{g}",
-                    [reward_patterns[(g + k) % 3][k % 4] for k in range(args.group_size)],
+                    group_rewards(g, args.group_size),
                     prompt_len=args.prompt_len,
                     completion_len=args.completion_len,
                     generator=gen,

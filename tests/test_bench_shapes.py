@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import shapes
-from bench.trainer_step import SideResults, micro_batch_sizes, run_side, size_summary
+from bench.trainer_step import SideResults, group_rewards, micro_batch_sizes, run_side, size_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -238,6 +238,27 @@ def test_micro_batch_size_takes_a_comma_list() -> None:
     for bad in ("0", "4,x", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             micro_batch_sizes(bad)
+
+
+def test_every_bench_group_has_rewards_that_differ() -> None:
+    # A group whose rewards are all equal skips ours' backward but not plain's: it would flatter ours.
+    for group_size in (2, 3, 4, 8, 16):
+        for group in range(12):
+            assert len(set(group_rewards(group, group_size))) > 1, (group, group_size)
+    # The groups of four that the published CPU figures used are unchanged.
+    assert [group_rewards(g, 4) for g in range(3)] == [
+        [1.0, 1.0, 0.0, 1.0],
+        [0.0, 1.0, 0.0, 0.0],
+        [1.0, 0.0, 0.0, 1.0],
+    ]
+
+
+def test_the_trainer_bench_refuses_a_group_of_one(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.trainer_step import main
+
+    with pytest.raises(SystemExit):
+        main(["--group_size", "1"])
+    assert "--group_size must be at least 2" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a redis-server and a bench process
