@@ -23,9 +23,12 @@ are read only from the run's own directory. Checkpoints of the earlier single-fi
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +114,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@contextlib.contextmanager
+def _alone_without_warning() -> Iterator[None]:
+    """DCP in one process without a process group reads and writes alone, as meant here; it warns
+    that it assumed so on every call (even when told with `no_dist`), which only worries a user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        yield
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -150,7 +164,8 @@ def load_model_weights(model, path: Path) -> None:
         load_model(model, str(path / "model.safetensors"))
         return
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(path / "dcp"), planner=_partial_load_planner())
+    with _alone_without_warning():
+        dcp.load(state, checkpoint_id=str(path / "dcp"), planner=_partial_load_planner())
     set_model_state_dict(model, state["model"])
 
 
@@ -183,7 +198,8 @@ class CheckpointStore:
             tmp.mkdir(parents=True)
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        with _alone_without_warning():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
         _barrier()  # every shard is written
         if rank == 0:
             if scheduler is not None:
@@ -224,7 +240,8 @@ class CheckpointStore:
 
             model_sd, optim_sd = get_state_dict(model, optimizer)
             loaded = {"model": model_sd, "optim": optim_sd}
-            dcp.load(loaded, checkpoint_id=str(path / "dcp"))
+            with _alone_without_warning():
+                dcp.load(loaded, checkpoint_id=str(path / "dcp"))
             set_state_dict(
                 model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
             )
