@@ -36,7 +36,7 @@ LONGEST_FILES_FIRST = (
     "test_trainer_replay.py",
     "test_check.py",
     "test_byo_task_run.py",
-    # 2-3 minutes each on 2026-12-01 (fast day): left to alphabetical order they started last and
+    # 1-3 minutes each on 2026-12-01 (a fast day): left to alphabetical order they started last and
     # ended the suite alone on their workers.
     "test_rollout_stop.py",
     "test_trainer_compile.py",

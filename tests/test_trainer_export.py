@@ -51,7 +51,7 @@ def test_export_gives_transformers_the_trainers_logits(tmp_path: Path, tiny_mode
         timeout=600,  # 120 s ran out on a box 2.5x slower than usual
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # One process, no process group: DCP is told so rather than warning that it assumed it.
+    # One process, no process group: DCP's warning that it assumed so is not shown to the user.
     assert "torch.distributed is disabled" not in proc.stderr, proc.stderr[-3000:]
     assert (out / "model.safetensors").exists() and (out / "config.json").exists()
     assert AutoTokenizer.from_pretrained(str(out)).encode("12+7") == AutoTokenizer.from_pretrained(
