@@ -28,6 +28,8 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,21 @@ def model_dir(name: str) -> Path:
     if name not in MODEL_NAMES:
         raise ModelError(f"model.name: unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
     return cache_root() / name
+
+
+@contextmanager
+def quiet_loading() -> Iterator[None]:
+    """No "Loading weights" progress bar while transformers reads a local model: in a service log or
+    around `parity check`'s table it is noise. Downloads (`hub_snapshot`) keep their bars."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _file_digests(directory: Path) -> dict[str, str]:

@@ -53,6 +53,7 @@ from parity.faults import (
     reported,
 )
 from parity.head_logits import float32_logits
+from parity.models import quiet_loading
 from parity.sampling import SamplingTransform, processed_logprobs
 from parity.weights.receiver import StagedWeights, receive_and_verify
 from rollout.engine import CompletionResult, GenerationSpec, RolloutEngine
@@ -109,7 +110,9 @@ class ReferenceEngine(RolloutEngine):
             self.device = f"cuda:{torch.cuda.current_device()}"
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         dtype = torch.float32 if self.config.dtype == "float32" else torch.bfloat16
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval().to(self.device)
+        with quiet_loading():
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+        self.model = model.eval().to(self.device)
         self.vocab_size = int(self.model.config.vocab_size)
         eos = self.model.config.eos_token_id
         self._eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

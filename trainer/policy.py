@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parity.head_logits import float32_logits
+from parity.models import quiet_loading
 from parity.sampling import SamplingTransform
 from trainer import precision as numerics
 from trainer.device import to_device
@@ -65,9 +66,10 @@ def load_model(
     from trainer import packing as packed
 
     attention = packed.register() if packing else "sdpa"
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=getattr(torch, dtype), attn_implementation=attention
-    )
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=getattr(torch, dtype), attn_implementation=attention
+        )
     model.config.use_cache = False
     model.parity_share_prompts = packing and share_prompts
     model.to(device)
