@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -122,8 +123,11 @@ def hf_round(
     if threads:
         torch.set_num_threads(threads)
 
+    from parity.models import quiet_loading
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompts)
     rows = [p for p in prompts for _ in range(n)]
@@ -206,6 +210,10 @@ async def main_async(args: argparse.Namespace) -> dict:
                 f"{elapsed:.2f}s = {tokens / elapsed:.1f} tok/s")  # fmt: skip
     finally:
         llm.shutdown()
+        # AsyncLLM sits in reference cycles: collected at interpreter exit, its __del__ would call
+        # shutdown again with vLLM's module globals already gone (a TypeError printed at exit).
+        del llm
+        gc.collect()
         service.stop()
     log(f"HF generate (same prompts, batch of all sequences, torch threads {args.hf_threads or 'default'})")
     hf_tokens, hf_elapsed = hf_round(model_dir, prompts, args.n, args.max_tokens, args.hf_threads)

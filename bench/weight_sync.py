@@ -321,7 +321,8 @@ def vllm_receiver_phase(args: argparse.Namespace, log_dir: Path, swap: str) -> d
 
     from parity import models
 
-    model = AutoModelForCausalLM.from_pretrained(models.resolve("smollm2-135m"), dtype=torch.float32)
+    with models.quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(models.resolve("smollm2-135m"), dtype=torch.float32)
     named = [(name, param.detach()) for name, param in model.named_parameters()]  # as the trainer publishes
     broadcast = start_broadcast(log_dir, f"broadcast-vllm-{swap}", args.bucket_bytes)
     rollout = start_service(
