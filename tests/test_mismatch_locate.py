@@ -5,6 +5,7 @@ named as stale_prefix_kv, with how many prompt tokens were stale."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -270,3 +271,56 @@ def test_a_prompt_whose_first_token_the_engine_doubled_or_lost_is_named(lm, edit
     top = report.candidates[0]
     assert top.fault == "prompt_token_drift" and top.score > 0.99, report.candidates[:3]
     assert f"first token {what}" in top.evidence, top
+
+
+def test_a_bf16_trainer_replays_as_its_scorer_scores(tiny_model: Path) -> None:
+    """With the trainer in bf16 (a bf16 decoder over float32 weights, the head weight rounded to
+    bf16), the localiser's replays are the trainer's own function: an engine that reported exactly
+    the trainer's bf16 logprobs leaves nothing to locate. (The HF model's own head would multiply
+    the decoder's bf16 output by the float32 weight: a dtype error, so no report at all.)"""
+    from trainer.policy import SequenceInput, load_model, pad_batch, scorer_for
+
+    plain = load_model(tiny_model).float().eval()
+    history = _history(plain)
+    groups = _groups(plain, history, cached=1)
+    lm = load_model(tiny_model).eval()
+    scorer = scorer_for(lm, "bf16")
+    _load(lm, history.get(1))
+    for group in groups:
+        for sample in group.samples:
+            inputs = SequenceInput(tuple(group.prompt_token_ids), tuple(sample.token_ids), TRANSFORM)
+            ids, mask, rows, cols, targets = pad_batch([inputs])
+            with torch.no_grad():
+                logits = scorer(ids, mask, rows, cols)
+            lp = processed_logprobs(logits, TRANSFORM).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            sample.logprobs[:] = lp.tolist()
+    report = locate(lm, history, groups, budget_s=5.0, precision="bf16")
+    assert report is not None and report.tokens == 4 * COMPLETION_LEN, report
+    assert report.k3 < 1e-9 and report.candidates == [], (report.k3, report.candidates[:3])
+
+
+def test_a_bf16_trainer_passes_its_precision_to_the_localiser(redis_url: str, tmp_path: Path) -> None:
+    """The trainer's gate explains a bf16 step with its own scorer's numerics: an engine that
+    reported the trainer's own bf16 logprobs is replayed to no mismatch at all."""
+    from tests.fakes.synthetic_rollouts import make_group
+    from trainer.consumer import Batch
+    from trainer.policy import SequenceInput, load_model, token_logprobs
+
+    trainer = make_trainer(redis_url, tmp_path, precision="bf16")
+    try:
+        engine = load_model(trainer.model_dir).eval()  # samples the tokens
+        groups = [
+            make_group(engine, f"g{i}", (1.0, 0.0), generator=torch.Generator().manual_seed(i))
+            for i in range(2)
+        ]
+        for group in groups:
+            for sample in group.samples:
+                inputs = SequenceInput(tuple(group.prompt_token_ids), tuple(sample.token_ids), TRANSFORM)
+                with torch.no_grad():
+                    sample.logprobs[:] = token_logprobs(trainer.old_model, [inputs])[0].tolist()
+        summary = trainer.locate_mismatch(Batch(groups=groups))
+        assert "Report:" in summary, summary
+        report = json.loads((tmp_path / "mismatch_report.json").read_text())
+        assert report["tokens"] == 2 * 2 * 8 and report["k3"] < 1e-9, report
+    finally:
+        trainer.close()

@@ -400,7 +400,12 @@ class Trainer:
         # The other ranks wait in a collective meanwhile: keep well inside its timeout.
         budget_s = min(60.0, self.config.dist_timeout_s / 4) if self.world_size > 1 else 60.0
         report = locate(
-            self.old_model.lm, self.history, batch.groups, budget_s=budget_s, tokenizer_dir=self.model_dir
+            self.old_model.lm,
+            self.history,
+            batch.groups,
+            budget_s=budget_s,
+            tokenizer_dir=self.model_dir,
+            precision=self.old_model.precision,
         )
         if report is None:
             return "not run (the history holds none of the step's weight versions)"

@@ -206,12 +206,18 @@ def samples_of(groups: Sequence[Any], max_samples: int) -> list[_Sample]:
 
 
 class _Scorer:
-    """Forwards of the frozen copy under the history's weights, with one change at a time."""
+    """Forwards of the frozen copy under the history's weights, with one change at a time. Logits
+    come out as the trainer's scorer computes them (`forward`): in bf16 mode the decoder's bf16
+    hidden state and the head weight rounded to bf16, with float32 products."""
 
-    def __init__(self, lm, history: WeightHistory) -> None:
+    def __init__(self, lm, history: WeightHistory, precision: str = "fp32") -> None:
         import torch
 
+        from trainer.precision import head_weight_dtype
+
         self.lm, self.history = lm, history
+        self.decoder = getattr(lm, lm.base_model_prefix)
+        self.head_dtype = head_weight_dtype(precision)
         self.params = dict(lm.named_parameters())
         self.device = next(lm.parameters()).device
         self.loaded: tuple | None = None
@@ -239,18 +245,30 @@ class _Scorer:
         self.loaded, self.dirty = (version, key), touched
         return True
 
+    def forward(self, ids: torch.Tensor, past: Any = None, cache: bool = False) -> tuple[torch.Tensor, Any]:
+        """float32 logits [L, V] of `ids` [1, L] (after the KV cache `past`, if any), and the KV
+        cache when `cache`. Not the HF model's own head: under a bf16 decoder it would multiply a
+        bf16 hidden state by the float32 weight."""
+        from parity.head_logits import float32_logits
+        from trainer.policy import head_weight
+
+        with self.torch.no_grad():
+            out = self.decoder(input_ids=ids, past_key_values=past, use_cache=cache)
+            weight, bias = head_weight(self.lm)
+            bias = None if bias is None else bias.to(self.head_dtype)
+            logits = float32_logits(out.last_hidden_state[0], weight.to(self.head_dtype), bias)
+        return logits, out.past_key_values if cache else None
+
     def logits(self, sample: _Sample, prompt: list[int] | None = None) -> torch.Tensor:
         """[completion, V] float32 logits predicting each completion token."""
         prompt = sample.prompt if prompt is None else prompt
         ids = self.torch.tensor([prompt + sample.completion], device=self.device)
-        with self.torch.no_grad():
-            out = self.lm(input_ids=ids).logits[0].float()
-        return out[len(prompt) - 1 : -1]
+        return self.forward(ids)[0][len(prompt) - 1 : -1]
 
     def hidden_and_head(self, sample: _Sample) -> tuple[torch.Tensor, torch.Tensor]:
         ids = self.torch.tensor([sample.prompt + sample.completion], device=self.device)
         with self.torch.no_grad():
-            hidden = self.lm.model(input_ids=ids).last_hidden_state[0]
+            hidden = self.decoder(input_ids=ids).last_hidden_state[0]
         p = len(sample.prompt)
         return hidden[p - 1 : -1].float(), self.lm.get_output_embeddings().weight.float()
 
@@ -262,11 +280,10 @@ class _Scorer:
         if not 0 < cached < len(sample.prompt) or not self.load(stale):
             return None
         ids = self.torch.tensor([sample.prompt + sample.completion], device=self.device)
-        with self.torch.no_grad():
-            cache = self.lm(input_ids=ids[:, :cached], use_cache=True).past_key_values
-            if not self.load(version):
-                return None
-            logits = self.lm(input_ids=ids[:, cached:-1], past_key_values=cache).logits[0].float()
+        _, kv = self.forward(ids[:, :cached], cache=True)
+        if not self.load(version):
+            return None
+        logits, _ = self.forward(ids[:, cached:-1], past=kv)
         return logits[len(sample.prompt) - 1 - cached :]
 
 
@@ -346,15 +363,17 @@ def locate(
     max_tensor_samples: int = 2,
     budget_s: float = 60.0,
     tokenizer_dir: str | Path | None = None,
+    precision: str = "fp32",
 ) -> MismatchReport | None:
     """The report for these groups, or None when no sample's versions are held by `history`.
-    `tokenizer_dir` (the model's) enables the re-tokenized-history replay of multi-turn episodes."""
+    `tokenizer_dir` (the model's) enables the re-tokenized-history replay of multi-turn episodes;
+    `precision` is the trainer's (its scorer's), so that the replays score as the trainer does."""
     samples = [
         s for s in samples_of(groups, max_samples) if all(history.get(v) is not None for v in set(s.versions))
     ]
     if not samples:
         return None
-    hypotheses = _Hypotheses(_Scorer(lm, history), samples)
+    hypotheses = _Hypotheses(_Scorer(lm, history, precision), samples)
     report = MismatchReport(
         tokens=len(hypotheses.rollout), k3=mismatch.mismatch_stats(hypotheses.base, hypotheses.rollout).k3
     )
@@ -751,8 +770,7 @@ class _Hypotheses:
                 changed += again != history
                 context = [*s.prompt, *again]
                 ids = torch.tensor([[*context, *s.completion[start:end]]], device=scorer.device)
-                with torch.no_grad():
-                    logits = scorer.lm(input_ids=ids).logits[0, len(context) - 1 : -1].float()
+                logits = scorer.forward(ids)[0][len(context) - 1 : -1]
                 lp = processed_logprobs(logits, s.transform)
                 for k in ks:
                     at = s.model_at[k] - start
