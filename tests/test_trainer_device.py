@@ -133,6 +133,39 @@ def test_bf16_gradients_reach_the_float32_weights_which_stay_in_place(tiny_model
     assert all(dict(model.named_parameters())[name] is param for name, param in before.items())
 
 
+def test_a_bf16_cast_that_runs_out_of_memory_puts_back_the_weights_it_swapped(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The third weight's cast on entry to a layer fails (as an out-of-memory on a GPU does): the
+    two weights already swapped for bf16 copies are the float32 parameters again afterwards, and a
+    later step computes as before."""
+    from trainer.policy import load_model, scorer_for, token_logprobs
+
+    model = load_model(tiny_model)
+    scorer = scorer_for(model, "bf16")
+    before = dict(model.named_parameters())
+    with torch.no_grad():
+        expected = token_logprobs(scorer, _inputs(2))[0]
+    real_to, casts = torch.Tensor.to, []
+
+    def to(self, *args, **kwargs):
+        if args and args[0] is torch.bfloat16 and isinstance(self, torch.nn.Parameter):
+            casts.append(self)
+            if len(casts) == 3:
+                raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        token_logprobs(scorer, _inputs(2))
+    monkeypatch.undo()
+    after = dict(model.named_parameters())
+    assert len(casts) == 3 and all(after[name] is param for name, param in before.items())
+    assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float32 for p in after.values())
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(scorer, _inputs(2))[0], expected)
+
+
 def test_token_budget_bounds_padded_tokens() -> None:
     from trainer.policy import padded_tokens, token_budget_batches
 

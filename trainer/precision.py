@@ -61,13 +61,16 @@ def bf16_decoder(lm) -> None:
 def _cast_weights_in(module, _args) -> None:
     import torch
 
-    swapped = []
+    swapped: list = []
+    # On the stack before the first swap: a cast that raises (out of memory) leaves the weights it
+    # already swapped where _put_weights_back, which runs also then, finds them.
+    module.__dict__.setdefault("_parity_swapped", []).append(swapped)
     for owner in module.modules():
         for name, param in list(owner._parameters.items()):
             if param is not None and param.dtype == torch.float32:
+                bf16 = param.to(torch.bfloat16)  # differentiable: grads reach param
                 swapped.append((owner, name, param))
-                owner._parameters[name] = param.to(torch.bfloat16)  # differentiable: grads reach param
-    module.__dict__.setdefault("_parity_swapped", []).append(swapped)
+                owner._parameters[name] = bf16
 
 
 def _put_weights_back(module, _args, _output) -> None:
