@@ -174,7 +174,8 @@ def test_update_weights_by_cuda_ipc_to_a_worker_on_the_trainers_gpu(
     """The service path: a stand-in receiver on this GPU registers its device, the trainer's
     publisher (CUDA tensors) offers one packed buffer by IPC, the worker maps, copies and verifies it;
     with a CPU worker too, that one gets the same version over the gloo group in the same publish.
-    Then a worker on this GPU joins late and gets the trainer's snapshot by IPC (catch-up)."""
+    Then a worker on this GPU joins late and gets the trainer's snapshot by IPC (catch-up), from the
+    publisher that published it and from a restarted trainer's, which has published nothing."""
     import grpc
 
     from parity.procs import start_service
@@ -227,6 +228,15 @@ def test_update_weights_by_cuda_ipc_to_a_worker_on_the_trainers_gpu(
         assert info["gpu-w"].weight_version == 2
         assert info["gpu-late"].verified and info["gpu-late"].weight_version == 2
         assert list(status.epoch_members) == (["cpu-w"] if with_group_worker else [])
+        # A restarted trainer: a new publisher that has published nothing yet serves version 2's
+        # catch-up, and a worker on this GPU that joins now gets it by IPC too.
+        publisher.close()
+        publisher = Publisher(broadcast.address, "toy", auth_token=TOKEN, wait_committed_s=60)
+        publisher.serve_catch_up(2, _cuda_versions(2))
+        workers["gpu-after"] = start_standin(tmp_path, broadcast.address, "gpu-after", "--device", "cuda")
+        workers["gpu-after"].wait_ready(120)
+        after = _served(tmp_path, "gpu-after")
+        assert after["version"] == 2 and after["checksums"] == expected and after["path"] == "cuda_ipc", after
         print(f"ipc path ok ({'with' if with_group_worker else 'without'} a group worker)")
     finally:
         publisher.close()

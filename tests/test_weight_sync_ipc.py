@@ -49,6 +49,7 @@ class RecordingWorker(rollout_pb2_grpc.RolloutServiceServicer):
 class Env:
     def __init__(self, log_dir: Path, address: str, recorder: RecordingWorker) -> None:
         self.log_dir = log_dir
+        self.address = address
         self.channel = grpc.insecure_channel(address)
         self.stub = broadcast_pb2_grpc.WeightBroadcastServiceStub(self.channel)
         self.recorder = recorder
@@ -307,4 +308,58 @@ def test_a_late_worker_on_the_trainers_gpu_catches_up_by_ipc(env: Env) -> None:
             time.sleep(0.1)
         assert info.verified and info.weight_version == latest, info
     finally:
+        server.stop(1)
+
+
+def test_a_restarted_trainers_publisher_catches_up_a_worker_on_its_gpu_by_ipc(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted trainer's Publisher has published nothing: it only serves the latest version's
+    catch-up (`serve_catch_up`, as the trainer does at start). A worker on its GPU that registers
+    then gets that version by an IPC offer, as after a publish. Fakes for what needs CUDA: the
+    tensors are said to be on the GPU (`_device_uuid`), the packed buffer stays on the CPU, and its
+    handle is `handle_for` (the recording worker maps nothing)."""
+    import torch
+
+    from parity.weights import sender
+
+    latest = settle_next(env)
+    monkeypatch.setattr(sender, "_device_uuid", lambda named: GPU if named else "")
+    real_pack = sender.pack
+    monkeypatch.setattr(
+        sender, "pack", lambda ordered, layout, device: real_pack(ordered, layout, device="cpu")
+    )
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(
+        sender,
+        "export_buffer",
+        lambda buffer, uuid, timeout_s: handle_for(buffer.numel() * buffer.element_size(), uuid),
+    )
+    publisher = sender.Publisher(env.address, "toy", auth_token=TOKEN)
+    late = RecordingWorker()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(late, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        publisher.serve_catch_up(latest, toy_weights(latest))
+        env.stub.RegisterWorker(
+            pb.RegisterWorkerRequest(
+                worker_id="gpu-after-restart", address=f"127.0.0.1:{port}", device_uuid=GPU
+            ),
+            metadata=bearer(TOKEN),
+            timeout=5,
+        )
+        assert late.seen.wait(30), "the restarted trainer's publisher offered no IPC buffer"
+        got = late.requests[-1].plan
+        assert got.version == latest and got.cuda_ipc.nbytes == nbytes_of(latest), got
+        deadline = time.monotonic() + 30  # the catch-up counts once the worker acked
+        while publisher.catch_ups_sent == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert publisher.catch_ups_sent == 1
+    finally:
+        publisher.close()
+        env.stub.UnregisterWorker(
+            pb.UnregisterWorkerRequest(worker_id="gpu-after-restart"), metadata=bearer(TOKEN), timeout=5
+        )
         server.stop(1)

@@ -257,8 +257,7 @@ class Publisher:
                 raise PublishError(f"plan names tensor {exc} that the trainer does not have") from None
             sent = 0
             # workers on this GPU map one packed copy (kept until the version settles), never a rank
-            if device_uuid:
-                self._gpu = (ordered[0].device, device_uuid)
+            self._note_gpu(named, device_uuid)
             ipc_buffer = self._offer_ipc(version, plan, ordered) if reply.ipc_workers else None
             if plan.rendezvous.world_size > 1:  # else: no worker in the epoch, nothing to send
                 try:
@@ -354,7 +353,15 @@ class Publisher:
         without this neither would ever move. `named` are that version's tensors (with a `snapshots`
         source, only their names are kept)."""
         if self._stub is not None and version > 0:
+            # A restarted trainer publishes nothing before its first step: its GPU comes from here,
+            # for a catch-up of workers on it (by CUDA IPC, like a publish).
+            self._note_gpu(named, _device_uuid(named))
             self._keep(version, tuple(name for name, _ in named), dict(named))
+
+    def _note_gpu(self, named: NamedTensors, device_uuid: str) -> None:
+        """Remember the GPU of CUDA tensors (`device_uuid` non-empty) for IPC offers."""
+        if device_uuid:
+            self._gpu = (named[0][1].device, device_uuid)
 
     def _keep(self, version: int, names: tuple, by_name: dict) -> None:
         if self._snapshots is not None:
