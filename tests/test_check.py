@@ -114,6 +114,33 @@ def test_gate_passes_without_non_finite_logprobs_and_at_most_the_threshold() -> 
     assert "FAILED" in _report([bad]).table and "PASSED" in _report([good]).table
 
 
+def test_the_check_renders_prompts_as_the_actor_does(tmp_path: Path, tiny_model: Path) -> None:
+    """The preflight's prompts come from the task as configured: renamed fields (a source read with
+    its defaults would refuse the rows), the system prompt and the chat template as the actor
+    renders them (rollout/tasks/chat.py)."""
+    from transformers import AutoTokenizer
+
+    from commands.check.check import check_prompts
+    from rollout.tasks.base import Prompt
+    from rollout.tasks.chat import token_ids
+
+    data = tmp_path / "qa.jsonl"
+    rows = [{"question": f"What is {i} + 1?", "solution": str(i + 1)} for i in range(6)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    task = {"task": f"jsonl:{data}", "task.prompt_field": "question", "task.answer_field": "solution"}
+    for template, system in ((True, "Answer with a number."), (False, "Answer with a number."), (True, "")):
+        config = config_for(
+            "check", model="tiny", **task, **{"task.chat_template": template, "task.system_prompt": system}
+        )
+        prompts, _ = check_prompts(tiny_model, config.task, 3, seed=0)
+        texts = {row["question"] for row in rows}
+        assert len(prompts) == 3
+        for ids in prompts:
+            matches = [t for t in texts if token_ids(tokenizer, Prompt("q", t, ""), template, system) == ids]
+            assert len(matches) == 1, (template, system, tokenizer.decode(ids))
+
+
 # --- bad input (fast: rejected before any engine starts) ------------------------------------------
 @pytest.mark.parametrize(
     ("argv", "field"),

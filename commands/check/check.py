@@ -46,6 +46,7 @@ from commands.check.report import (
 )
 from parity.config import ConfigError, ParityConfig, env_for, write_config
 from parity.config.entry import entrypoint
+from parity.config.task import TaskConfig
 from parity.head_lattice import HeadLattice, head_lattice
 from parity.mismatch import MismatchStats
 
@@ -146,19 +147,27 @@ def _verdict(row: CheckRow) -> str:
 
 
 def check_prompts(
-    model_dir: Path, task_name: str, num_prompts: int, seed: int
+    model_dir: Path, task_config: TaskConfig, num_prompts: int, seed: int
 ) -> tuple[list[list[int]], object]:
-    """The task's first `num_prompts` training prompts as token ids (chat template), and the tokenizer."""
+    """The task's first `num_prompts` training prompts as token ids, rendered as the actor renders
+    them (the task's source options, `task.chat_template`, `task.system_prompt`), and the tokenizer."""
     from transformers import AutoTokenizer
 
     from rollout.tasks import get_task
+    from rollout.tasks.chat import needs_tokenizer, request_text, token_ids
     from rollout.vllm_engine import encode_prompt
 
-    task = get_task(task_name, seed)
+    task = get_task(task_config.name, seed, task_config)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    use_chat_template = bool(getattr(task, "use_chat_template", True))
+    template, system = task_config.chat_template, task_config.system_prompt
     stream = task.train_prompts()
-    prompts = [encode_prompt(tokenizer, next(stream).text, use_chat_template) for _ in range(num_prompts)]
+    prompts = []
+    for _ in range(num_prompts):
+        prompt = next(stream)
+        if needs_tokenizer(prompt, template, system):
+            prompts.append(token_ids(tokenizer, prompt, template, system))
+        else:  # what the engine encodes from the actor's prompt_text
+            prompts.append(encode_prompt(tokenizer, request_text(prompt, template, system), template))
     return prompts, tokenizer
 
 
@@ -311,7 +320,7 @@ def run_check(config: ParityConfig) -> CheckReport:
         raise ConfigError("check.ablate: the ablation starts its own engines; drop --check.rollout_address")
     started = time.perf_counter()
     model_dir = models.resolve(config.model.name)
-    prompts, tokenizer = check_prompts(model_dir, config.task.name, check.num_prompts, config.run.seed)
+    prompts, tokenizer = check_prompts(model_dir, config.task, check.num_prompts, config.run.seed)
     sampling = check_sampling(config)
     trainer = TrainerSide()
     if check.ablate:
