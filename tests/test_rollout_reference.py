@@ -218,6 +218,31 @@ def test_an_interrupted_evaluation_stops_at_once_with_its_requests_in_flight(
 
 
 @pytest.mark.slow
+def test_an_evaluation_waits_out_the_services_admission_limits(start_services, tiny_model: Path) -> None:
+    """A held-out evaluation sends more requests at once (3 greedy, 3 pass@2) than the service
+    admits (here one): the refused ones (RESOURCE_EXHAUSTED, with a retry hint) are sent again
+    after the hint, and every prompt is scored."""
+    from commands.run.evaluation import evaluate
+    from parity.ports import free_port
+    from tests.reward_helpers import make_task
+    from tests.test_metrics_endpoints import sample_value, scrape
+
+    port = free_port()
+    service = start_services(
+        "rollout", "--engine", "reference", "--model", str(tiny_model), "--max_inflight_requests", "1",
+        "--metrics_port", str(port),
+    )  # fmt: skip
+    result = evaluate(
+        service.address, make_task(), num_prompts=3, max_tokens=8, use_chat_template=False, label="x",
+        concurrency=6, timeout_s=120.0, pass_k=2, sampling=_sampling(temperature=1.0, seed=3),
+    )  # fmt: skip
+    assert len(result.items) == 3 and all(item.completion is not None for item in result.items)
+    assert all(item.sample_rewards is not None and len(item.sample_rewards) == 2 for item in result.items)
+    refused = sample_value(scrape(port), "parity_rollout_refused_requests_total", limit="in_flight_requests")
+    assert refused > 0  # the evaluation did meet the limit
+
+
+@pytest.mark.slow
 def test_actor_publishes_scored_groups_with_backpressure(
     start_services, tiny_model: Path, redis_url: str
 ) -> None:

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from parity.errors import RETRY_AFTER_METADATA_KEY
+from parity.grpc_retry import retryable
 from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 CORRECT_REWARD = 0.999
@@ -80,10 +82,25 @@ def _generate(
         try:
             return list(stub.Generate(request, timeout=max(1.0, deadline - time.monotonic())).completions)
         except grpc.RpcError as exc:
-            # UNAVAILABLE while a worker catches up on weights; retry until the deadline.
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+            # Retried until the deadline: UNAVAILABLE while a worker catches up on weights, and
+            # RESOURCE_EXHAUSTED while the service's admission limits are full (the run's actor
+            # shares them; a request alone is always admitted), after the service's retry hint.
+            code = exc.code()
+            overloaded = code == grpc.StatusCode.RESOURCE_EXHAUSTED and retryable(exc)
+            if not (code == grpc.StatusCode.UNAVAILABLE or overloaded) or time.monotonic() > deadline:
                 raise
-            time.sleep(0.5)
+            time.sleep(_retry_after_s(exc) if overloaded else 0.5)
+
+
+def _retry_after_s(exc: grpc.RpcError) -> float:
+    """The refusal's `retry-after-ms` hint (parity/errors.py), within 0.05-5 s; 0.5 s without one."""
+    for key, value in exc.trailing_metadata() or ():  # type: ignore[attr-defined]
+        if key == RETRY_AFTER_METADATA_KEY:
+            try:
+                return min(5.0, max(0.05, int(value) / 1000))
+            except ValueError:
+                break
+    return 0.5
 
 
 def _generate_all(
