@@ -308,3 +308,16 @@ def test_example_reasoning_gym_config_passes_start_up_validation() -> None:
     task = validate_inputs(load(flags, home="run", environ={}).config)
     assert task.name == "reasoning_gym:basic_arithmetic,leg_counting"
     assert len(task.eval_prompts(50)) == 50
+
+
+def test_an_environment_service_that_is_not_there_fails_start_up_naming_the_field() -> None:
+    """`--task env:grpc:HOST:PORT` with nothing listening: one line naming task.name and the
+    address, before any process starts (no traceback)."""
+    from commands.run.launcher import RunConfigError, validate_inputs
+    from parity.ports import free_port
+
+    spec = f"env:grpc:127.0.0.1:{free_port()}"
+    flags = ["--task", spec, "--model", "tiny", "--task.env_retries", "0"]
+    with pytest.raises(RunConfigError, match=r"^task\.name: ") as info:
+        validate_inputs(load(flags, home="run", environ={}).config)
+    assert spec in str(info.value) and "UNAVAILABLE" in str(info.value), info.value

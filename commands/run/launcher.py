@@ -92,6 +92,7 @@ def child_config(
 
 def validate_inputs(cfg: ParityConfig) -> object:
     """Resolve the task, then the model (preparing it if needed), before any process starts."""
+    from rollout.environments.base import EnvironmentFailed
     from rollout.rewards import build_scorer
     from rollout.tasks import get_task
     from rollout.tasks.chat import check_prompt_format
@@ -109,6 +110,8 @@ def validate_inputs(cfg: ParityConfig) -> object:
             finite + (task.eval_prompts(cfg.task.eval_size) if cfg.task.eval_size else []),
             cfg.task.chat_template,
         )
+    except EnvironmentFailed as exc:  # env:grpc: the service is not there, or refused this run
+        raise RunConfigError(f"task.name: {cfg.task.name}: {exc.message}") from None
     except ValueError as exc:
         message = str(exc)
         if message.startswith("task: "):
