@@ -321,3 +321,26 @@ def test_an_environment_service_that_is_not_there_fails_start_up_naming_the_fiel
     with pytest.raises(RunConfigError, match=r"^task\.name: ") as info:
         validate_inputs(load(flags, home="run", environ={}).config)
     assert spec in str(info.value) and "UNAVAILABLE" in str(info.value), info.value
+
+
+def test_a_held_out_set_smaller_than_eval_size_is_said_at_start(tmp_path: Path) -> None:
+    from commands.run.launcher import held_out_shortfall, validate_inputs
+
+    def note(*flags: str) -> str | None:
+        cfg = load(["--model", "tiny", *flags], home="run", environ={}).config
+        return held_out_shortfall(cfg, validate_inputs(cfg))
+
+    few = tmp_path / "few.jsonl"
+    few.write_text(
+        "".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(2))
+    )
+    assert note("--task", f"jsonl:{few}") == (
+        "held-out set: 0 prompts, fewer than task.eval_size 100 (nothing to evaluate; give a held-out "
+        "file with --eval_task, or raise --task.eval_fraction)"
+    )
+    assert note("--task", "env:guess_number") == (
+        "held-out set: 65 prompts, fewer than task.eval_size 100 (accuracy is over those)"
+    )
+    assert note("--task", "env:guess_number", "--task.eval_size", "50") is None
+    assert note() is None  # the default task holds 100
+    assert note("--task", f"jsonl:{few}", "--task.eval_size", "0") is None  # no evaluation asked for

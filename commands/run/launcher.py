@@ -128,6 +128,24 @@ def validate_inputs(cfg: ParityConfig) -> object:
     return task
 
 
+def held_out_shortfall(cfg: ParityConfig, task: object) -> str | None:
+    """A line for the console when the task's held-out set is smaller than `task.eval_size` (a small
+    data set, a small built-in environment), which the evaluation would otherwise only show as a
+    count; None when it is not."""
+    wanted = cfg.task.eval_size
+    if not wanted:
+        return None
+    held = len(task.eval_prompts(wanted))  # type: ignore[attr-defined]
+    if held >= wanted:
+        return None
+    fix = (
+        "nothing to evaluate; give a held-out file with --eval_task, or raise --task.eval_fraction"
+        if held == 0
+        else "accuracy is over those"
+    )
+    return f"held-out set: {held} prompts, fewer than task.eval_size {wanted} ({fix})"
+
+
 # --- gRPC helpers ---------------------------------------------------------------------------------
 def rollout_status(address: str) -> dict:
     import grpc
@@ -281,6 +299,9 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str], resume: Resu
     """One launch of the run in `run_dir`: a new run, or (`resume`) the continuation of one."""
     run_started = time.monotonic()
     task = validate_inputs(cfg)
+    note = held_out_shortfall(cfg, task)
+    if note:
+        log(note)
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume is None and (run_dir / "metrics.jsonl").exists():
         raise RunError(
