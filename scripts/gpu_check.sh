@@ -40,7 +40,7 @@ python3 scripts/step_mismatch.py "$out/pipeline_run" 2>&1 | tee "$out/pipeline_k
 # A real-size step: Qwen2.5-1.5B's shape, randomly initialised (no download), ours vs plain per micro-batch.
 step trainer_step_1.5b 300 python3 bench/trainer_step.py --shape qwen2.5-1.5b --device cuda --precision bf16 --groups 8 --group_size 8 \
   --prompt_len 128 --completion_len 896 --micro_batch_size 4,8 --repeats 3 --profile "$out/profile_1.5b"
-step gpu_tests 270 python3 -m pytest -m gpu -v -s -o timeout=150 tests/test_weight_sync_gpu.py tests/test_trainer_gpu.py tests/test_rollout_device.py tests/test_trainer_compile.py
+step gpu_tests 270 python3 -m pytest -m gpu -v -s -o timeout=150 tests/test_weight_sync_gpu.py tests/test_trainer_gpu.py tests/test_rollout_device.py tests/test_trainer_compile.py tests/test_weight_history.py
 # The bf16 trainer's forward against the reference engine's token-by-token bf16 decode, on CUDA (ours vs autocast).
 # (tiny: it is built here; SmolLM2's weights cannot be downloaded on the GPU host.)
 step bf16_forward_tiny 120 python3 bench/bf16_forward.py --device cuda --model tiny

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import runpy
 import shlex
 import subprocess
@@ -120,6 +121,18 @@ def test_every_gpu_test_file_collects_gpu_tests(tmp_path: Path) -> None:
         listed = any(line.startswith(path + "::") for line in lines)
         skipped = any(line.startswith(f"SKIPPED [1] {path}:") and "CUDA" in line for line in lines)
         assert listed or skipped, f"{name}: no gpu test in {path}:\n{done.stdout[-3000:]}"
+
+
+def test_the_gpu_tests_step_runs_every_file_with_gpu_tests(tmp_path: Path) -> None:
+    ((name, args),) = _commands("pytest", tmp_path)
+    listed = {arg for arg in args if arg.startswith("tests/")}
+    marked = {
+        f"tests/{path.name}"
+        for path in (ROOT / "tests").glob("test_*.py")
+        if re.search(r"\bpytest\.mark\.gpu\b", path.read_text())  # a decorator, pytestmark or a param's marks
+    }
+    assert len(marked) >= 5, marked
+    assert marked - listed == set(), f"{name}: gpu tests that scripts/gpu_check.sh never runs"
 
 
 def test_step_mismatch_prints_each_steps_k3(tmp_path: Path) -> None:
