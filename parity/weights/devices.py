@@ -35,11 +35,15 @@ def local_cuda_index(device_uuid: str) -> int | None:
 
 
 def available_bytes(device: str) -> int | None:
-    """Free memory where a receive buffer would go (None when it cannot be measured)."""
+    """Free memory where a receive buffer would go (None when it cannot be measured). On a GPU: the
+    named device's free memory, plus what this process's caching allocator holds unused (a worker
+    that shares the trainer's GPU allocates from that cache first)."""
     if device.startswith("cuda"):
         import torch
 
-        return int(torch.cuda.mem_get_info()[0])
+        gpu = torch.device(device)
+        cached = torch.cuda.memory_reserved(gpu) - torch.cuda.memory_allocated(gpu)
+        return int(torch.cuda.mem_get_info(gpu)[0]) + int(cached)
     try:
         with open("/proc/meminfo") as handle:
             for line in handle:
