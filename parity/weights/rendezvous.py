@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import hmac
@@ -117,8 +118,19 @@ def refuse_shared_devices(
         store.wait(keys, datetime.timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
     except (dist.DistStoreError, RuntimeError) as exc:
         raise TransferError(f"device check: not every rank reported its device in {timeout_s:.0f}s") from exc
+    try:
+        values = store.multi_get(keys)  # type: ignore[attr-defined]
+    except (dist.DistStoreError, RuntimeError) as exc:
+        raise TransferError(f"device check: the group's store went away while reading ({exc})") from exc
+    # Every rank has read before any leaves: the store may live in a rank's process (host_store),
+    # and a rank refused below exits; the others would then read a closed store, not the refusal.
+    store.set(f"device_read/{rank}", "1")  # type: ignore[attr-defined]
+    with contextlib.suppress(dist.DistStoreError, RuntimeError):
+        store.wait(  # type: ignore[attr-defined]
+            [f"device_read/{r}" for r in range(world_size)], datetime.timedelta(seconds=min(10.0, timeout_s))
+        )
     seen: dict[str, int] = {}
-    for r, raw in enumerate(store.multi_get(keys)):  # type: ignore[attr-defined]
+    for r, raw in enumerate(values):
         uuid = bytes(raw).decode()
         if uuid in seen:
             raise TransferError(
