@@ -43,18 +43,46 @@ from parity.ports import free_port
 _URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]+@")
 
 
-def die_with_parent() -> None:
+PARENT_PID_ENV = "PARITY_PARENT_PID"
+
+
+def mark_as_parent() -> None:
+    """Tell the children this process starts from now on its pid (`die_with_parent` reads it): a
+    child whose parent is pid 1 can then tell a parent that *is* pid 1 (a container's entrypoint)
+    from an orphan adopted by init."""
+    os.environ[PARENT_PID_ENV] = str(os.getpid())
+
+
+def _marked_parent() -> int | None:
+    try:
+        return int(os.environ.get(PARENT_PID_ENV, ""))
+    except ValueError:
+        return None
+
+
+def parent_is_gone(before: int, now: int, marked: int | None) -> bool:
+    """Whether the parent died before PR_SET_PDEATHSIG took effect: the parent pid changed
+    (`before`, read before the prctl; `now`, after), or it was already pid 1 (adopted by init)
+    when the parent had not marked itself as pid 1."""
+    return now != before or (before == 1 and marked != 1)
+
+
+def die_with_parent(marked: int | None = None) -> None:
     """Linux: the kernel SIGKILLs this process when its parent exits; exit now if it already has.
 
     Called at import time in every multiprocessing child whose main module is `commands.main` (it
     imports that module as `__mp_main__`; see commands.main). PR_SET_PDEATHSIG follows the parent
     *thread* that spawned the child: vLLM's engine core is spawned from a thread of the service's
     default executor (`asyncio.to_thread`), whose threads live until the event loop closes, and the
-    engine core spawns its workers from its main thread."""
+    engine core spawns its workers from its main thread. Then it marks itself (`mark_as_parent`)
+    for its own children. `marked`: the parent's pid when the caller knows it (else the parent's
+    mark, if any)."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
 
+    if marked is None:
+        marked = _marked_parent()
     parent = os.getppid()
     pr_set_pdeathsig = 1
     libc = ctypes.CDLL(None, use_errno=True)
@@ -64,8 +92,9 @@ def die_with_parent() -> None:
             "outlive its parent",
             file=sys.stderr,
         )
-    if parent == 1 or os.getppid() != parent:
+    if parent_is_gone(parent, os.getppid(), marked):
         os._exit(1)  # the parent is already gone
+    mark_as_parent()
 
 
 # Run as `python -I -S -c _PDEATHSIG_EXEC LAUNCHER_PID CMD...`: ask to be SIGKILLed when the parent
@@ -102,6 +131,7 @@ def children_die_with_this_process() -> None:
     default). multiprocessing runs its after-fork hooks in every child it forks."""
     import multiprocessing.util
 
+    mark_as_parent()  # spawned children (commands.main as __mp_main__) read it too
     multiprocessing.util.register_after_fork(_AFTER_FORK_KEY, lambda _key: die_with_parent())
 
 

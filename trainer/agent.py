@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from parity.config.entry import LOG_FORMAT
+from parity.procs import mark_as_parent
 from parity.stack_dumps import dump_stacks_on_sigusr1
 
 EXIT_FILE_ENV = "PARITY_RANK0_EXIT_FILE"
@@ -82,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.run import main as torchrun_main
 
     dump_stacks_on_sigusr1()
+    mark_as_parent()  # the ranks die with this agent, also when it is a container's pid 1
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     remove_orphaned_scratch(Path(tempfile.gettempdir()))
     with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:

@@ -48,8 +48,19 @@ def rank() -> int:
 
 
 def die_with_agent() -> None:
-    """Linux: SIGKILL this rank when its parent (torchrun's agent) exits; exit now if it already has."""
-    die_with_parent()
+    """Linux: SIGKILL this rank when its parent (torchrun's agent) exits; exit now if it already has.
+    An agent that is pid 1 (a container's entrypoint: plain `torchrun` too, which does not mark
+    itself as Parity's agent does) is this rank's parent, not init that adopted an orphan."""
+    die_with_parent(1 if os.getppid() == 1 and _agent_is_pid_1() else None)
+
+
+def _agent_is_pid_1() -> bool:
+    try:
+        args = Path("/proc/1/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    names = {Path(arg.decode(errors="replace")).name for arg in args}
+    return bool(names & {"torchrun", "torch.distributed.run", "trainer.agent"})
 
 
 def torchrun_command(nproc: int) -> list[str]:
