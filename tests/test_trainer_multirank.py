@@ -470,3 +470,23 @@ def test_the_relaunch_command_carries_no_config_and_no_secret(tmp_path: Path) ->
     assert env["PARITY_RUN_REDIS_URL"] == "redis://:pw-456@127.0.0.1:1/0"
     reloaded = load([], home="trainer", environ=env).config
     assert reloaded == config  # the ranks see exactly this process's config
+
+
+def test_the_ranks_keep_a_flag_that_overrode_an_environment_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from parity.config import load
+    from parity.config.loader import write_config
+    from trainer import launch
+
+    monkeypatch.setenv("PARITY_TRAINER_LR", "1e-05")
+    argv = ["--nproc", "2", "--lr", "3e-05", "--run_dir", str(tmp_path)]
+    config = load(argv, home="trainer", environ=dict(os.environ)).config
+    assert config.trainer.lr == 3e-05  # a flag beats the environment
+    path = tmp_path / "config.toml"
+    write_config(config, path)
+    env = launch.child_environment(config, path)
+    assert "PARITY_TRAINER_LR" not in env
+    assert load([], home="trainer", environ=env).config.trainer.lr == 3e-05

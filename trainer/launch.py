@@ -96,10 +96,14 @@ def secret_environment(config: ParityConfig) -> dict[str, str]:
 
 
 def child_environment(config: ParityConfig, config_path: Path) -> dict[str, str]:
-    """This process's environment with PARITY_CONFIG pointing at the written config and the secrets."""
-    from parity.config.loader import CONFIG_FILE_ENV
+    """This process's environment with PARITY_CONFIG pointing at the written config and the secrets.
+    Its config variables are left out: the written config already holds what they set, unless a
+    flag overrode them, and in the ranks they would beat the file (a flag lost to a variable)."""
+    from parity.config.loader import CONFIG_FILE_ENV, config_env_keys
 
-    return {**os.environ, CONFIG_FILE_ENV: str(config_path), **secret_environment(config)}
+    dropped = set(config_env_keys(os.environ))
+    kept = {key: value for key, value in os.environ.items() if key not in dropped}
+    return {**kept, CONFIG_FILE_ENV: str(config_path), **secret_environment(config)}
 
 
 def relaunch(config: ParityConfig) -> int:
