@@ -196,12 +196,16 @@ class TransferGroup:
         layout = layout_of_tensors(tensors)
         if not tensors:
             return 0
+        device = tensors[0].device
+        if self.backend == "nccl" and device.type != "cuda":
+            # NCCL moves GPU memory only: host tensors (a catch-up's snapshot, the weight history's
+            # pinned copies) go through this GPU bucket by bucket, never the whole model at once.
+            device = torch.device("cuda", torch.cuda.current_device())
         in_place = packed_in_place(tensors, layout)
-        if in_place is not None:  # already one packed stream (flattened parameters): no copy at all
+        if in_place is not None and in_place.device == device:  # one packed stream already: no copy
             if in_place.device.type == "cuda":
                 torch.cuda.current_stream(in_place.device).synchronize()
             return self.send_packed(in_place, bucket_bytes)
-        device = tensors[0].device
         flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
         size = min(bucket_bytes, layout.total_bytes)
         staging = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2)]
@@ -210,7 +214,7 @@ class TransferGroup:
             bucket = staging[i % 2][: end - start]  # its last user (bucket i-2) has completed
             for flat, offset, nbytes in zip(flats, layout.offsets, layout.nbytes, strict=True):
                 lo, hi = max(start, offset), min(end, offset + nbytes)
-                if lo == start and hi == end:  # the whole bucket is inside this tensor
+                if lo == start and hi == end and flat.device == device:  # the bucket lies in this tensor
                     bucket = flat[lo - offset : hi - offset]
                     break
                 if lo < hi:
