@@ -232,15 +232,18 @@ def test_environment_names_real_config_keys_and_restates_no_default(compose) -> 
     from parity.config.loader import config_env_keys
 
     defaults = ParityConfig()
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())["services"]
     checked = 0
     for name, prefix in PARITY_SERVICES.items():
         env = {k: str(v) for k, v in compose["services"][name]["environment"].items()}
+        # `${VAR:-default}`: set from the host's environment, which may well restate the default
+        chosen = {k for k, v in raw[name]["environment"].items() if "${" in str(v)}
         assert env["PARITY_CONFIG"] == "/etc/parity/run.toml"
         assert "./infra/compose.toml:/etc/parity/run.toml:ro" in compose["services"][name]["volumes"]
         env["PARITY_CONFIG"] = str(ROOT / "infra" / "compose.toml")
         loaded = load([], home=prefix.lower(), environ=env)  # an unknown key would raise, naming it
         for key in config_env_keys(env):
-            if key == "PARITY_CONFIG":
+            if key == "PARITY_CONFIG" or key in chosen:
                 continue
             section, field = loaded.sources_key(key)
             default = getattr(getattr(defaults, section), field)
@@ -274,6 +277,24 @@ def test_the_trainer_awaits_every_rollout_service_the_file_starts() -> None:
         awaited = int(compose["services"]["trainer"]["environment"]["PARITY_TRAINER_AWAIT_WORKERS"])
         assert awaited == len(rollout_services(compose, profiles)), (profiles, awaited)
     assert len(rollout_services(load_compose(), {"gpu2"})) == 2
+
+
+def test_each_rollout_service_draws_its_own_share_of_the_prompts() -> None:
+    """The actors partition the prompt stream: each rollout service has its own rollout.worker_index,
+    0 to n-1, and run.rollout_workers n, the services the file starts (as the trainer awaits)."""
+    from parity.config import load
+
+    for profiles, env in (({"default"}, ENV), ({"gpu2"}, {**ENV, "PARITY_ROLLOUT_WORKERS": "2"})):
+        compose = load_compose(env)
+        names = rollout_services(compose, profiles)
+        indexes = []
+        for name in names:
+            service_env = {k: str(v) for k, v in compose["services"][name]["environment"].items()}
+            service_env["PARITY_CONFIG"] = str(ROOT / "infra" / "compose.toml")
+            config = load([], home="rollout", environ=service_env).config
+            assert config.run.rollout_workers == len(names), (name, profiles)
+            indexes.append(config.rollout.worker_index)
+        assert sorted(indexes) == list(range(len(names))), (profiles, dict(zip(names, indexes, strict=True)))
 
 
 def test_collector_wires_otlp_receiver_to_jaeger(compose) -> None:
