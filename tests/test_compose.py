@@ -352,6 +352,27 @@ def test_dockerfile_uses_cuda_base_and_gpu_setup() -> None:
                 assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
 
 
+def test_the_example_configs_data_files_are_in_the_image() -> None:
+    """A config mounted into the containers (examples/*.toml) reads its data from /app: the file
+    must be in a directory the Dockerfile copies."""
+    import tomllib
+
+    copied = set()
+    for line in (ROOT / "infra" / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY ") and not line.startswith("COPY --"):
+            copied.update(source.rstrip("/") for source in line.split()[1:-1])
+    checked = 0
+    for path in sorted((ROOT / "examples").glob("*.toml")):
+        name = tomllib.loads(path.read_text()).get("task", {}).get("name", "")
+        source, _, data = name.partition(":")
+        if source in ("jsonl", "hf") and not data.startswith("/"):
+            data = data.split(":")[0]
+            assert (ROOT / data).exists(), (path.name, data)
+            assert Path(data).parts[0] in copied, f"{path.name}: {data} is not in the image"
+            checked += 1
+    assert checked >= 1
+
+
 def test_healthcheck_probe_exit_codes() -> None:
     """`python -m parity.health` exits 0 only for SERVING (real GrpcServer on loopback)."""
     from parity.config import ServiceConfig
