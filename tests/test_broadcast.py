@@ -397,3 +397,21 @@ def test_three_quick_versions_end_on_newest_never_backwards_none_twice(cluster: 
     with pytest.raises(grpc.RpcError) as bad:
         next(iter(cluster.stub.WatchVersions(pb.WatchVersionsRequest(kinds=[99]), timeout=10)))
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kinds" in bad.value.details()
+
+
+def test_the_store_binds_its_own_address_and_peers_are_told_the_advertised_one(tmp_path: Path) -> None:
+    """broadcast.data_host is what peers are told (a Kubernetes Service name, here an address that
+    is not this host's); broadcast.data_bind_host is where the TCPStore listens."""
+    from parity.procs import start_service
+
+    service = start_service(
+        "broadcast",
+        ["--data_host", "192.0.2.7", "--data_bind_host", "127.0.0.1", "--store_port", "0"],
+        log_dir=tmp_path,
+        name="bind",
+    )
+    try:
+        service.wait_ready(120)  # binding 192.0.2.7 would fail: "cannot assign requested address"
+        assert "store 192.0.2.7:" in service.log_tail() and "bound on 127.0.0.1" in service.log_tail()
+    finally:
+        service.stop(10)

@@ -330,6 +330,20 @@ def test_topology_of_the_multi_node_overlay(rendered: dict[str, list[dict]]) -> 
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_rendezvous_store_listens_on_the_pods_own_address(
+    overlay: str, rendered: dict[str, list[dict]]
+) -> None:
+    """Peers reach the TCPStore at the Service's name, whose ClusterIP is no address of the pod: the
+    store binds the pod's IP (broadcast.data_bind_host), which Kubernetes fills in."""
+    (broadcast,) = [
+        d for d in rendered[overlay] if d["kind"] == "Deployment" and d["metadata"]["name"] == "broadcast"
+    ]
+    (container,) = containers(broadcast)
+    bind = {v["name"]: v for v in container["env"]}.get("PARITY_BROADCAST_DATA_BIND_HOST")
+    assert bind is not None and bind["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", bind
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_broadcast_reaches_redis_for_version_notify(
     overlay: str, rendered: dict[str, list[dict]], tmp_path: Path
 ) -> None:

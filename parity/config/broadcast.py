@@ -23,6 +23,11 @@ class BroadcastConfig(ServiceConfig):
         "127.0.0.1",
         description="Address peers use to reach this service's TCPStore and gloo sockets (the data plane).",
     )
+    data_bind_host: str = Field(
+        "",
+        description="Address the TCPStore listens on; empty: data_host. Set it where data_host is a "
+        "name that is not this host's own address (a Kubernetes Service: bind the pod's IP).",
+    )
     store_port: int = Field(
         0, ge=0, le=65535, description="TCPStore port for rendezvous; 0 picks a free one."
     )

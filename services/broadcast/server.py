@@ -36,7 +36,9 @@ async def serve(config: BroadcastConfig, notify: tuple[str, str] | None = None) 
 
     tracing.init("parity-broadcast")
     server = GrpcServer(config, [SERVICE], protected_methods=PROTECTED_METHODS)
-    store = serve_store(config.data_host, config.store_port, config.transfer_timeout_s)
+    store = serve_store(
+        config.data_bind_host or config.data_host, config.store_port, config.transfer_timeout_s
+    )
     store_port = store.port
     service = WeightBroadcastService(config, store_port)
     broadcast_pb2_grpc.add_WeightBroadcastServiceServicer_to_server(service, server.server)
@@ -59,12 +61,13 @@ async def serve(config: BroadcastConfig, notify: tuple[str, str] | None = None) 
     stopped = install_shutdown_handlers(shutdown)
     await server.set_serving(True)
     log.info(
-        "broadcast serving on %s:%d (backend %s, store %s:%d, metrics %s, events to redis %s)",
+        "broadcast serving on %s:%d (backend %s, store %s:%d bound on %s, metrics %s, events to redis %s)",
         config.host,
         server.port,
         config.backend,
         config.data_host,
         store_port,
+        config.data_bind_host or config.data_host,
         metrics_port,
         f"channels {notify[1]}:versions:*" if notify else "off",
     )
