@@ -324,6 +324,12 @@ def test_topology_of_the_multi_node_overlay(rendered: dict[str, list[dict]]) -> 
     assert trainer["spec"]["serviceName"] == "trainer-headless"
     assert "--master-addr=trainer-0.trainer-headless" in tc["args"]
     assert trainer["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    # Every rank writes its checkpoint shards into the run directory: one volume for all the pods.
+    runs = {m["mountPath"]: m["name"] for m in tc["volumeMounts"]}["/data/runs"]
+    (volume,) = [v for v in pod_spec(trainer)["volumes"] if v["name"] == runs]
+    claim = by_name[("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert env_value(tc, "PARITY_TRAINER_RUN_DIR").startswith("/data/runs/")
     # Each rollout registers its pod DNS name.
     assert env_value(containers(rollout)[0], "PARITY_ROLLOUT_HOST").startswith("$(POD_NAME).rollout.")
     assert "ServiceMonitor" in {k for k, _ in by_name}
