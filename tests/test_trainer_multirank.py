@@ -490,3 +490,19 @@ def test_the_ranks_keep_a_flag_that_overrode_an_environment_variable(
     env = launch.child_environment(config, path)
     assert "PARITY_TRAINER_LR" not in env
     assert load([], home="trainer", environ=env).config.trainer.lr == 3e-05
+
+
+def test_recompute_under_a_torchrun_of_its_own_is_refused_naming_the_field(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """trainer.nproc stays 1 where the deployment starts torchrun itself (Kubernetes): the world size
+    comes from its environment, and recompute, which several ranks do not support, is refused
+    before any process group is joined."""
+    from parity.config.base import ConfigError
+    from trainer.build import build_models
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    config = config_for("trainer", model="tiny", old_logprobs="recompute").trainer
+    with pytest.raises(ConfigError, match=r"^trainer\.old_logprobs: .*WORLD_SIZE=2"):
+        build_models(config, seed=0, model_name="tiny")

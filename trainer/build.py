@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from parity.config.base import ConfigError
 from trainer import fsdp
 from trainer import precision as numerics
 from trainer.compiled import compile_decoder_layers
@@ -59,6 +60,11 @@ def build_models(config: TrainerConfig, seed: int, model_name: str) -> TrainingM
     device = resolve_device(cfg.device)
     rank, world_size = fsdp.world()
     distributed = world_size > 1
+    if distributed and cfg.old_logprobs == "recompute":  # under a torchrun of its own (Kubernetes)
+        raise ConfigError(
+            f"trainer.old_logprobs: recompute is not supported with more than one trainer rank "
+            f"(WORLD_SIZE={world_size}); use old_logprobs=behaviour"
+        )
     if distributed:
         fsdp.init_process_group(device, cfg.dist_timeout_s)
     model_dir = models.resolve(model_name)
