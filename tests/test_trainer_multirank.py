@@ -11,7 +11,8 @@
   finishes: STOP reaches rank 1, both ranks wrote their checkpoint shards, and the service exits 0
   (`trainer.agent`: plain torchrun exits 1 after any signal).
 - With `--after_last_step serve`, rank 0 stops rank 1 after the last step and stays SERVING past
-  the collective timeout (rank 1 left waiting would fail its collective and end the service).
+  the collective timeout (rank 1 left waiting would fail its collective and end the service); rank
+  1 stays up, idle, until the service is stopped.
 - A gated mismatch (rollouts whose logprobs are shifted by one token) is localised by rank 0 alone,
   on its whole frozen copy, with the same report as one rank's (logprobs_shifted first).
 - Killing rank 1 ends the service with a non-zero status and torchrun's report naming the rank,
@@ -272,6 +273,9 @@ def test_two_ranks_serving_after_the_last_step_outlive_the_collective_timeout(
         assert stub.GetStatus(trainer_pb2.TrainerServiceGetStatusRequest(), timeout=5).step == 1
     log = svc.log_path.read_text()
     assert "rank 1: stopped by rank 0 after 1 steps" in log, log[-3000:]
+    # Rank 1 stays up too: an agent whose ranks all exited would end (in Kubernetes, a pod of
+    # followers restarted into a rendezvous that can never complete).
+    assert "rank 1: idle while rank 0 serves" in log and alive(rank_pids(svc.proc.pid)[1]), log[-3000:]
     svc.signal(signal.SIGTERM)
     assert exit_code(svc, 60) == 0, svc.log_tail(40)  # rank 0's graceful stop, through trainer.agent
 

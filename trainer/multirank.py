@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -176,7 +177,22 @@ def follow(run_config: ParityConfig) -> int:
         else:
             raise RuntimeError(f"rank {trainer.rank}: unknown command {op} from rank 0")
     log.info("rank %d: stopped by rank 0 after %d steps", trainer.rank, steps)
+    if trainer.config.after_last_step == "serve":
+        wait_while_rank_0_serves(trainer.rank)
     import torch.distributed as dist
 
     dist.destroy_process_group()
     return 0
+
+
+def wait_while_rank_0_serves(rank: int) -> None:
+    """`trainer.after_last_step serve`: rank 0 stays up after the last step, so this rank does too,
+    until it is stopped (SIGTERM or SIGINT: the pod deleted, the agent stopping). A rank that
+    exited would end its torchrun agent: where that agent runs no rank 0 (another pod of a
+    StatefulSet), the pod would be restarted into a rendezvous that can never complete."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("rank %d: idle while rank 0 serves (trainer.after_last_step serve)", rank)
+    while not stop.wait(3600):
+        pass
