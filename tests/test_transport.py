@@ -534,3 +534,31 @@ def test_flattened_parameters_keep_identity_train_in_place_and_send_without_copy
         [p.detach() for p in params], Layout.of(checksum.describe(model.named_parameters()))
     )
     assert stream is not None and stream.data_ptr() == buffer.data_ptr()
+
+
+def test_the_nccl_error_setting_is_set_for_the_group_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An NCCL weight group is built with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly: a failed
+    transfer fails its work instead of ending the process); the process keeps its own setting
+    (torchrun's for the trainer's group) before and after. The group itself needs GPUs: a fake
+    constructor records the environment it was built under."""
+    import torch.distributed as dist
+
+    from parity.weights import rendezvous
+
+    seen = []
+
+    class FakeProcessGroupNCCL:
+        Options = type("Options", (), {})
+
+        def __init__(self, *args) -> None:
+            seen.append(os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeProcessGroupNCCL, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    port = free_port()
+    serve_store("127.0.0.1", port)
+    rdv = common_pb2.Rendezvous(
+        host="127.0.0.1", port=port, rank=0, world_size=1, backend="nccl", group_name="nccl-env", timeout_s=5
+    )
+    rendezvous.open_process_group(rdv, device_uuid="GPU-fake")
+    assert seen == ["2"] and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
