@@ -562,3 +562,57 @@ def test_the_nccl_error_setting_is_set_for_the_group_and_restored(monkeypatch: p
     )
     rendezvous.open_process_group(rdv, device_uuid="GPU-fake")
     assert seen == ["2"] and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+def test_an_nccl_receiver_keeps_a_few_buckets_posted_not_the_whole_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NCCL's watchdog times each work from when it is posted: a receiver that posted all of a
+    model's buckets at once would give the whole transfer one timeout. A gloo receiver posts them
+    all (disjoint views of one buffer); an NCCL one keeps NCCL_RECEIVES_POSTED. The group here is
+    gloo, the receiver labelled NCCL (NCCL itself needs two GPUs)."""
+    import torch
+
+    from parity.weights import wire
+
+    port = free_port()
+    serve_store("127.0.0.1", port)
+    groups: list = [None, None]
+
+    def join(rank: int) -> None:
+        groups[rank] = TransferGroup.join(_rendezvous(port, rank, 2, 10.0, "posted"), algorithm="broadcast")
+
+    joins = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join(30)
+    sender, receiver = groups
+    tensor = torch.arange(3000, dtype=torch.float32)  # 12,000 bytes: 12 buckets of 1,000
+    metas = checksum.describe([("t", tensor)])
+    real_issue, real_wait = receiver._issue, receiver._wait
+    try:
+        for label, expected in (("nccl", wire.NCCL_RECEIVES_POSTED), ("gloo", 12)):
+            receiver.backend = label
+            posted, peak = [0], [0]
+
+            def issue(buffer, posted=posted, peak=peak):
+                posted[0] += 1
+                peak[0] = max(peak[0], posted[0])
+                return real_issue(buffer)
+
+            def wait(work, nbytes, posted=posted):
+                real_wait(work, nbytes)
+                posted[0] -= 1
+
+            monkeypatch.setattr(receiver, "_issue", issue)
+            monkeypatch.setattr(receiver, "_wait", wait)
+            send = threading.Thread(target=sender.send, args=([tensor], 1000))
+            send.start()
+            out = receiver.recv_packed(metas, 1000)
+            send.join(30)
+            assert torch.equal(out.view(torch.float32), tensor), label
+            assert peak[0] == expected, (label, peak[0])
+    finally:
+        for group in groups:
+            group.close()

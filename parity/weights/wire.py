@@ -52,6 +52,9 @@ def default_algorithm(backend: str) -> str:
     return "chain" if backend == "gloo" else "broadcast"
 
 
+NCCL_RECEIVES_POSTED = 4  # buckets an NCCL receiver keeps posted (each one within timeout_s)
+
+
 class TransferGroup:
     """A standalone torch.distributed group for one transfer (see module docstring)."""
 
@@ -267,7 +270,7 @@ class TransferGroup:
         verification does not all wait for the last bucket). Every bucket's receive is posted at
         once (`ahead=0`: they are disjoint views of one buffer, so this costs no memory), and the
         wire never waits on `progress`; `ahead=n` keeps at most n posted (a receiver that models a
-        slow link)."""
+        slow link). NCCL keeps NCCL_RECEIVES_POSTED posted unless `ahead` says otherwise."""
         import torch
 
         if self.rank == 0:
@@ -279,7 +282,11 @@ class TransferGroup:
         buckets = layout.buckets(bucket_bytes)
         if self.algorithm == "chain":
             return self._recv_chain(buffer, buckets, progress, ahead)
-        depth = len(buckets) if ahead <= 0 else ahead
+        if ahead <= 0:
+            # gloo: every receive at once. NCCL's watchdog times a work from when it is posted, so
+            # posting a whole model's buckets would give the whole transfer one timeout_s: a few.
+            ahead = NCCL_RECEIVES_POSTED if self.backend == "nccl" else len(buckets)
+        depth = ahead
         posted: list[tuple[object, int, int]] = []
         for start, end in buckets[:depth]:
             posted.append((self._issue(buffer[start:end]), end - start, end))
