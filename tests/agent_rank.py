@@ -2,7 +2,7 @@
 
     python -m tests.agent_rank MODE READY_FILE
 
-It writes READY_FILE and waits. On SIGTERM it ends as MODE says: an integer N records N as rank
+It writes READY_FILE (and, beside it, the TORCH_ELASTIC_SHUTDOWN_TIMEOUT it inherited) and waits. On SIGTERM it ends as MODE says: an integer N records N as rank
 0's exit status (`trainer.agent.record_rank0_exit`, what the trainer service does) and exits N;
 `unrecorded` exits 0 without recording, as a rank 0 killed before its exit never records.
 """
@@ -28,6 +28,8 @@ def main() -> None:
         os._exit(int(mode))
 
     signal.signal(signal.SIGTERM, stop)
+    # the environment the agent gave its ranks (what torchrun reads its shutdown timeout from)
+    ready.with_suffix(".shutdown_timeout").write_text(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", ""))
     ready.write_text(str(os.getpid()))
     while True:
         time.sleep(0.05)

@@ -407,3 +407,12 @@ def test_healthcheck_probe_exit_codes() -> None:
         timeout=30,
     )
     assert bad.returncode == 2
+
+
+def test_the_trainer_has_time_to_stop_gracefully(compose) -> None:
+    """A stop finishes the step, publishes and checkpoints: compose waits longer than the agent waits
+    for its ranks (compose's own default, 10 s, would SIGKILL it mid-checkpoint)."""
+    from trainer.agent import SHUTDOWN_TIMEOUT_S
+
+    grace = compose["services"]["trainer"]["stop_grace_period"]
+    assert grace.endswith("s") and int(grace[:-1]) > SHUTDOWN_TIMEOUT_S, grace

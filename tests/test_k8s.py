@@ -350,6 +350,16 @@ def test_the_rendezvous_store_listens_on_the_pods_own_address(
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_trainer_has_time_to_stop_gracefully(overlay: str, rendered: dict[str, list[dict]]) -> None:
+    """The pod's grace period outlasts the agent's wait for its ranks (rank 0 finishes the step,
+    publishes and checkpoints); Kubernetes' default 30 s would SIGKILL it mid-checkpoint."""
+    from trainer.agent import SHUTDOWN_TIMEOUT_S
+
+    (trainer,) = [d for d in rendered[overlay] if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "trainer"]
+    assert pod_spec(trainer)["terminationGracePeriodSeconds"] > SHUTDOWN_TIMEOUT_S
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_broadcast_reaches_redis_for_version_notify(
     overlay: str, rendered: dict[str, list[dict]], tmp_path: Path
 ) -> None:

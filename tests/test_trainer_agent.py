@@ -19,16 +19,25 @@ from pathlib import Path
 import psutil
 import pytest
 
-from trainer.agent import EXIT_FILE_ENV, rank0_exit, remove_orphaned_scratch
+from trainer.agent import (
+    EXIT_FILE_ENV,
+    SHUTDOWN_TIMEOUT_ENV,
+    SHUTDOWN_TIMEOUT_S,
+    rank0_exit,
+    remove_orphaned_scratch,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_agent(tmp_path: Path, mode: str, name: str = "agent") -> tuple[subprocess.Popen, Path]:
+def start_agent(
+    tmp_path: Path, mode: str, name: str = "agent", extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, Path]:
     ready, log = tmp_path / f"{name}.ready", tmp_path / f"{name}.log"
     scratch_parent = tmp_path / "tmp"  # TMPDIR: where the agent keeps its scratch directory
     scratch_parent.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != EXIT_FILE_ENV} | {"TMPDIR": str(scratch_parent)}
+    env = {k: v for k, v in os.environ.items() if k not in (EXIT_FILE_ENV, SHUTDOWN_TIMEOUT_ENV)}
+    env |= {"TMPDIR": str(scratch_parent), **(extra_env or {})}
     command = [
         sys.executable, "-m", "trainer.agent", "--standalone", "--nproc-per-node=1", "--max-restarts=0",
         "--monitor-interval=0.5", "-m", "tests.agent_rank", mode, str(ready),
@@ -61,6 +70,19 @@ def test_a_signal_stop_exits_with_what_rank_0_recorded(tmp_path: Path, recorded:
     assert rc == recorded, text[-3000:]
     assert f"stopped by SIGTERM: rank 0 exited {recorded}" in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
+
+
+def test_the_agent_waits_longer_than_torchruns_30_s_for_a_graceful_stop(tmp_path: Path) -> None:
+    """Rank 0's graceful stop (finish the step, publish, checkpoint) outlasts torchrun's default 30 s
+    on a real model: the agent's ranks run under a longer shutdown timeout, unless one is set."""
+    for extra, expected in (({}, str(SHUTDOWN_TIMEOUT_S)), ({SHUTDOWN_TIMEOUT_ENV: "77"}, "77")):
+        name = f"agent{expected}"
+        proc, log = start_agent(tmp_path, "0", name=name, extra_env=extra)
+        try:
+            assert (tmp_path / f"{name}.shutdown_timeout").read_text() == expected
+        finally:
+            assert stop(proc, log)[0] == 0
+    assert SHUTDOWN_TIMEOUT_S > 30
 
 
 def test_a_rank_0_that_recorded_nothing_fails_the_stop_saying_so(tmp_path: Path) -> None:

@@ -38,6 +38,8 @@ from parity.stack_dumps import dump_stacks_on_sigusr1
 
 EXIT_FILE_ENV = "PARITY_RANK0_EXIT_FILE"
 SCRATCH_PREFIX = "parity-agent-"
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+SHUTDOWN_TIMEOUT_S = 240
 
 log = logging.getLogger("parity.trainer.agent")
 
@@ -92,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # torchrun's own temporary directories (torchelastic_*: the ranks' error files) go inside
         # ours, so that they go with it: torchrun never removes them, so every start left one.
         tempfile.tempdir = scratch
+        # After a stop signal the agent waits this long for the ranks (then SIGKILL): rank 0's
+        # graceful stop finishes its step, publishes and checkpoints, which takes longer than
+        # torchrun's 30 s on a real model. The deployments' grace periods are longer still.
+        os.environ.setdefault(SHUTDOWN_TIMEOUT_ENV, str(SHUTDOWN_TIMEOUT_S))
         try:
             torchrun_main(list(sys.argv[1:] if argv is None else argv))
         except SignalException as exc:
