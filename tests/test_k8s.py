@@ -355,7 +355,9 @@ def test_the_trainer_has_time_to_stop_gracefully(overlay: str, rendered: dict[st
     publishes and checkpoints); Kubernetes' default 30 s would SIGKILL it mid-checkpoint."""
     from trainer.agent import SHUTDOWN_TIMEOUT_S
 
-    (trainer,) = [d for d in rendered[overlay] if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "trainer"]
+    (trainer,) = [
+        d for d in rendered[overlay] if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "trainer"
+    ]
     assert pod_spec(trainer)["terminationGracePeriodSeconds"] > SHUTDOWN_TIMEOUT_S
 
 
