@@ -9,9 +9,12 @@ The container is a new user and pid namespace (`unshare -Urpf --mount-proc`) wit
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +74,46 @@ print(child.returncode, child.stdout.strip())
 def test_a_child_of_pid_1_lives_when_pid_1_marked_itself_its_parent(mode: str, child: str) -> None:
     done = _container(sys.executable, "-c", _PID_1, mode)
     assert done.returncode == 0 and done.stdout.strip() == child, done.stdout + done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rollout_service_that_is_a_containers_pid_1_starts_its_engine(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """`parity serve rollout` as a container's entrypoint (pid 1, as in docker-compose.yml): vLLM's
+    engine core, its child, starts and the service generates. Before, the engine core exited 1 at
+    start and the service never served."""
+    import grpc
+
+    from parity import health
+    from parity.ports import free_port
+    from parity.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+    _container(sys.executable, "-c", "pass")  # skips where namespaces cannot be made
+    port = free_port()
+    argv = ["unshare", "-Urpf", "--mount-proc", "--kill-child=SIGKILL", sys.executable, "-m", "commands.main"]
+    argv += ["serve", "rollout", "--model", str(tiny_model), "--port", str(port)]
+    log = tmp_path / "rollout.log"
+    with log.open("wb") as out:  # unshare ignores SIGTERM: the test signals the session instead
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600  # a vLLM start, on a loaded box
+        while health.check(f"127.0.0.1:{port}") != (True, "SERVING"):
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "not SERVING in 600 s"
+            time.sleep(0.5)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = rollout_pb2_grpc.RolloutServiceStub(channel).Generate(
+                rollout_pb2.GenerateRequest(
+                    prompt_token_ids=[5, 6, 7],
+                    sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=4),
+                ),
+                timeout=120,
+            )
+        assert len(reply.completions[0].token_ids) == 4
+        os.killpg(proc.pid, signal.SIGTERM)  # the service, pid 1 inside, stops as under `docker stop`
+        assert proc.wait(120) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
