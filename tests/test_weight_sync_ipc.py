@@ -276,13 +276,19 @@ def test_a_rollout_worker_validates_an_ipc_plan_and_fails_cleanly_without_cuda()
     assert staged.tensors == []
 
 
-def test_a_late_worker_on_the_trainers_gpu_catches_up_by_ipc(env: Env) -> None:
-    latest = settle_next(env)  # a version published before the late worker registers
-    late = RecordingWorker()
+def start_recording_worker() -> tuple[RecordingWorker, grpc.Server, int]:
+    """A RecordingWorker served over gRPC on a free loopback port: (worker, server, port)."""
+    worker = RecordingWorker()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(late, server)
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(worker, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    return worker, server, port
+
+
+def test_a_late_worker_on_the_trainers_gpu_catches_up_by_ipc(env: Env) -> None:
+    latest = settle_next(env)  # a version published before the late worker registers
+    late, server, port = start_recording_worker()
     try:
         env.stub.RegisterWorker(
             pb.RegisterWorkerRequest(worker_id="gpu-late", address=f"127.0.0.1:{port}", device_uuid=GPU),
@@ -336,11 +342,7 @@ def test_a_restarted_trainers_publisher_catches_up_a_worker_on_its_gpu_by_ipc(
         lambda buffer, uuid, timeout_s: handle_for(buffer.numel() * buffer.element_size(), uuid),
     )
     publisher = sender.Publisher(env.address, "toy", auth_token=TOKEN)
-    late = RecordingWorker()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(late, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    late, server, port = start_recording_worker()
     try:
         publisher.serve_catch_up(latest, toy_weights(latest))
         env.stub.RegisterWorker(
