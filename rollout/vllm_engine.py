@@ -576,6 +576,10 @@ def build_async_llm(args):
     from vllm.utils.ompmultiprocessing import OMPProcessManager
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    # vLLM forks its engine core by default on a GPU; this service has gRPC and asyncio threads
+    # running by then, which a fork copies half-way. Spawn, as vLLM itself sets on CPU (where every
+    # test runs), unless the environment chose.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     config = args.create_engine_config()
     omp = contextlib.nullcontext()
     if model_in_engine_core(args.distributed_executor_backend):

@@ -51,16 +51,26 @@ class ParityWorkerExtension:
         if running is not None and running.is_alive():
             return {"error": "a weight transfer is already being received"}
         plan = plan_from_bytes(plan_bytes)
-        device = "cuda" if plan.rendezvous.backend == "nccl" or plan.HasField("cuda_ipc") else "cpu"
+        worker_device = self.device  # type: ignore[attr-defined]  # vLLM's: cpu, or this worker's GPU
+        device = "cpu"  # a gloo plan stages on the host
+        if plan.rendezvous.backend == "nccl" or plan.HasField("cuda_ipc"):
+            device = str(worker_device) if worker_device.type == "cuda" else "cuda"
+        # The prepared swap builds a shadow of the model beside it: on a GPU that is a second copy of
+        # the weights in memory vLLM has already taken, so only an engine on the CPU prepares.
+        prepare = prepare and device == "cpu" and worker_device.type == "cpu"
         self._parity_staged, self._parity_stage_report, self._parity_prepared = None, None, None
 
         def stage() -> None:
             report: dict = {"error": "staging crashed", "checksums": [], "transfer_s": 0.0, "verify_s": 0.0}
             try:
+                if worker_device.type == "cuda":
+                    import torch
+
+                    torch.cuda.set_device(worker_device)  # a new thread starts on GPU 0
                 staged = receive_and_verify(plan, device=device, fault_corrupt_tensor=fault_corrupt_tensor)
                 self._parity_staged = None if staged.error else (int(plan.version), staged.named())
                 report = staged.report()
-                if self._parity_staged is not None and prepare and device == "cpu":
+                if self._parity_staged is not None and prepare:
                     report.update(self._parity_prepare(self._parity_staged[1]))
             finally:
                 self._parity_stage_report = report
@@ -113,6 +123,11 @@ class ParityWorkerExtension:
             before = _derived_gemms(runner.model)
             self.reload_weights(weights_iterator=iter(named))  # type: ignore[attr-defined]
             _refresh_embedding_derived_weights(runner.model, before)
+        worker_device = self.device  # type: ignore[attr-defined]
+        if worker_device.type == "cuda":  # the copies run on vLLM's stream: done before the staging goes
+            import torch
+
+            torch.cuda.synchronize(worker_device)
         self._parity_staged, self._parity_prepared = None, None
         return {"error": "", "swap_s": time.perf_counter() - start, "num_tensors": len(named)}
 

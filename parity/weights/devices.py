@@ -36,14 +36,12 @@ def local_cuda_index(device_uuid: str) -> int | None:
 
 def available_bytes(device: str) -> int | None:
     """Free memory where a receive buffer would go (None when it cannot be measured). On a GPU: the
-    named device's free memory, plus what this process's caching allocator holds unused (a worker
-    that shares the trainer's GPU allocates from that cache first)."""
+    named device's free memory. Not the allocator's unused cache: inside a vLLM engine that is the
+    forward pass's activation pool, which a staging buffer would take from the next step."""
     if device.startswith("cuda"):
         import torch
 
-        gpu = torch.device(device)
-        cached = torch.cuda.memory_reserved(gpu) - torch.cuda.memory_allocated(gpu)
-        return int(torch.cuda.mem_get_info(gpu)[0]) + int(cached)
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
     try:
         with open("/proc/meminfo") as handle:
             for line in handle:
