@@ -321,6 +321,12 @@ def test_the_examples_cover_cpu_one_gpu_eight_gpus_and_a_custom_task() -> None:
     assert {"cpu_demo.toml", "one_gpu.toml", "eight_gpus.toml", "custom_task.toml"} <= names
     one_gpu = load(["--config", str(ROOT / "examples" / "one_gpu.toml")], environ={}).config
     assert one_gpu.model.name == "Qwen/Qwen2.5-1.5B-Instruct" and one_gpu.rollout.dtype == "bfloat16"
+    # The recipe leaves room on each rollout GPU for a whole float32 version staged by NCCL:
+    # 1.5B parameters x 4 bytes beside vLLM's share of an 80 GB card, with the size check's headroom.
+    eight = load(["--config", str(ROOT / "examples" / "eight_gpus.toml")], environ={}).config
+    staged_gb = 1.54e9 * 4 / 1e9
+    assert eight.model.name == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert (1 - eight.rollout.gpu_memory_utilization) * 80 * 0.9 > 1.5 * staged_gb
     custom = load(["--config", str(ROOT / "examples" / "custom_task.toml")], environ={}).config
     task_file = custom.task.name.removeprefix("jsonl:")
     assert custom.task.name.startswith("jsonl:") and (ROOT / task_file).exists()
