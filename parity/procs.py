@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +65,22 @@ def parent_is_gone(before: int, now: int, marked: int | None) -> bool:
     (`before`, read before the prctl; `now`, after), or it was already pid 1 (adopted by init)
     when the parent had not marked itself as pid 1."""
     return now != before or (before == 1 and marked != 1)
+
+
+@contextlib.contextmanager
+def temporary_environment(**values: str) -> Iterator[None]:
+    """`values` in this process's environment for the block (what a library reads with getenv when
+    it builds something), then the previous values back, unset ones unset."""
+    previous = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def die_with_parent(marked: int | None = None) -> None:

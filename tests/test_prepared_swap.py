@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import weakref
 from pathlib import Path
@@ -37,11 +36,10 @@ def llm(tiny_model: Path):
     # subclass too (the prepared-swap methods are the rollout extension's own, inherited unchanged),
     # and the two modules may share a test process in either order.
     from commands.check.ablation import CHECK_WORKER_EXTENSION as WORKER_EXTENSION
+    from parity.procs import temporary_environment
 
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker lives in this process
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    try:
+    # the worker lives in this process
+    with temporary_environment(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1"):
         engine = LLM(
             model=str(tiny_model),
             dtype="float32",
@@ -52,12 +50,6 @@ def llm(tiny_model: Path):
             worker_extension_cls=WORKER_EXTENSION,
             seed=0,
         )
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     yield engine
     engine.llm_engine.engine_core.shutdown()
 

@@ -22,10 +22,8 @@ import datetime
 import hashlib
 import hmac
 import math
-import os
 import socket
 import threading
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from parity.config.base import is_loopback
@@ -171,23 +169,10 @@ def open_process_group(rdv: common_pb2.Rendezvous, device_uuid: str = "") -> obj
     # raises TransferError (a retry, the next epoch), not make NCCL's watchdog end this process:
     # torch's default (SkipCleanUp) and torchrun's (TearDown) do. CleanUpOnly aborts the group's
     # communicators and fails its work; the group reads the setting when it is constructed.
-    with _environment(TORCH_NCCL_ASYNC_ERROR_HANDLING=NCCL_CLEAN_UP_ONLY):
+    from parity.procs import temporary_environment
+
+    with temporary_environment(TORCH_NCCL_ASYNC_ERROR_HANDLING=NCCL_CLEAN_UP_ONLY):
         return dist.ProcessGroupNCCL(store, rdv.rank, rdv.world_size, options)
 
 
 NCCL_CLEAN_UP_ONLY = "2"  # c10d ErrorHandlingMode::CleanUpOnly
-
-
-@contextlib.contextmanager
-def _environment(**values: str) -> Iterator[None]:
-    """`values` in the process environment for the block (C++ reads it with getenv), then restored."""
-    previous = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
