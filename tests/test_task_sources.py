@@ -323,12 +323,17 @@ def test_an_environment_service_that_is_not_there_fails_start_up_naming_the_fiel
     assert spec in str(info.value) and "UNAVAILABLE" in str(info.value), info.value
 
 
-def test_a_held_out_set_smaller_than_eval_size_is_said_at_start(tmp_path: Path) -> None:
-    from commands.run.launcher import held_out_shortfall, validate_inputs
+def test_a_held_out_set_smaller_than_eval_size_is_said_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from commands.run.launcher import validate_inputs
 
     def note(*flags: str) -> str | None:
-        cfg = load(["--model", "tiny", *flags], home="run", environ={}).config
-        return held_out_shortfall(cfg, validate_inputs(cfg))
+        capsys.readouterr()
+        validate_inputs(load(["--model", "tiny", *flags], home="run", environ={}).config)
+        lines = [line for line in capsys.readouterr().out.splitlines() if "held-out set:" in line]
+        assert len(lines) <= 1, lines
+        return lines[0].split("] ", 1)[1] if lines else None
 
     few = tmp_path / "few.jsonl"
     few.write_text(

@@ -106,10 +106,8 @@ def validate_inputs(cfg: ParityConfig) -> object:
         for index in range(cfg.run.rollout_workers):
             PromptStream(task, seed=cfg.run.seed, worker_index=index, num_workers=cfg.run.rollout_workers)
         finite = list(getattr(task, "train_set", list)())
-        check_prompt_format(
-            finite + (task.eval_prompts(cfg.task.eval_size) if cfg.task.eval_size else []),
-            cfg.task.chat_template,
-        )
+        held_out = task.eval_prompts(cfg.task.eval_size) if cfg.task.eval_size else []
+        check_prompt_format(finite + held_out, cfg.task.chat_template)
     except EnvironmentFailed as exc:  # env:grpc: the service is not there, or refused this run
         raise RunConfigError(f"task.name: {cfg.task.name}: {exc.message}") from None
     except ValueError as exc:
@@ -125,18 +123,17 @@ def validate_inputs(cfg: ParityConfig) -> object:
         models.resolve(cfg.model.name)
     except models.ModelError as exc:
         raise RunConfigError(str(exc)) from None  # "model.name: why"
+    note = held_out_shortfall(cfg.task.eval_size, len(held_out))
+    if note:
+        log(note)
     return task
 
 
-def held_out_shortfall(cfg: ParityConfig, task: object) -> str | None:
-    """A line for the console when the task's held-out set is smaller than `task.eval_size` (a small
-    data set, a small built-in environment), which the evaluation would otherwise only show as a
-    count; None when it is not."""
-    wanted = cfg.task.eval_size
-    if not wanted:
-        return None
-    held = len(task.eval_prompts(wanted))  # type: ignore[attr-defined]
-    if held >= wanted:
+def held_out_shortfall(wanted: int, held: int) -> str | None:
+    """A line for the console when the task's held-out set (`held` prompts) is smaller than
+    `task.eval_size` (`wanted`: a small data set, a small built-in environment), which the
+    evaluation would otherwise only show as a count; None when it is not."""
+    if not wanted or held >= wanted:
         return None
     fix = (
         "nothing to evaluate; give a held-out file with --eval_task, or raise --task.eval_fraction"
@@ -299,9 +296,6 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str], resume: Resu
     """One launch of the run in `run_dir`: a new run, or (`resume`) the continuation of one."""
     run_started = time.monotonic()
     task = validate_inputs(cfg)
-    note = held_out_shortfall(cfg, task)
-    if note:
-        log(note)
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume is None and (run_dir / "metrics.jsonl").exists():
         raise RunError(
