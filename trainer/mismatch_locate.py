@@ -213,11 +213,8 @@ class _Scorer:
     def __init__(self, lm, history: WeightHistory, precision: str = "fp32") -> None:
         import torch
 
-        from trainer.precision import head_weight_dtype
-
-        self.lm, self.history = lm, history
+        self.lm, self.history, self.precision = lm, history, precision
         self.decoder = getattr(lm, lm.base_model_prefix)
-        self.head_dtype = head_weight_dtype(precision)
         self.params = dict(lm.named_parameters())
         self.device = next(lm.parameters()).device
         self.loaded: tuple | None = None
@@ -246,17 +243,13 @@ class _Scorer:
         return True
 
     def forward(self, ids: torch.Tensor, past: Any = None, cache: bool = False) -> tuple[torch.Tensor, Any]:
-        """float32 logits [L, V] of `ids` [1, L] (after the KV cache `past`, if any), and the KV
-        cache when `cache`. Not the HF model's own head: under a bf16 decoder it would multiply a
-        bf16 hidden state by the float32 weight."""
-        from parity.head_logits import float32_logits
-        from trainer.policy import head_weight
+        """float32 logits [L, V] of `ids` [1, L] (after the KV cache `past`, if any), scored by the
+        trainer's head (`head_logits`), and the KV cache when `cache`."""
+        from trainer.policy import head_logits
 
         with self.torch.no_grad():
             out = self.decoder(input_ids=ids, past_key_values=past, use_cache=cache)
-            weight, bias = head_weight(self.lm)
-            bias = None if bias is None else bias.to(self.head_dtype)
-            logits = float32_logits(out.last_hidden_state[0], weight.to(self.head_dtype), bias)
+            logits = head_logits(self.lm, out.last_hidden_state[0], self.precision)
         return logits, out.past_key_values if cache else None
 
     def logits(self, sample: _Sample, prompt: list[int] | None = None) -> torch.Tensor:

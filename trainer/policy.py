@@ -82,6 +82,18 @@ def head_weight(model) -> tuple[torch.Tensor, torch.Tensor | None]:
     return head.weight, getattr(head, "bias", None)
 
 
+def head_logits(lm, hidden_TH: torch.Tensor, precision: str) -> torch.Tensor:
+    """float32 logits [T, V] of the decoder's last hidden states [T, H], as the trainer scores them:
+    autocast off, the head weight (and bias) rounded to the precision's head dtype, float32
+    products. Not the HF model's own head: under a bf16 decoder it would multiply a bf16 hidden
+    state by the float32 weight."""
+    with numerics.fp32_region(hidden_TH.device):
+        weight_VH, bias_V = head_weight(lm)
+        weight_dtype = numerics.head_weight_dtype(precision)
+        bias = None if bias_V is None else bias_V.to(weight_dtype)
+        return float32_logits(hidden_TH, weight_VH.to(weight_dtype), bias)
+
+
 def _scorer_base():
     import torch
 
@@ -121,22 +133,20 @@ def _scorer_base():
             )
             hidden_BLH = decoder(input_ids=input_ids_BL, attention_mask=mask_BL, **packed).last_hidden_state
             hidden_TH = hidden_BLH[rows_T, cols_T]
+            if scoring is None:
+                return head_logits(self.lm, hidden_TH, self.precision)
             with numerics.fp32_region(device):
                 weight_VH, bias_V = head_weight(self.lm)
-                weight_dtype = numerics.head_weight_dtype(self.precision)
-                if scoring is not None:
-                    return score_tokens(
-                        hidden_TH,
-                        weight_VH,
-                        bias_V,
-                        scoring.targets_T,
-                        scoring.groups,
-                        scoring.with_entropy,
-                        self.head,
-                        weight_dtype,
-                    )
-                bias = None if bias_V is None else bias_V.to(weight_dtype)
-                return float32_logits(hidden_TH, weight_VH.to(weight_dtype), bias)
+                return score_tokens(
+                    hidden_TH,
+                    weight_VH,
+                    bias_V,
+                    scoring.targets_T,
+                    scoring.groups,
+                    scoring.with_entropy,
+                    self.head,
+                    numerics.head_weight_dtype(self.precision),
+                )
 
     return CompletionScorer
 
