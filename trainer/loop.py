@@ -58,6 +58,8 @@ from trainer.telemetry import Telemetry
 from trainer.weight_history import WeightHistory, full_weights
 
 if TYPE_CHECKING:
+    import torch
+
     from parity.weights.sender import Publisher
 
 log = logging.getLogger(__name__)
@@ -218,7 +220,7 @@ class Trainer:
             )
             self._publish()
         elif self._history_wanted:  # stale tokens of the current version are scored under it
-            named = full_weights(self.model, cfg.bucket_bytes, self.announce_gather)
+            named = self.full_weights()
             self._record_history(self.state.weight_version, named)
             # workers behind (a rollout service restarted too) need it before the first step can
             # have rollouts: this process has not published it, so catch-ups start from here
@@ -449,6 +451,10 @@ class Trainer:
         stats = self.forward_backward(sequences, counts)
         return stats, self.optimizer_step(counts[0])
 
+    def full_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Every (name, full tensor): gathered from the shards (a collective) when there are several."""
+        return full_weights(self.model, self.config.bucket_bytes, self.announce_gather)
+
     @property
     def _speed(self) -> SpeedInputs:
         return SpeedInputs(
@@ -465,7 +471,7 @@ class Trainer:
         backoff (`trainer.publish_attempts`), then PublishError ends the run. The full weights are
         gathered once and recorded in the history (one host copy) before they are sent, so that
         the sender's catch-up can serve the version as soon as it is committed."""
-        named = full_weights(self.model, self.config.bucket_bytes, self.announce_gather)
+        named = self.full_weights()
         planned = self.state.published_version + 1
         self._record_history(planned, named)
         result = self.publisher.publish_retrying(

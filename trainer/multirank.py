@@ -22,10 +22,13 @@ Invariants:
 - Every rank runs the same number of micro-batches of each kind (fsdp.align_micro_batches): a rank
   with fewer runs idle ones (one token, loss x 0), so FSDP2's all-gathers and reduce-scatters
   always pair up.
-- Every collective has the group's timeout (`trainer.dist_timeout_s`). While rank 0 waits for
-  rollouts it sends a heartbeat (NOOP) every HEARTBEAT_S (at most a quarter of that timeout), so a
-  quiet queue never times a follower out; a rank-0-only phase longer than the timeout (publishing,
-  a Redis outage) does, and torchrun then tears the group down.
+- Every collective has the group's timeout (`trainer.dist_timeout_s`). Whenever the followers wait
+  for a command (every collective a command started is done), a thread of rank 0 sends a heartbeat
+  (NOOP) every HEARTBEAT_S (at most a quarter of that timeout), so no rank-0-only phase times a
+  follower out: waiting for rollouts, a Redis outage, publishing with its retries, scoring stale
+  tokens, localising a mismatch. The thread and the training loop take turns on one lock, and the
+  thread sends nothing while a command's collectives are under way, so the order of collectives
+  stays the same on every rank. Rank 0 stuck inside a collective, or dead, still times them out.
 - A rank that dies ends the service: its peers' next collective fails (or times out) and torchrun's
   elastic agent stops the others and exits non-zero naming the rank. Followers ignore SIGTERM and
   SIGINT: rank 0 turns them into a graceful stop (finish the step, publish, checkpoint) and sends STOP.
@@ -87,15 +90,55 @@ class RankZeroTrainer(Trainer):
 
     def setup_model(self) -> None:
         super().setup_model()
-        self._last_command = time.monotonic()
-        self._followers_stopped = False
         self.heartbeat_s = min(HEARTBEAT_S, self.config.dist_timeout_s / 4)
-        # Every full-weight gather (a publish, the history's first version) is announced first.
-        self.announce_gather = lambda: self._command(GATHER)
-
-    def _command(self, op: int, *args: int) -> None:
-        send_command(self.device, op, *args)
+        self._command_lock = threading.Lock()
         self._last_command = time.monotonic()
+        # True while every rank's next collective is the next command (a NOOP may go). Not yet:
+        # the checkpoint load of setup() is a collective no command announces.
+        self._followers_waiting = False
+        self._followers_stopped = False
+        # Every full-weight gather (a publish, the history's first version) is announced first.
+        self.announce_gather = lambda: self._command(GATHER, starts_collectives=True)
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeats, name="rank0-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def setup(self) -> None:
+        super().setup()  # its last unannounced collective is the checkpoint load
+        self._followers_back()
+
+    def _command(self, op: int, *args: int, starts_collectives: bool = False) -> None:
+        with self._command_lock:
+            send_command(self.device, op, *args)
+            self._last_command = time.monotonic()
+            self._followers_waiting = not starts_collectives
+
+    def _followers_back(self) -> None:
+        """The collectives the last command started are done here: the followers' next one is the
+        next command, so heartbeats may go."""
+        with self._command_lock:
+            self._followers_waiting = True
+
+    def _heartbeats(self) -> None:
+        """A NOOP whenever the followers have waited HEARTBEAT_S for a command; ends with
+        `_heartbeat_stop`, after STOP, or when a send fails (a follower gone: the next command of
+        the training loop fails the same way and reports it)."""
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.device)
+        while not self._heartbeat_stop.wait(self.heartbeat_s / 4):
+            with self._command_lock:
+                if self._followers_stopped:
+                    return
+                if not self._followers_waiting or time.monotonic() - self._last_command < self.heartbeat_s:
+                    continue
+                try:
+                    send_command(self.device, NOOP)
+                except Exception as exc:  # logged; the loop's next command raises it
+                    log.warning("rank 0: heartbeat to the other ranks failed, heartbeats stop: %s", exc)
+                    return
+                self._last_command = time.monotonic()
 
     def forward_backward(
         self, sequences: list[ScoredSequence], counts: tuple[int, int] | None = None
@@ -105,21 +148,27 @@ class RankZeroTrainer(Trainer):
         shards = scatter.balance(
             sequences, self.world_size, lambda s: len(s.inputs.prompt_ids) + len(s.inputs.completion_ids)
         )
-        self._command(STEP, self.state.weight_version, *counts)
+        self._command(STEP, self.state.weight_version, *counts, starts_collectives=True)
         mine = scatter.scatter_sequences(shards, self.device)
         merged = scatter.gather_stats(super().forward_backward(mine, counts), self.device)
         assert merged is not None
         return merged
 
-    def checkpoint(self):
-        self._command(CHECKPOINT, self.state.step)
-        return super().checkpoint()
+    def optimizer_step(self, trainable_tokens: int):
+        result = super().optimizer_step(trainable_tokens)  # the last collective of a STEP
+        self._followers_back()
+        return result
 
-    def _checkpoint_if_requested(self) -> None:
-        # Called before every read while waiting for rollouts: keep the followers' wait short.
-        if time.monotonic() - self._last_command >= self.heartbeat_s:
-            self._command(NOOP)
-        super()._checkpoint_if_requested()
+    def full_weights(self):
+        named = super().full_weights()  # GATHER's collectives
+        self._followers_back()
+        return named
+
+    def checkpoint(self):
+        self._command(CHECKPOINT, self.state.step, starts_collectives=True)
+        path = super().checkpoint()
+        self._followers_back()
+        return path
 
     def await_workers(self) -> int:
         # The other ranks have no part in it, and it may outlast their collective timeout: stop
@@ -133,14 +182,17 @@ class RankZeroTrainer(Trainer):
 
     def close(self) -> None:
         self._stop_followers()
+        self._heartbeat_stop.set()
+        self._heartbeat.join(timeout=self.heartbeat_s + self.config.dist_timeout_s)
         super().close()
 
     def _stop_followers(self) -> None:
         # Only after a clean finish: after a failure a command could wait out the timeout, and
         # torchrun stops the other ranks anyway once this one exits non-zero. Once only.
         if self.finished and not self._followers_stopped:
-            self._command(STOP)
-            self._followers_stopped = True
+            with self._command_lock:  # no heartbeat after STOP: the followers are leaving the group
+                send_command(self.device, STOP)
+                self._followers_stopped = True
 
 
 # ---- ranks 1..N-1 -------------------------------------------------------------------------------
