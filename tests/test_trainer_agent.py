@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.listeners import listening, off_loopback
 from trainer.agent import (
     EXIT_FILE_ENV,
     SHUTDOWN_TIMEOUT_ENV,
@@ -70,6 +71,33 @@ def test_a_signal_stop_exits_with_what_rank_0_recorded(tmp_path: Path, recorded:
     assert rc == recorded, text[-3000:]
     assert f"stopped by SIGTERM: rank 0 exited {recorded}" in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
+
+
+def test_the_agents_rendezvous_store_listens_on_loopback_only(tmp_path: Path) -> None:
+    """torchrun's own --standalone store listens on every interface and holds a pickle the agent
+    loads: the agent serves its store on 127.0.0.1 instead (trainer/local_rendezvous.py)."""
+    proc, log = start_agent(tmp_path, "0")
+    try:
+        pids = [proc.pid, *(child.pid for child in psutil.Process(proc.pid).children(recursive=True))]
+        held = [(pid, address, port) for pid in pids for address, port in listening(pid)]
+        print("listening:", held)
+        assert any(pid == proc.pid for pid, _, _ in held), (held, log.read_text()[-3000:])  # the store
+        assert off_loopback(pids) == [], log.read_text()[-3000:]
+    finally:
+        rc, text = stop(proc, log)
+    assert rc == 0, text[-3000:]
+
+
+def test_standalone_becomes_the_loopback_rendezvous_only_among_torchruns_own_arguments() -> None:
+    from trainer.local_rendezvous import replace_standalone
+
+    assert replace_standalone(["--standalone", "--nproc-per-node=2", "-m", "x", "--standalone"]) == [
+        "--rdzv-backend=parity-local", "--rdzv-endpoint=127.0.0.1:0", "--nnodes=1", "--nproc-per-node=2",
+        "-m", "x", "--standalone",
+    ]  # fmt: skip
+    assert replace_standalone(["--nproc-per-node=2", "script.py", "--standalone"]) == [
+        "--nproc-per-node=2", "script.py", "--standalone",
+    ]  # fmt: skip
 
 
 def test_the_agent_waits_longer_than_torchruns_30_s_for_a_graceful_stop(tmp_path: Path) -> None:

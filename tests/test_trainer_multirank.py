@@ -42,6 +42,7 @@ from parity.rollout_queue import RolloutQueue
 from tests.conftest import config_for
 from tests.fakes.synthetic_rollouts import make_group
 from tests.fakes.trainer_helpers import metrics
+from tests.listeners import listening, off_loopback
 from tests.service_exit import exit_code
 from trainer.policy import load_model
 
@@ -101,10 +102,10 @@ def checkpoint_weights(run_dir: Path, tiny_model: Path, step: int) -> dict[str, 
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def start_receiver(log_dir: Path, broadcast_address: str) -> ServiceProcess:
+def start_receiver(log_dir: Path, broadcast_address: str, *extra: str) -> ServiceProcess:
     port_file, log_path = log_dir / "w0.port", log_dir / "w0.log"
     cmd = [sys.executable, "-m", "tests.fakes.fake_receiver", "--broadcast_address", broadcast_address,
-           "--worker_id", "w0", "--port_file", str(port_file), "--state_file", str(log_dir / "w0.json")]  # fmt: skip
+           "--worker_id", "w0", "--port_file", str(port_file), "--state_file", str(log_dir / "w0.json"), *extra]  # fmt: skip
     env = {**os.environ, "PARITY_AUTH_TOKEN": TOKEN}
     with open(log_path, "ab") as handle:
         proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -212,6 +213,42 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
 
 
 @pytest.mark.slow
+def test_followers_outlive_a_publish_longer_than_the_collective_timeout(
+    redis_url: str, tmp_path: Path, start_services, groups: list
+) -> None:
+    # Publishing is rank 0's alone (the followers wait for the next command) and may take minutes
+    # (a slow engine, retries). Rank 0's heartbeats keep rank 1 waiting: before them, rank 1 failed
+    # its wait after dist_timeout_s and torchrun ended the service before the last checkpoint.
+    timeout_s = 8
+    broadcast = start_services(
+        "broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "60", name="broadcast", timeout_s=90
+    )
+    receiver = start_receiver(tmp_path, broadcast.address, "--bucket_delay_s", "3.5")
+    try:
+        receiver.wait_ready(240)
+        queue = RolloutQueue(redis_url, stream="slow:two")
+        for group in groups[:2]:
+            queue.publish(group)
+        run_dir = tmp_path / "two"
+        svc = start_services(
+            "trainer", *service_args(redis_url, "slow:two", run_dir, "--steps", "1"),
+            "--broadcast_address", broadcast.address, "--auth_token", TOKEN, "--wait_committed_s", "120",
+            "--bucket_bytes", "262144", "--dist_timeout_s", str(timeout_s), name="trainer2", timeout_s=120,
+        )  # fmt: skip
+        assert exit_code(svc, 240) == 0, svc.log_tail(40)
+        log = svc.log_path.read_text()
+        assert "rank 1: stopped by rank 0 after 1 steps" in log, log[-3000:]
+        # the publish outlasted the timeout twice over (the final checkpoint came after it)
+        (seconds,) = re.findall(r"published version 1: [\d.]+ MB in ([\d.]+)s", log)
+        print(f"publish of version 1: {seconds} s; dist_timeout_s {timeout_s}")
+        assert float(seconds) > 2 * timeout_s, log[-3000:]
+        assert (run_dir / "checkpoints" / "LATEST").read_text() == "step_00000001"
+        assert json.loads((tmp_path / "w0.json").read_text())["version"] == 1
+    finally:
+        receiver.stop(10)
+
+
+@pytest.mark.slow
 def test_rank_0_localises_a_gated_mismatch_like_one_rank(
     redis_url: str, tmp_path: Path, start_services, groups: list
 ) -> None:
@@ -276,6 +313,11 @@ def test_two_ranks_serving_after_the_last_step_outlive_the_collective_timeout(
     # Rank 1 stays up too: an agent whose ranks all exited would end (in Kubernetes, a pod of
     # followers restarted into a rendezvous that can never complete).
     assert "rank 1: idle while rank 0 serves" in log and alive(rank_pids(svc.proc.pid)[1]), log[-3000:]
+    # Nothing of the service listens off loopback: gRPC, the agent's rendezvous store, the ranks'
+    # gloo sockets (trainer/local_rendezvous.py; torchrun's own store listens on every interface).
+    pids = [svc.proc.pid, *rank_pids(svc.proc.pid).values()]
+    assert len(pids) == 3 and all(listening(pid) for pid in pids[:2]), [listening(pid) for pid in pids]
+    assert off_loopback(pids) == [], [listening(pid) for pid in pids]
     svc.signal(signal.SIGTERM)
     assert exit_code(svc, 60) == 0, svc.log_tail(40)  # rank 0's graceful stop, through trainer.agent
 

@@ -14,6 +14,9 @@ the edges:
 - The exit file, and torchrun's own temporary directories, live in a scratch directory named after
   the agent's pid, removed when the agent exits; an agent killed by SIGKILL cannot remove its own,
   so each agent removes those of agents no longer running when it starts.
+- `--standalone` (the ranks of one host) runs on a rendezvous store bound to loopback, with
+  nothing pickled in it (trainer/local_rendezvous.py), not torchrun's own, which listens on every
+  interface.
 - `kill -USR1 PID` dumps the agent's Python stacks to its log (as every Parity command does)
   instead of killing it.
 
@@ -35,6 +38,7 @@ from pathlib import Path
 from parity.config.entry import LOG_FORMAT
 from parity.procs import mark_as_parent
 from parity.stack_dumps import dump_stacks_on_sigusr1
+from trainer import local_rendezvous
 
 EXIT_FILE_ENV = "PARITY_RANK0_EXIT_FILE"
 SCRATCH_PREFIX = "parity-agent-"
@@ -98,8 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # graceful stop finishes its step, publishes and checkpoints, which takes longer than
         # torchrun's 30 s on a real model. The deployments' grace periods are longer still.
         os.environ.setdefault(SHUTDOWN_TIMEOUT_ENV, str(SHUTDOWN_TIMEOUT_S))
+        local_rendezvous.register()
         try:
-            torchrun_main(list(sys.argv[1:] if argv is None else argv))
+            torchrun_main(local_rendezvous.replace_standalone(sys.argv[1:] if argv is None else argv))
         except SignalException as exc:
             name = signal.Signals(exc.sigval).name
             rc = rank0_exit(exit_file)
