@@ -102,9 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # graceful stop finishes its step, publishes and checkpoints, which takes longer than
         # torchrun's 30 s on a real model. The deployments' grace periods are longer still.
         os.environ.setdefault(SHUTDOWN_TIMEOUT_ENV, str(SHUTDOWN_TIMEOUT_S))
-        local_rendezvous.register()
         try:
-            torchrun_main(local_rendezvous.replace_standalone(sys.argv[1:] if argv is None else argv))
+            torchrun_main(local_rendezvous.use(sys.argv[1:] if argv is None else argv))
         except SignalException as exc:
             name = signal.Signals(exc.sigval).name
             rc = rank0_exit(exit_file)

@@ -39,13 +39,17 @@ def replace_standalone(argv: Sequence[str]) -> list[str]:
     return [*local, *own, *argv[end:]]
 
 
-def register() -> None:
-    """Make `--rdzv-backend=parity-local` known to torchrun in this process (the agent's); pin the
-    ranks' gloo sockets to loopback."""
+def use(argv: Sequence[str]) -> list[str]:
+    """torchrun's arguments for this process (the agent's): with `--standalone`, this rendezvous
+    (registered with torchrun) and the ranks' gloo sockets pinned to loopback; otherwise (ranks
+    across hosts) unchanged."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    rendezvous_handler_registry.register(BACKEND, _create_handler)
-    os.environ.setdefault(GLOO_IFNAME_ENV, "lo")
+    replaced = replace_standalone(argv)
+    if replaced != list(argv):
+        rendezvous_handler_registry.register(BACKEND, _create_handler)
+        os.environ.setdefault(GLOO_IFNAME_ENV, "lo")
+    return replaced
 
 
 def _create_handler(params: Any) -> Any:
