@@ -80,3 +80,36 @@ def test_versions_are_published_committed_and_continue_above_the_broadcasts_late
             stub.GetStatus(broadcast_pb2.WeightBroadcastServiceGetStatusRequest(), timeout=5).latest_version
             == 4
         )
+
+
+def test_a_catch_up_that_raises_does_not_end_the_catch_ups() -> None:
+    """An error other than a failed transfer (an OOM staging the version, a CUDA error) used to end
+    the catch-up thread for good: workers behind then waited forever, and so did a trainer waiting
+    for their rollouts. The thread logs it and goes on; the next catch-up is sent."""
+    import threading
+
+    from parity.v1 import common_pb2
+    from parity.weights.sender import Publisher
+
+    class FakeBroadcast:  # a fake: AwaitCatchUp always asks for the version held
+        def AwaitCatchUp(self, request, timeout, metadata):
+            plan = common_pb2.TransferPlan(version=request.have_version)
+            return broadcast_pb2.AwaitCatchUpResponse(plan=plan)
+
+    publisher = Publisher("127.0.0.1:1", "tiny", auth_token=TOKEN)
+    publisher._stub = FakeBroadcast()
+    calls, second = [], threading.Event()
+
+    def send(plan, snapshot, ipc_workers=0):
+        calls.append(plan.version)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory (injected)")
+        second.set()
+
+    publisher._send_catch_up = send
+    try:
+        publisher.serve_catch_up(3, [("w", torch.zeros(2))])
+        assert second.wait(30), calls
+        assert calls[:2] == [3, 3] and publisher.catch_up_failures == 1
+    finally:
+        publisher.close()

@@ -129,6 +129,7 @@ class Publisher:
         self._snapshot = Snapshot(0, ())
         self._closed = threading.Event()
         self._catch_up_thread: threading.Thread | None = None
+        self.catch_up_failures = 0  # catch-ups that raised (a TransferError is only logged)
         self.catch_ups_sent = 0
         self.publish_retries_total = 0
         self.delta_bytes_saved = 0  # bytes delta updates did not send (broadcast.delta_updates)
@@ -371,7 +372,7 @@ class Publisher:
                 version, tuple(by_name[n].detach().to("cpu", copy=True) for n in names), names
             )
         self._snapshot = snapshot  # replaced whole: a catch-up holds the old one
-        if self._catch_up_thread is None:
+        if self._catch_up_thread is None or not self._catch_up_thread.is_alive():
             self._catch_up_thread = threading.Thread(target=self._catch_up_loop, name="catch-up", daemon=True)
             self._catch_up_thread.start()
 
@@ -396,8 +397,14 @@ class Publisher:
                 log.warning("AwaitCatchUp: %s", exc.code().name)
                 self._closed.wait(1.0)
                 continue
-            if reply.HasField("plan"):
+            if not reply.HasField("plan"):
+                continue
+            try:
                 self._send_catch_up(reply.plan, snapshot, reply.ipc_workers)
+            except Exception:  # an OOM staging it, a CUDA error: the next catch-up may succeed
+                log.exception("catch-up of v%d failed; catch-ups go on", reply.plan.version)
+                self.catch_up_failures += 1
+                self._closed.wait(1.0)
 
     def _send_catch_up(self, plan: common_pb2.TransferPlan, snapshot: Snapshot, ipc_workers: int = 0) -> None:
         if plan.version != snapshot.version:  # cannot happen: the service asks for what we hold
