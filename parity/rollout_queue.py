@@ -112,6 +112,9 @@ class QueueEntry:
 
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 2.0
+SOCKET_TIMEOUT_S = (
+    30.0  # a command's reply; above the longest XREADGROUP block (trainer.read_block_ms <= 20 s)
+)
 OUTAGE_TIMEOUT_S = 600.0
 FIRST_CONNECT_TIMEOUT_S = 15.0  # a client that never reached Redis: a wrong URL, not an outage
 
@@ -180,8 +183,17 @@ class ReconnectingRedis(redis.Redis):
 
 
 def connect(redis_url: str) -> ReconnectingRedis:
-    """A client for `redis_url` that reconnects on its own (redis-py's own retries off)."""
-    return ReconnectingRedis.from_url(redis_url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2.0)
+    """A client for `redis_url` that reconnects on its own (redis-py's own retries off). Every read
+    has a deadline (SOCKET_TIMEOUT_S, above the longest XREADGROUP block): a Redis gone silent (a
+    partition, a paused host) is an outage like a refused connection, not a read that never ends
+    (redis-py before 8 has no default)."""
+    return ReconnectingRedis.from_url(
+        redis_url,
+        retry=Retry(NoBackoff(), 0),
+        socket_connect_timeout=2.0,
+        socket_timeout=SOCKET_TIMEOUT_S,
+        socket_keepalive=True,
+    )
 
 
 def _text(value: bytes | str | None) -> str:

@@ -189,3 +189,30 @@ def test_actor_waits_out_a_kill_9_and_restarts_after_a_crash(
         assert svc.alive()
     finally:
         stop_groups([server], grace_s=5.0)
+
+
+def test_a_redis_gone_silent_is_an_outage_not_a_read_that_never_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that accepts and never answers (a partition, a paused host): every command has a
+    reply deadline, so it is retried as an outage and ends with the outage's error, instead of
+    blocking forever (redis-py before 8 sets no read timeout of its own)."""
+    import socket
+
+    import redis
+
+    from parity import rollout_queue
+
+    monkeypatch.setattr(rollout_queue, "SOCKET_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(rollout_queue, "FIRST_CONNECT_TIMEOUT_S", 1.0)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    try:
+        client = rollout_queue.connect(f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
+        kwargs = client.connection_pool.connection_kwargs
+        assert kwargs["socket_timeout"] == 0.5 and kwargs["socket_keepalive"] is True
+        start = time.monotonic()
+        with pytest.raises(redis.ConnectionError, match="redis unreachable"):
+            client.ping()
+        assert time.monotonic() - start < 60
+    finally:
+        silent.close()

@@ -108,7 +108,9 @@ class TrainerConfig(ServiceConfig):
     claim_idle_ms: int = Field(
         30_000, ge=0, description="Claim entries pending on another consumer idle this long (XAUTOCLAIM)."
     )
-    read_block_ms: int = Field(500, gt=0, description="XREADGROUP BLOCK per read while waiting for rollouts.")
+    read_block_ms: int = Field(
+        500, gt=0, le=20_000, description="XREADGROUP BLOCK per read while waiting for rollouts."
+    )
     broadcast_address: str = Field(
         "", description="host:port of the weight-broadcast service; empty publishes versions locally only."
     )
