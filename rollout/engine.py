@@ -245,8 +245,9 @@ class RolloutEngine(ABC):
             if result.error:
                 return result
             paused_at = time.perf_counter()
-            await self.pause(mode)
             try:
+                # inside: an update cancelled while it pauses (its RPC's deadline) still resumes
+                await self.pause(mode)
                 result.error, result.swap_s = await self._swap(int(plan.version))
                 if not result.error:
                     if self._kv_dropped_in_pause:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 REQUESTS = 40  # more than the default executor's largest size (32)
 
 
@@ -70,3 +72,48 @@ def test_a_pause_cancelled_while_it_waits_for_the_running_step_leaves_the_model_
         return free
 
     assert asyncio.run(scenario())
+
+
+def test_an_update_cancelled_while_it_pauses_leaves_generation_running() -> None:
+    """UpdateWeights' deadline can pass while the engine pauses for the swap: the cancelled update
+    must still resume, or every later request would wait for admission forever."""
+    from rollout.engine import RolloutEngine
+    from tests.conftest import config_for
+
+    class PauseHangs(RolloutEngine):  # a FAKE engine: only the update protocol of the base class
+        name = "fake"
+
+        async def start(self): ...
+        def encode(self, text, use_chat_template): ...
+        def generate(self, spec, stream=False): ...
+        async def shutdown(self): ...
+        async def _discard_staged(self): ...
+
+        async def _stage(self, plan, fault_corrupt_tensor):
+            return {"error": "", "checksums": [], "transfer_s": 0.0, "verify_s": 0.0}
+
+        async def _pause(self, mode):
+            await asyncio.sleep(3600)  # the engine's pause, slow
+
+        async def _resume(self):
+            self.resumed += 1
+
+        async def _swap(self, version):
+            return "", 0.0
+
+    async def scenario() -> PauseHangs:
+        from parity.v1 import common_pb2
+
+        engine = PauseHangs(config_for("rollout"), Path("unused"))
+        engine.resumed = 0
+        update = asyncio.create_task(engine.update_weights(common_pb2.TransferPlan(version=1), "keep"))
+        await asyncio.sleep(0.2)
+        assert not engine._admission_open.is_set()  # paused, mid-pause
+        update.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await update
+        await asyncio.wait_for(engine.admitted(), 5)  # a new request is admitted
+        return engine
+
+    engine = asyncio.run(scenario())
+    assert engine.resumed == 1 and engine.weight_version == 0
