@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -215,11 +216,41 @@ def test_parity_services_health_ipc_volumes_and_nccl(compose) -> None:
     )
 
 
-def test_redis_has_aof_and_a_password(compose) -> None:
-    redis = compose["services"]["redis"]
-    command = " ".join(redis["command"])
-    assert "--appendonly yes" in command and '--requirepass "$REDIS_PASSWORD"' in command
-    assert redis["environment"]["REDIS_PASSWORD"] == ENV["PARITY_REDIS_PASSWORD"]
+def test_redis_has_aof_and_a_password_on_no_command_line(compose, tmp_path: Path) -> None:
+    """The redis service's own command, run here (redis-server on PATH, the config file and the
+    data in tmp_path, a free port): AOF on, the password required, and on no process's argv."""
+    import redis as redis_py
+
+    from parity.ports import free_port
+
+    service = compose["services"]["redis"]
+    assert service["command"][:2] == ["sh", "-c"] and "--appendonly yes" in service["command"][2]
+    # redis-server soon rewrites its process title, so its argv is checked here as well as below
+    assert "--requirepass" not in service["command"][2]
+    assert service["environment"]["REDIS_PASSWORD"] == ENV["PARITY_REDIS_PASSWORD"]
+    port = free_port()
+    script = service["command"][2].replace("/tmp/redis.conf", str(tmp_path / "redis.conf"))
+    script += f" --port {port} --bind 127.0.0.1 --dir {tmp_path}"
+    password = "pw-" + os.urandom(8).hex()
+    proc = subprocess.Popen(["sh", "-c", script], env={**os.environ, "REDIS_PASSWORD": password})
+    try:
+        client = redis_py.Redis(port=port, password=password, socket_timeout=5)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.ping()
+                break
+            except redis_py.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis(port=port, socket_timeout=5).ping()
+        argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes()  # exec: the shell became redis-server
+        assert b"redis-server" in argv and password.encode() not in argv, argv
+    finally:
+        proc.terminate()
+        proc.wait(30)
     for name in ("trainer", "rollout"):
         url = compose["services"][name]["environment"]["PARITY_RUN_REDIS_URL"]
         assert url == f"redis://:{ENV['PARITY_REDIS_PASSWORD']}@redis:6379/0"
