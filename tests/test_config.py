@@ -196,6 +196,18 @@ def test_a_secret_is_refused_on_the_command_line() -> None:
     assert load([], environ={"PARITY_TRAINER_AUTH_TOKEN": "tok"}).config.trainer.auth_token == "tok"
 
 
+def test_a_redis_url_with_a_password_is_refused_on_the_command_line() -> None:
+    url = "redis://:hunter2@127.0.0.1:6379/0"
+    for argv in (["--redis_url", url], [f"--run.redis_url={url}"]):
+        with pytest.raises(
+            ConfigError, match=r"^run\.redis_url: a secret is never taken from the command line"
+        ):
+            load(argv, home="trainer", environ={})
+    assert load([], environ={"PARITY_RUN_REDIS_URL": url}).config.run.redis_url == url
+    plain = "redis://127.0.0.1:6379/0"  # no password: a flag is fine
+    assert load(["--redis_url", plain], home="trainer", environ={}).config.run.redis_url == plain
+
+
 @pytest.mark.parametrize(
     ("home", "argv", "key", "value"),
     [

@@ -40,10 +40,10 @@ STEPS = 12
 
 
 # --- fast -----------------------------------------------------------------------------------------
-def _stored_run(tmp_path: Path, *flags: str) -> Path:
+def _stored_run(tmp_path: Path, *flags: str, environ: dict[str, str] | None = None) -> Path:
     """A run directory as a killed launch leaves it: config.toml, config.json, a private Redis conf."""
     run_dir = tmp_path / "run"
-    cfg = load(["--model", "tiny", "--steps", "4", *flags], home="run", environ={}).config
+    cfg = load(["--model", "tiny", "--steps", "4", *flags], home="run", environ=environ or {}).config
     write_config(cfg, run_dir / "config.toml")
     (run_dir / "config.json").write_text(json.dumps({"stream": cfg.run.stream}))
     (run_dir / "logs" / "redis").mkdir(parents=True)
@@ -69,7 +69,9 @@ def test_resume_plan_keeps_the_stream_and_takes_overrides(tmp_path: Path) -> Non
     from commands.run.resume import ResumeError, plan
 
     # config.toml holds the private Redis's URL masked (redis://:***@...); it must not be used
-    run_dir = _stored_run(tmp_path, "--tracker", "none", "--redis_url", "redis://:pw@127.0.0.1:1/0")
+    run_dir = _stored_run(
+        tmp_path, "--tracker", "none", environ={"PARITY_RUN_REDIS_URL": "redis://:pw@127.0.0.1:1/0"}
+    )
     assert "***@" in (run_dir / "config.toml").read_text()
     same = plan(run_dir, ["--resume", str(run_dir), "--tracker", "tensorboard"], environ={})
     assert same.overrides == {} and same.redis_password == "secret" and same.step == 0

@@ -193,8 +193,8 @@ def plan(run_dir: Path, argv: list[str], environ: dict[str, str] | None = None) 
         url = ""  # the run's own server, restarted below (config.toml holds its URL masked)
     elif not url or "***@" in url:
         raise ResumeError(
-            "run.redis_url: this run used an external Redis; pass its URL again (--redis_url or "
-            "PARITY_RUN_REDIS_URL) to resume"
+            "run.redis_url: this run used an external Redis; pass its URL again to resume "
+            "(PARITY_RUN_REDIS_URL; --redis_url only for a URL without a password)"
         )
     return ResumePlan(
         run_dir=run_dir,

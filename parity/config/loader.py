@@ -207,8 +207,21 @@ def _from_flags(
                 raise ConfigError(f"--{flag}: expected a value")
             else:
                 value, i = tokens[i], i + 1
+        if (section, name) == ("run", "redis_url") and _url_password(str(value)):
+            raise _secret_refused(
+                section, name, "the command line", "the URL holds a password, which would show in `ps`"
+            )
         _put(values, sources, section, name, value, f"--{flag}")
     return config_files, print_config
+
+
+def _url_password(url: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).password
+    except ValueError:  # not a URL: the field's own check says so
+        return None
 
 
 def _error(exc: ValidationError, sources: Mapping[str, str]) -> ConfigError:
