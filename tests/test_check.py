@@ -183,6 +183,29 @@ def rollout_service(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):
         service.stop()
 
 
+def test_the_service_the_check_starts_has_a_token_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without one, any local user could call UpdateWeights or PauseGeneration on it mid-check."""
+    import parity.procs
+    from commands.check import check
+
+    started: list[dict[str, str]] = []
+
+    class Started(Exception):
+        pass
+
+    def record(kind, argv, **kwargs):  # a FAKE start_service: records, starts nothing
+        started.append(dict(kwargs["env"]))
+        raise Started
+
+    monkeypatch.setattr(parity.procs, "start_service", record)
+    with pytest.raises(Started):
+        check._rollout_side(config_for("check", model="tiny"), [], None)
+    (env,) = started
+    token = env.get("PARITY_ROLLOUT_AUTH_TOKEN", "")
+    assert len(token) >= 32, env
+    assert token not in Path(env["PARITY_CONFIG"]).read_text(), "the token is in the environment only"
+
+
 @pytest.mark.slow
 def test_correct_service_passes_the_gate_through_the_cli(
     rollout_service, tmp_path: Path, capsys: pytest.CaptureFixture[str]

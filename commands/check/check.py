@@ -359,6 +359,7 @@ def _rollout_side(config: ParityConfig, prompts, sampling) -> tuple[list[RawComp
         _require_version_zero(address)
         completions, settings = service_rollouts(address, prompts, sampling)
         return completions, settings, f"rollout service at {address}"
+    import secrets
     import tempfile
 
     from parity.config.loader import CONFIG_FILE_ENV
@@ -370,6 +371,9 @@ def _rollout_side(config: ParityConfig, prompts, sampling) -> tuple[list[RawComp
     service_config = config.model_copy(update={"rollout": config.rollout.model_copy(update={"max_n": max_n})})
     env = {CONFIG_FILE_ENV: str(write_config(service_config, log_dir / "config.toml"))}
     env.update(env_for("observability", log_level=config.observability.log_level))
+    # a token of its own, as `parity run` gives its services: no other local user can change its
+    # weights (UpdateWeights) or pause it while the check reads it; the check only calls Generate
+    env.update(env_for("rollout", auth_token=secrets.token_hex(16)))
     service = start_service("rollout", [], log_dir=log_dir, env=env, name="check-rollout")
     try:
         service.wait_ready(config.run.startup_timeout_s)
