@@ -616,3 +616,45 @@ def test_an_nccl_receiver_keeps_a_few_buckets_posted_not_the_whole_model(
     finally:
         for group in groups:
             group.close()
+
+
+def test_a_join_against_a_store_that_stopped_answering_fails_within_its_timeout() -> None:
+    """The store's server frozen (SIGSTOP: a host frozen or cut off) after it accepted: torch's
+    store timeouts do not bound reads from a server that stopped answering; the join does."""
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    code = (
+        "import sys, time\n"
+        "from parity.weights.rendezvous import serve_store\n"
+        f"serve_store('127.0.0.1', {port})\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        server.send_signal(signal.SIGSTOP)
+        outcome: list = []
+
+        def join() -> None:
+            start = time.monotonic()
+            try:
+                TransferGroup.join(_rendezvous(port, 1, 2, 2.0, "frozen"))
+                outcome.append(("joined", time.monotonic() - start))
+            except TransferError as exc:
+                outcome.append((str(exc), time.monotonic() - start))
+
+        thread = threading.Thread(target=join, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert outcome, "the join was still blocked after 60 s"
+        message, took = outcome[0]
+        print(f"join gave up after {took:.1f}s: {message}")
+        assert "did not answer within 12s" in message and took < 30
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait(10)

@@ -55,6 +55,45 @@ def default_algorithm(backend: str) -> str:
 NCCL_RECEIVES_POSTED = 4  # buckets an NCCL receiver keeps posted (each one within timeout_s)
 
 
+JOIN_MARGIN_S = 10.0  # over the rendezvous' timeout, for the store phase of a join
+
+
+def _opened_within(rdv: common_pb2.Rendezvous, device_uuid: str, limit_s: float) -> object:
+    """`open_process_group`, given up after `limit_s`. torch's store timeouts hold only while the
+    store's server answers: against one that stopped answering (its host frozen or cut off) a
+    store read blocks until TCP gives up, a quarter of an hour. The join runs on a thread of its
+    own (with this thread's CUDA device); one that overran is left behind and its group, if it is
+    ever made, is dropped."""
+    import threading
+
+    import torch
+
+    device = (
+        torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
+    done, outcome = threading.Event(), {}
+
+    def open_it() -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            outcome["group"] = open_process_group(rdv, device_uuid)
+        except BaseException as exc:  # handed to the caller below
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=open_it, name=f"join-{rdv.group_name}", daemon=True).start()
+    if not done.wait(limit_s):
+        raise TransferError(
+            f"join {rdv.group_name} as rank {rdv.rank}: the group's store at {rdv.host}:{rdv.port} did "
+            f"not answer within {limit_s:.0f}s"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["group"]
+
+
 class TransferGroup:
     """A standalone torch.distributed group for one transfer (see module docstring)."""
 
@@ -99,7 +138,7 @@ class TransferGroup:
             serve_store(rdv.host, rdv.port, float(rdv.timeout_s))
         pg = None
         try:
-            pg = open_process_group(rdv, device_uuid)
+            pg = _opened_within(rdv, device_uuid, float(rdv.timeout_s) + JOIN_MARGIN_S)
             group = cls(pg, rdv.rank, rdv.world_size, rdv.backend, float(rdv.timeout_s), algorithm)
             group._prove_secret(rdv)  # also makes a lazily connecting NCCL fail fast, like gloo
         except TransferError:
