@@ -251,3 +251,32 @@ def test_unknown_tracker_names_the_key() -> None:
         "tensorboard",
         "mlflow",
     ]
+
+
+def test_a_remote_mlflow_that_never_answers_holds_the_launcher_seconds_not_minutes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tracking server that accepts and never answers: MLflow's own defaults (120 s a request,
+    7 retries with backoff) held the launcher's monitor loop for about 20 minutes."""
+    import os
+    import socket
+    import time
+
+    from commands.run.trackers import MLFLOW_HTTP_DEFAULTS, MlflowTracker
+
+    for key in MLFLOW_HTTP_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")  # the retries only, not their sleeps
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - whatever MLflow raises after its retries
+            MlflowTracker(tmp_path, "silent", 1, {})
+    finally:
+        silent.close()
+    took = time.monotonic() - start
+    print(f"gave up after {took:.1f}s")
+    assert took < 60 and all(os.environ[k] == v for k, v in MLFLOW_HTTP_DEFAULTS.items())

@@ -139,6 +139,9 @@ class WandbTracker:
 
 
 # --- MLflow ----------------------------------------------------------------------------------------
+MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}
+
+
 class MlflowTracker:
     name = "mlflow"
 
@@ -148,6 +151,11 @@ class MlflowTracker:
             # MLflow 3 keeps its file store for local use behind this switch (a database needs the
             # full mlflow package; the trackers extra installs mlflow-skinny).
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        else:
+            # A server that stops answering would hold the launcher's monitor loop (its step
+            # timeout, a crashed child) through MLflow's defaults: 120 s a request, 7 retries.
+            for key, value in MLFLOW_HTTP_DEFAULTS.items():
+                os.environ.setdefault(key, value)
         try:
             from mlflow.entities import Metric, Param
             from mlflow.tracking import MlflowClient
