@@ -16,6 +16,8 @@ export PYTHONUNBUFFERED=1
 start=$SECONDS
 stamp() { echo "[gpu_check +$((SECONDS - start))s] $*"; }
 # step NAME LIMIT_S COMMAND...: runs COMMAND under min(LIMIT_S, the budget left), its output in $out/NAME.log.
+# At the limit COMMAND's process group gets SIGTERM, and SIGKILL 10 s later if anything is still running
+# (a graceful stop that hangs, a test's child process that ignores SIGTERM): a step ends by limit + 10 s.
 step() {
   local name=$1 limit=$2 left
   shift 2
@@ -26,16 +28,32 @@ step() {
     return
   fi
   ((limit > left)) && limit=$left
-  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$out/$name.log"
   stamp "$name exit ${PIPESTATUS[0]} (limit ${limit}s)"
 }
-{ nvidia-smi -L; python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$out/host.log"
+# What a GPU host may lack, none of it fatal: matplotlib (without it `parity run` draws no plots),
+# and what Triton needs to build its launcher under trainer.compile inductor (the C compiler it picks:
+# $CC, else gcc, else clang; and Python.h) -- without them the CUDA compile tests skip.
+{
+  nvidia-smi -L
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+  python3 -c 'import matplotlib' 2>/dev/null && echo "matplotlib: present" || echo "matplotlib: absent (parity run draws no plots)"
+  echo "C compiler (Triton's: \$CC, gcc, clang): ${CC:-$(command -v gcc || command -v clang || echo absent)}; cc: $(command -v cc || echo absent); c++: $(command -v c++ || command -v g++ || echo absent)"
+  python3 -c 'import os, sysconfig
+scheme = sysconfig.get_default_scheme()
+include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
+header = os.path.join(include, "Python.h")
+print("Python.h:", header if os.path.exists(header) else f"absent (not in {include})")'
+} 2>&1 | tee "$out/host.log"
 # The one-pass checksum kernel is not carried (a build output): build it here, or warn and use numpy.
 python3 -m parity.weights.wsum_kernel 2>&1 | tee "$out/wsum_kernel.log"
 # The whole pipeline on this one GPU: reference engine and trainer on CUDA, weights by CUDA IPC, bf16.
+# The run's own timeouts end a stall with its own error inside the step's limit: each service has 90 s
+# to report SERVING (torch, CUDA and the tiny model load in seconds), each step 60 s (on CPU the whole
+# run takes ~16 s); the defaults (600 s, 900 s) would leave the step's timeout to cut the run off.
 step pipeline_run 240 python3 -m commands.main run --model tiny --steps 4 --rollout.engine reference --rollout.device cuda \
   --trainer.device cuda --precision bf16 --rollout.dtype bfloat16 --skip_preflight --eval_size 8 \
-  --groups_per_step 2 --group_size 4 --out "$out/pipeline_run"
+  --groups_per_step 2 --group_size 4 --startup_timeout_s 90 --step_timeout_s 60 --out "$out/pipeline_run"
 python3 scripts/step_mismatch.py "$out/pipeline_run" 2>&1 | tee "$out/pipeline_k3.log"
 # A real-size step: Qwen2.5-1.5B's shape, randomly initialised (no download), ours vs plain per micro-batch.
 step trainer_step_1.5b 300 python3 bench/trainer_step.py --shape qwen2.5-1.5b --device cuda --precision bf16 --groups 8 --group_size 8 \

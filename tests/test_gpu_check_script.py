@@ -4,21 +4,28 @@ accepts its arguments.
 A GPU host is lent rarely and for minutes, and the script's newer steps have never run there, so a
 renamed flag or config key would cost a whole lease. Here each command of the script is read from the
 script itself and checked without running it:
-- `parity run`: the config loads (`--print-config`), so every key exists and every value validates;
+- `parity run`: the config loads (`--print-config`), so every key exists and every value validates,
+  and the run's own startup and step timeouts end a stall before the step's time limit does;
 - each bench (`bench/*.py`): its argument parser accepts the arguments (the bench stops right after);
 - `pytest -m gpu FILES`: every file exists and collects at least one gpu-marked test;
 - `scripts/step_mismatch.py`: prints one line per step of a metrics.jsonl with the keys a run writes.
+And the script's `step` itself, run here: a command that ignores SIGTERM is killed soon after its limit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import runpy
 import shlex
+import signal
 import subprocess
 import sys
+import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -43,6 +50,12 @@ def script_commands(text: str, out: str) -> list[tuple[str, list[str]]]:
         words = shlex.split(line.replace('"$out"', out).replace("$out", out))
         steps.append((words[1], words[3:]))
     return steps
+
+
+def step_limits(text: str) -> dict[str, int]:
+    """LIMIT_S of every `step NAME LIMIT_S COMMAND...` line, by NAME."""
+    joined = text.replace("\\\n", " ")
+    return {line.split()[1]: int(line.split()[2]) for line in joined.splitlines() if line.startswith("step ")}
 
 
 def test_the_script_has_the_steps_the_docs_name() -> None:
@@ -84,6 +97,62 @@ def test_the_pipeline_runs_config_loads(tmp_path: Path) -> None:
         config = done.stdout
         for line in ('device = "cuda"  # --rollout.device', 'engine = "reference"  # --rollout.engine'):
             assert line in config, f"{name}: {line!r} not in the printed config"
+
+
+def test_the_pipeline_runs_own_timeouts_end_a_stall_inside_its_step_limit(tmp_path: Path) -> None:
+    """A service that never reports SERVING, or a step that never lands, ends the run with its own
+    error (naming run.startup_timeout_s / run.step_timeout_s) before the step's `timeout` cuts it off:
+    after a startup that took its whole allowance, a stalled step still fails with 30 s to spare."""
+    limits = step_limits(SCRIPT.read_text())
+    for name, args in _commands("run", tmp_path):
+        done = print_config(args)
+        assert done.returncode == 0, f"{name}: {done.stderr[-2000:]}"
+        run = tomllib.loads(done.stdout)["run"]
+        allowed = run["startup_timeout_s"] + run["step_timeout_s"]
+        assert allowed + 30 <= limits[name], (
+            f"{name}: run.startup_timeout_s {run['startup_timeout_s']} + run.step_timeout_s "
+            f"{run['step_timeout_s']} (+ 30 s to stop) exceed the step's limit {limits[name]} s"
+        )
+
+
+def test_a_step_that_ignores_sigterm_is_killed_soon_after_its_limit(tmp_path: Path) -> None:
+    """The script's own `step` (its text up to the first command), on a command that ignores SIGTERM
+    and so do its children (a hung graceful stop): SIGKILL follows 10 s after the 1 s limit."""
+    text = SCRIPT.read_text()
+    prelude = text[: text.index("\n{\n")]  # variables and functions; the host check starts at `{`
+    assert "step() {" in prelude
+    stubborn = "step stubborn 1 bash -c 'trap \"\" TERM; sleep 60; echo outlived'"
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        ["bash", "-c", prelude + "\n" + stubborn],
+        env={**os.environ, "OUT": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # so that the test can end the whole group if the step does not
+    )
+    try:
+        output, _ = proc.communicate(timeout=40)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc.pid)  # `timeout` made its own process group inside the session
+        proc.communicate()
+        pytest.fail("the step outlived its 1 s limit by 40 s: SIGTERM ignored and no SIGKILL followed")
+    elapsed = time.monotonic() - started
+    assert "stubborn exit 137 (limit 1s)" in output, output  # 128 + SIGKILL
+    assert "outlived" not in output
+    assert elapsed < 25, f"the step took {elapsed:.0f}s for a 1 s limit"
+
+
+def _kill_session(session_id: int) -> None:
+    """SIGKILL every process of the session `session_id` (Linux: the 6th field of /proc/PID/stat)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[3]) == session_id:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.kill(int(stat.parent.name), signal.SIGKILL)
 
 
 def test_every_bench_accepts_its_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,14 +3,17 @@
 - inductor (on CPU; on CUDA too, `gpu`-marked): over packed micro-batches with shared prompts, the float32 logprobs and every
   parameter's gradient are as close to a float64 decoder's as eager's are (within 2x);
 - micro-batches of other token counts and segment layouts reuse the compiled graphs: no recompile;
-- in bf16, inductor's logprobs are eager bf16's (every op's output rounded as eager rounds it);
+- in bf16, inductor's logprobs are eager bf16's (every op's output rounded as eager rounds it) on CPU;
+  on CUDA within the bound a flipped bf16 rounding leaves (Triton's float32 math is not eager's);
 - a trainer built with `compile` scores with compiled layers, its logprobs equal an eager trainer's,
   and a KV-cache call (the mismatch localiser's prefix replay) runs eager and gives eager's logits.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,39 @@ from tests.conftest import config_for
 from trainer.policy import SequenceInput, load_model
 
 TRANSFORM = SamplingTransform(1.0, 0, 1.0)
+
+
+def _inductor_lacks(device: str) -> str | None:
+    """What inductor on `device` needs to build its kernels and this host lacks; None when nothing.
+
+    Both devices: a C++ compiler. CUDA: Triton also builds its launcher with a C compiler (the one it
+    picks: $CC, else gcc, else clang) against the Python headers (Python.h, found as Triton finds it).
+    """
+    missing = []
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        missing.append("a C++ compiler (c++ or g++)")
+    if device == "cuda":
+        if not os.environ.get("CC") and shutil.which("gcc") is None and shutil.which("clang") is None:
+            missing.append("a C compiler for Triton ($CC, gcc or clang)")
+        scheme = sysconfig.get_default_scheme()
+        include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
+        if not (Path(include) / "Python.h").exists():
+            missing.append(f"the Python headers ({include}/Python.h)")
+    return ", ".join(missing) or None
+
+
+def _inductor_devices() -> list:
+    """cpu, and cuda (`gpu`-marked), each skipped with what it lacks when inductor cannot build there."""
+    params = []
+    for device in ("cpu", "cuda"):
+        lacks = _inductor_lacks(device)
+        marks = [
+            pytest.mark.skipif(
+                lacks is not None, reason=f"inductor on {device} builds its kernels with {lacks}: absent here"
+            )
+        ]
+        params.append(pytest.param(device, marks=[*marks, pytest.mark.gpu] if device == "cuda" else marks))
+    return params
 
 
 def _micro_batch(seed: int, groups: int, group_size: int) -> list[SequenceInput]:
@@ -49,11 +85,7 @@ def _logprobs_and_grads(model, sequences: list[SequenceInput]):
 # Inductor fuses kernels and sums in another order, so its float32 values are not eager's (on the
 # tiny model, whose hidden states reach ~130: logprobs 0.9-2.5e-5 apart, measured). Neither is
 # exact: both are that far from a float64 decoder. The test holds compiled to eager's own accuracy.
-@pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None,
-    reason="inductor builds its kernels with a C/C++ compiler: none on this host",
-)
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", _inductor_devices())
 def test_inductor_layers_are_as_accurate_as_eager_and_do_not_recompile(tiny_model: Path, device: str) -> None:
     from torch._dynamo.utils import counters
 
@@ -96,11 +128,7 @@ def test_inductor_layers_are_as_accurate_as_eager_and_do_not_recompile(tiny_mode
     assert counters["stats"]["unique_graphs"] == graphs_after_first, "a new micro-batch shape recompiled"
 
 
-@pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None,
-    reason="inductor builds its kernels with a C/C++ compiler: none on this host",
-)
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", _inductor_devices())
 def test_inductor_bf16_layers_give_eager_bf16_logprobs(tiny_model: Path, device: str) -> None:
     from trainer.compiled import compile_decoder_layers
     from trainer.policy import scorer_for, token_logprobs
@@ -115,9 +143,23 @@ def test_inductor_bf16_layers_give_eager_bf16_logprobs(tiny_model: Path, device:
         expected, _ = token_logprobs(eager, sequences)
         logprobs, _ = token_logprobs(compiled, sequences)
         logprobs.sum().backward()
-        worst = float((logprobs.detach() - expected.detach()).abs().max())
-        print(f"bf16 micro-batch {i}: compiled vs eager max |Δ logprob| {worst:.1e}")
-        assert worst <= 1e-6
+        delta = (logprobs.detach() - expected.detach()).abs()
+        worst, mean = float(delta.max()), float(delta.mean())
+        print(
+            f"bf16 micro-batch {i} on {device}: compiled vs eager |Δ logprob| max {worst:.1e} mean {mean:.1e}"
+        )
+        if device == "cpu":
+            assert worst <= 1e-6
+        else:
+            # Triton's exp and reductions differ from eager CUDA's by 1-2 float32 ulps; now and then
+            # that moves a value across a bf16 rounding boundary, and the flipped rounding (one bf16
+            # ulp, 2^-8 relative) carried through the later layers moves a logprob. Measured on CPU
+            # with every RMSNorm's float32 variance one ulp up: 1 token of 137 moved, by 1.3e-3 (mean
+            # 2.8e-5). 2e-2 leaves room for several flips on one token, the mean bound keeps them
+            # rare; both sit far below bf16's own rounding, which moves these logprobs from float32's
+            # by up to 0.5-1.2 (mean 0.06-0.08), so a compiled layer that rounds elsewhere still fails.
+            assert worst <= 2e-2
+            assert mean <= 1e-3
     assert all(p.dtype == torch.float32 and p.grad is not None for p in model.parameters())
 
 

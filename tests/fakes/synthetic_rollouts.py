@@ -65,7 +65,7 @@ def make_group(
             group.samples.add(
                 rollout_id=f"{group_id}/{index}",
                 token_ids=tokens,
-                logprobs=[float(x) for x in logprobs],
+                logprobs=logprobs.tolist(),  # one copy; float(x) per element syncs a CUDA tensor per token
                 token_weight_versions=[version] * len(tokens),
                 reward=float(reward),
             )
@@ -139,7 +139,7 @@ def make_episode_group(
             sample = group.samples.add(
                 rollout_id=f"{group_id}/{index}",
                 token_ids=tokens,
-                logprobs=[float(x) for x in logprobs],
+                logprobs=logprobs.tolist(),  # one copy; float(x) per element syncs a CUDA tensor per token
                 token_weight_versions=[version] * sum(mask),
                 reward=float(reward),
                 loss_mask=mask,
