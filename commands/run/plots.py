@@ -5,7 +5,8 @@ quantity plus `overview.png` with every panel on one page (linked first in summa
 
 Invariants:
 - Figures are plain matplotlib `Figure`s (no pyplot, no display), imported lazily so `parity run --help`
-  is fast.
+  is fast. matplotlib is optional at run time: without it the run draws no PNG, says so on its console
+  and in summary.md, and still writes eval.json, run_summary.json and summary.md.
 - Every figure's title names the run (its directory) and its seed.
 - Mismatch, policy drift and KL(new || old) are drawn on log axes with the running gate's threshold
   on the mismatch and drift panels; a value <= 0 cannot sit on a log axis and is left out (the
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from commands.run.console import log
 from commands.run.supervisor import format_duration
 from trainer.mismatch_gate import running_threshold
 
@@ -370,7 +372,12 @@ def write_results(
     _write_json(
         run_dir / "eval.json", {"before": before, "after": after, "accuracy_delta": delta, "evals": evals}
     )
-    plots = plot_run(run_dir, rows, evals, PlotContext.from_config(cfg, run_dir, len(rows)))
+    missing = matplotlib_missing()
+    if missing is None:
+        plots = plot_run(run_dir, rows, evals, PlotContext.from_config(cfg, run_dir, len(rows)))
+    else:
+        plots = []
+        log(f"plots not drawn: matplotlib is missing ({missing}); eval.json and the summaries are written")
     final = rows[-1] if rows else {}
     summary = {
         "mode": cfg.run.mode, "model": cfg.model.name, "task": cfg.task.name, "steps": len(rows),
@@ -383,7 +390,9 @@ def write_results(
         f"# parity run: {cfg.model.name} on {cfg.task.name}, {cfg.run.mode}, {len(rows)} steps, "
         f"seed {cfg.run.seed}",
         "",
-        f"![overview: every plot of this run on one page]({plots[0].name})",
+        f"![overview: every plot of this run on one page]({plots[0].name})"
+        if plots
+        else f"Plots not drawn: matplotlib is missing ({missing}).",
         "",
         f"- command: `parity run {' '.join(argv)}`",
         f"- wall time: {format_duration(timings['wall_s'])} (startup {format_duration(timings['startup_s'])}, "
@@ -411,12 +420,22 @@ def write_results(
             if measured
             else f"| steps with own-version mismatch measured | 0/{len(rows)} |"
         )
-    lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots[1:]]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots[1:]]
     lines += [
         "",
         "Config: [config.toml](config.toml), [config.json](config.json) · metrics: [metrics.jsonl](metrics.jsonl) · eval: [eval.json](eval.json)",
     ]
     (run_dir / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def matplotlib_missing() -> str | None:
+    """Why matplotlib cannot be imported (the ImportError's message), or None when it can."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        return str(error)
+    return None
 
 
 def _cell(value: object) -> str:
