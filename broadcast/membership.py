@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from parity.errors import RequestError, invalid
+from parity.errors import RequestError, invalid, quote
 from parity.v1 import broadcast_pb2 as pb
 
 WorkerState = pb.WorkerState
@@ -105,13 +105,13 @@ def validate_registration(request: pb.RegisterWorkerRequest) -> None:
     host, sep, port = request.address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise invalid(
-            "address", f"expected HOST:PORT of the worker's RolloutService (got {request.address!r})"
+            "address", f"expected HOST:PORT of the worker's RolloutService (got {quote(request.address)})"
         )
     if request.weight_version < 0:
         raise invalid("weight_version", f"must be >= 0 (got {request.weight_version})")
     if not DEVICE_UUID.match(request.device_uuid):
         raise invalid("device_uuid", f"empty (CPU) or a GPU UUID of 1-128 characters from [A-Za-z0-9-] "
-                      f"(got {request.device_uuid[:140]!r})")  # fmt: skip
+                      f"(got {quote(request.device_uuid)})")  # fmt: skip
     if request.receive_capacity_bytes < 0:
         raise invalid(
             "receive_capacity_bytes", f"must be >= 0 (0: not reported; got {request.receive_capacity_bytes})"
@@ -156,9 +156,9 @@ class Membership:
         record = self.live.get(request.worker_id)
         if record is None:
             raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.NOT_FOUND,
                 "worker_id",
-                f"{request.worker_id!r} is not registered (dropped or never joined); call RegisterWorker",
+                f"{quote(request.worker_id)} is not registered (dropped or never joined); call RegisterWorker",
             )
         record.last_seen_monotonic = time.monotonic()
         record.last_heartbeat_unix = time.time()

@@ -2,8 +2,9 @@
 
 Invariants:
 - Versions are monotonic. A publish is accepted only as `head + 1`, where head is the newest version
-  that has not FAILED (any version >= 1 when the registry is empty), so a failed version may be
-  re-published with the same number and nothing ever goes backwards.
+  that has not FAILED (any version in [1, MAX_VERSION] when the registry is empty: a resumed trainer
+  continues its numbering), so a failed version may be re-published with the same number and
+  nothing ever goes backwards. MAX_VERSION leaves room for a successor in int64.
 - The schema (model name, tensor names, shapes, dtypes, order) is registered by the first version
   that a worker verified. A publish that fails (bogus sizes, nobody could receive it) leaves no trace
   but its FAILED record, and one that commits to an epoch without workers (no byte moved, nothing
@@ -24,12 +25,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from broadcast.events import EventLog, Kind
-from parity.errors import RequestError, invalid
+from parity.errors import RequestError, invalid, quote
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import common_pb2
 from parity.weights.layout import SUPPORTED_DTYPES, Layout
 
 State = pb.VersionState
+MAX_VERSION = 2**63 - 2  # its successor is the largest int64: a registry can always take head + 1
 _PROGRESS = {
     State.VERSION_STATE_RECEIVING: 1,
     State.VERSION_STATE_COMMITTED: 2,
@@ -139,8 +141,11 @@ class VersionRegistry:
     # -- publish --------------------------------------------------------------------------------
     def validate(self, request: pb.PublishVersionRequest) -> None:
         """Raise RequestError unless `request` may be published now (nothing is changed)."""
-        if request.version < 1:
-            raise invalid("version", f"must be >= 1 (got {request.version})")
+        if not 1 <= request.version <= MAX_VERSION:
+            raise invalid(
+                "version",
+                f"must be in [1, {MAX_VERSION}] so that its successor fits int64 (got {request.version})",
+            )
         if not request.model:
             raise invalid("model", "required (the name of the model the weights belong to)")
         if not request.tensors:
@@ -153,12 +158,12 @@ class VersionRegistry:
         for i, meta in enumerate(request.tensors):
             where = f"tensors[{i}]"
             if not meta.name or meta.name in seen:
-                raise invalid(f"{where}.name", f"empty or duplicate {meta.name!r}")
+                raise invalid(f"{where}.name", f"empty or duplicate {quote(meta.name)}")
             seen.add(meta.name)
             if meta.dtype not in SUPPORTED_DTYPES:
-                raise invalid(f"{where}.dtype", f"unsupported {meta.dtype!r} for {meta.name}")
+                raise invalid(f"{where}.dtype", f"unsupported {quote(meta.dtype)} for {quote(meta.name)}")
             if any(d < 0 for d in meta.shape):
-                raise invalid(f"{where}.shape", f"negative dimension for {meta.name}")
+                raise invalid(f"{where}.shape", f"negative dimension for {quote(meta.name)}")
         if self.schema:
             self._check_schema(request)
         total = Layout.of(request.tensors).total_bytes
@@ -184,11 +189,11 @@ class VersionRegistry:
 
     def _check_schema(self, request: pb.PublishVersionRequest) -> None:
         if request.model != self.model:
-            raise invalid("model", f"{request.model!r} is not the registered model {self.model!r}")
+            raise invalid("model", f"{quote(request.model)} is not the registered model {self.model!r}")
         expected = {name: (shape, dtype) for name, shape, dtype in self.schema}
         for i, meta in enumerate(request.tensors):
             if meta.name not in expected:
-                raise invalid(f"tensors[{i}].name", f"{meta.name!r} is not in model {self.model!r}")
+                raise invalid(f"tensors[{i}].name", f"{quote(meta.name)} is not in model {self.model!r}")
             shape, dtype = expected[meta.name]
             if tuple(meta.shape) != shape:
                 raise invalid(

@@ -3,8 +3,11 @@ any exception a handler lets out to the status a client sees.
 
 Validation code raises `RequestError` (`invalid(field, message)` for INVALID_ARGUMENT,
 `overloaded(...)` for RESOURCE_EXHAUSTED with a retry hint). `details` is always "field: message",
-the convention every Parity service answers with. The error boundary (`parity.server`) turns every
-exception into a status through `status_for`:
+the convention every Parity service answers with, and never longer than MAX_DETAILS_BYTES
+(`bounded`): details travel in a trailer, and a client refuses a trailer over its metadata limit
+(16 KiB by default) with RESOURCE_EXHAUSTED instead of the refusal. A message quotes a client's
+value through `quote`, which keeps the first MAX_QUOTE_CHARS of it. The error boundary
+(`parity.server`) turns every exception into a status through `status_for`:
 
   RequestError                          -> its own code and details
   protobuf DecodeError, UnicodeError     -> INVALID_ARGUMENT (malformed bytes, invalid UTF-8)
@@ -22,6 +25,8 @@ from __future__ import annotations
 import grpc
 
 RETRY_AFTER_METADATA_KEY = "retry-after-ms"
+MAX_DETAILS_BYTES = 1024  # UTF-8; gRPC percent-encodes non-ASCII, so at most 3 KiB on the wire
+MAX_QUOTE_CHARS = 200
 
 # Exception class names (anywhere in the MRO) and the code they map to; see the module docstring.
 _BY_CLASS_NAME = {
@@ -30,6 +35,24 @@ _BY_CLASS_NAME = {
     "VLLMClientError": (grpc.StatusCode.INVALID_ARGUMENT, "sampling"),
     "EngineDeadError": (grpc.StatusCode.UNAVAILABLE, "engine"),
 }
+
+
+def quote(value: object, limit: int = MAX_QUOTE_CHARS) -> str:
+    """`repr` of a client's `value` for an error message, cut to its first `limit` characters."""
+    text = value if isinstance(value, str | bytes) else str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} {'characters' if isinstance(text, str) else 'bytes'})"
+
+
+def bounded(details: str) -> str:
+    """`details` cut to MAX_DETAILS_BYTES of UTF-8, keeping its start (the "field:" prefix)."""
+    encoded = details.encode("utf-8", "replace")
+    if len(encoded) <= MAX_DETAILS_BYTES:
+        return details
+    tail = f"... [cut: {len(details)} characters]"
+    head = encoded[: MAX_DETAILS_BYTES - len(tail)].decode("utf-8", "ignore")
+    return head + tail
 
 
 class RequestError(Exception):
@@ -41,7 +64,7 @@ class RequestError(Exception):
         self.code = code
         self.field = field
         self.retry_after_s = retry_after_s
-        self.details = f"{field}: {message}"
+        self.details = bounded(f"{field}: {message}")
         super().__init__(self.details)
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -75,5 +98,5 @@ def status_for(exc: BaseException) -> RequestError | None:
         if mapped is not None:
             code, field = mapped
             text = str(exc).strip() or type(exc).__name__
-            return RequestError(code, field, f"{type(exc).__name__}: {text}"[:1000])
+            return RequestError(code, field, f"{type(exc).__name__}: {text}")
     return None

@@ -11,8 +11,10 @@ it decodes the request itself, so malformed protobuf bytes and invalid UTF-8 ans
 INVALID_ARGUMENT instead of gRPC's "Unexpected DecodeError" (UNKNOWN), and it maps whatever a
 handler raises through `parity.errors.status_for`. An exception nothing maps is a bug: the client
 gets INTERNAL with a trace id and the log gets the traceback under the same id. No handler's
-exception reaches a client as UNKNOWN. Received messages are capped at `max_message_bytes`
-(RESOURCE_EXHAUSTED from gRPC itself above it).
+exception reaches a client as UNKNOWN. Details are bounded (`parity.errors.bounded`), those a
+handler passes to `context.abort` itself too, so a refusal quoting a huge value still arrives as
+itself and not as the client's "metadata size exceeds" RESOURCE_EXHAUSTED. Received messages are
+capped at `max_message_bytes` (RESOURCE_EXHAUSTED from gRPC itself above it).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from parity import tracing
 from parity.config import ServiceConfig
-from parity.errors import invalid, status_for
+from parity.errors import bounded, invalid, status_for
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,22 @@ def _decoder(method: str, deserializer: Callable[[bytes], object] | None) -> Cal
     return decode
 
 
+class _BoundedDetails:
+    """A handler's ServicerContext whose `abort` and `set_details` bound the details they send."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        await self._context.abort(code, bounded(details), trailing_metadata)
+
+    def set_details(self, details: str) -> None:
+        self._context.set_details(bounded(details))
+
+
 class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
     """The one error boundary: request decoding and every handler exception map to a status code.
 
@@ -122,7 +140,7 @@ class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary(raw: bytes, context: grpc.aio.ServicerContext):
                 try:
-                    return await inner(decode(raw), context)
+                    return await inner(decode(raw), _BoundedDetails(context))
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:
@@ -134,7 +152,7 @@ class ErrorBoundaryInterceptor(grpc.aio.ServerInterceptor):
 
             async def stream(raw: bytes, context: grpc.aio.ServicerContext):
                 try:
-                    async for item in inner_stream(decode(raw), context):
+                    async for item in inner_stream(decode(raw), _BoundedDetails(context)):
                         yield item
                 except grpc.aio.AbortError:
                     raise

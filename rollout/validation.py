@@ -4,7 +4,16 @@
 `context.abort(code, "field: message")` by the servicer, so a bad request never reaches the engine
 and never takes the service down. Wire conventions (proto3 zero values): `n = 0` means 1, `top_p = 0` means 1 (off),
 `top_k = 0` means off, `seed = 0` means unseeded, `temperature = 0` means greedy (and then n must
-be 1, as in vLLM).
+be 1, as in vLLM), an UNSPECIFIED update mode means the configured one, an UNSPECIFIED checksum
+algorithm means WSUM64. An enum value this server does not know is refused, never read as the
+default.
+
+An update plan is checked against the checkpoint's tensors (`checkpoint_shapes`, read before any
+engine loads): every name known, with the model's shape, listed once. A whole version
+(`base_version` 0) must list every tensor the trainer publishes (`full_version_names`): both engines
+load only what they receive (the reference engine with strict=False, vLLM's reload_weights only the
+modules that got tensors), so a partial one would serve a mix of versions under one number. A delta
+(`base_version` > 0) lists only the tensors that changed.
 """
 
 from __future__ import annotations
@@ -17,7 +26,8 @@ import grpc
 from google.protobuf import unknown_fields
 from google.protobuf.message import Message
 
-from parity.errors import RequestError, invalid
+from parity.errors import RequestError, invalid, quote
+from parity.v1 import common_pb2
 from parity.weights.rendezvous import rendezvous_problem
 from rollout.engine import GenerationSpec
 
@@ -28,6 +38,8 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # vLLM's default cap (max_logprobs)
+PLAN_DTYPES = ("float32", "bfloat16", "float16")
+_CHECKSUM_ALGORITHMS = (common_pb2.CHECKSUM_ALGORITHM_UNSPECIFIED, common_pb2.CHECKSUM_ALGORITHM_WSUM64)
 
 
 def check_unknown_fields(message: Message, path: str = "") -> None:
@@ -150,11 +162,30 @@ def check_prompt_fields(request, max_prompt_bytes: int) -> None:
         raise invalid("use_chat_template", "needs prompt_text")
 
 
+def check_update_mode(mode: int, field: str) -> None:
+    """An UpdateMode the service knows (UNSPECIFIED: the configured mode)."""
+    if mode not in common_pb2.UpdateMode.values():
+        raise invalid(
+            field, f"unknown UpdateMode {mode}; use UPDATE_MODE_KEEP, UPDATE_MODE_RECOMPUTE or leave it unset"
+        )
+
+
 def check_update_request(
-    request, checkpoint_shapes: dict[str, tuple[int, ...]], fault_injection: bool
+    request,
+    checkpoint_shapes: dict[str, tuple[int, ...]],
+    fault_injection: bool,
+    full_version: frozenset[str] | None = None,
 ) -> None:
-    """Validate an UpdateWeightsRequest before joining any group."""
+    """Validate an UpdateWeightsRequest before joining any group. `full_version`: the tensors a
+    whole version must list (`full_version_names`; None: every name in `checkpoint_shapes`)."""
     check_unknown_fields(request)
+    check_update_mode(request.update_mode, "update_mode")
+    if request.fault_corrupt_tensor and not fault_injection:  # refused whatever the plan
+        raise RequestError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "fault_corrupt_tensor",
+            "fault injection is disabled (start the service with --enable_fault_injection true)",
+        )
     if not request.HasField("plan"):
         raise invalid("plan", "required")
     plan = request.plan
@@ -173,33 +204,57 @@ def check_update_request(
         raise invalid("plan.full_bytes", f"must be >= 0 (got {plan.full_bytes})")
     if plan.bucket_bytes <= 0:
         raise invalid("plan.bucket_bytes", f"must be > 0 (got {plan.bucket_bytes})")
+    if plan.checksum_algorithm not in _CHECKSUM_ALGORITHMS:
+        raise invalid(
+            "plan.checksum_algorithm",
+            f"unknown ChecksumAlgorithm {plan.checksum_algorithm}; must be CHECKSUM_ALGORITHM_WSUM64",
+        )
     if plan.HasField("cuda_ipc"):  # a worker on the trainer's GPU: no group to join
         check_ipc_handle(plan)
     else:
         rdv = plan.rendezvous
         if rdv.backend not in ("gloo", "nccl"):
-            raise invalid("plan.rendezvous.backend", f"must be gloo or nccl (got {rdv.backend!r})")
+            raise invalid("plan.rendezvous.backend", f"must be gloo or nccl (got {quote(rdv.backend)})")
         if rdv.world_size < 2 or not 1 <= rdv.rank < rdv.world_size:
             raise invalid("plan.rendezvous.rank", f"receiver rank must be in [1, {rdv.world_size})")
         problem = rendezvous_problem(rdv)  # finite, bounded timeout_s; the group's secret; a port
         if problem is not None:
             raise invalid(f"plan.rendezvous.{problem[0]}", problem[1])
-    for meta in plan.tensors:
+    check_plan_tensors(plan, checkpoint_shapes, full_version)
+
+
+def check_plan_tensors(
+    plan, checkpoint_shapes: dict[str, tuple[int, ...]], full_version: frozenset[str] | None = None
+) -> None:
+    """Every tensor of `plan` is one of the model's, with its shape, listed once; a whole version
+    (base_version 0) lists every name of `full_version` (None: of `checkpoint_shapes`)."""
+    seen: set[str] = set()
+    for i, meta in enumerate(plan.tensors):
         expected = checkpoint_shapes.get(meta.name)
         if expected is None:
-            raise invalid("plan.tensors", f"unknown tensor {meta.name!r} for this model")
+            raise invalid("plan.tensors", f"unknown tensor {quote(meta.name)} for this model")
+        if meta.name in seen:
+            raise invalid(
+                f"plan.tensors[{i}].name", f"duplicate {quote(meta.name)}: each tensor is listed once"
+            )
+        seen.add(meta.name)
         if tuple(meta.shape) != expected:
             raise invalid(
                 "plan.tensors",
                 f"tensor {meta.name!r} has shape {list(meta.shape)}, model has {list(expected)}",
             )
-        if meta.dtype not in ("float32", "bfloat16", "float16"):
-            raise invalid("plan.tensors", f"tensor {meta.name!r} has unsupported dtype {meta.dtype!r}")
-    if request.fault_corrupt_tensor and not fault_injection:
-        raise RequestError(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "fault_corrupt_tensor",
-            "fault injection is disabled (start the service with --enable_fault_injection true)",
+        if meta.dtype not in PLAN_DTYPES:
+            raise invalid("plan.tensors", f"tensor {meta.name!r} has unsupported dtype {quote(meta.dtype)}")
+    if plan.base_version:
+        return  # a delta: only the tensors that changed since base_version
+    required = full_version if full_version is not None else frozenset(checkpoint_shapes)
+    missing = sorted(required - seen)
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise invalid(
+            "plan.tensors",
+            f"missing {len(missing)} of the model's {len(required)} tensors: {shown} (a whole version, "
+            "base_version 0, lists every tensor; a delta sets base_version)",
         )
 
 
@@ -216,7 +271,6 @@ def check_ipc_handle(plan) -> None:
 
 def checkpoint_shapes(model_dir) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes in the model's safetensors (plus lm_head.weight when tied)."""
-    import json
     from pathlib import Path
 
     from safetensors import safe_open
@@ -227,7 +281,21 @@ def checkpoint_shapes(model_dir) -> dict[str, tuple[int, ...]]:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
-    config = json.loads((model_dir / "config.json").read_text())
-    if config.get("tie_word_embeddings") and "model.embed_tokens.weight" in shapes:
+    if _tied(model_dir) and "model.embed_tokens.weight" in shapes:
         shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
     return shapes
+
+
+def full_version_names(checkpoint_shapes: dict[str, tuple[int, ...]], model_dir) -> frozenset[str]:
+    """The tensors a whole version must list: the checkpoint's, less a tied lm_head.weight (the
+    trainer publishes its parameters with tied weights once, as vLLM loads them)."""
+    tied = _tied(model_dir)
+    return frozenset(name for name in checkpoint_shapes if not (tied and name == "lm_head.weight"))
+
+
+def _tied(model_dir) -> bool:
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return bool(config.get("tie_word_embeddings"))

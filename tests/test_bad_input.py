@@ -9,9 +9,12 @@ the message cap). Requests are sent as raw bytes, so a case can be bytes no clie
 build.
 
 Each answer must be in the allowed set: never UNKNOWN (an exception that escaped a handler) and
-never INTERNAL (the boundary's answer to a bug). Where a valid base request exists (Generate), a
-bad numeric value must be refused with INVALID_ARGUMENT. After the cases, health answers SERVING
-on each service and a valid request still succeeds.
+never INTERNAL (the boundary's answer to a bug), and never the client's own RESOURCE_EXHAUSTED
+for details longer than its metadata limit (a refusal quoting a huge value whole). Where a valid
+base request exists (Generate), a bad numeric value must be refused with INVALID_ARGUMENT. After
+the cases, health answers SERVING on each service and a valid request still succeeds. Refusals
+whose exact code and field matter (a huge address, an unknown worker, an unknown enum value, a
+whole version missing tensors, a version without an int64 successor) are checked one by one.
 
 Every case is sent with the token, so it reaches the handler; the ones that would change state for
 good (Stop on the trainer) are left out except as bytes that cannot decode. A separate test sends
@@ -48,6 +51,8 @@ ALLOWED = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.UNAUTHENTICATED,
 }
+# The client's refusal of a trailer over its metadata limit (details quoting a huge value whole).
+TRAILER_TOO_BIG = "metadata size exceeds"
 STREAM_OPEN = grpc.StatusCode.DEADLINE_EXCEEDED  # a valid watch stays open until the client's deadline
 GARBAGE = [b"\xff\xff\xff\xff\x0f", b"\x0a\xff\xff\xff\xff\xff", b"\x08", bytes(range(256))]
 BIG_STRINGS = [2 * 1024 * 1024, 5 * 1024 * 1024]
@@ -175,18 +180,9 @@ def running(
         "broadcast": start_service("broadcast", [], log_dir=log_dir, env=env),
         "trainer": start_service(
             "trainer",
-            [
-                "--model",
-                "tiny",
-                "--redis_url",
-                redis_url,
-                "--run_dir",
-                str(log_dir / "trainer"),
-                "--steps",
-                "5",
-            ],
+            ["--model", "tiny", "--run_dir", str(log_dir / "trainer"), "--steps", "5"],
             log_dir=log_dir,
-            env=env,
+            env={**env, "PARITY_RUN_REDIS_URL": redis_url},  # it holds a password: never in argv
         ),
     }
     try:
@@ -197,8 +193,10 @@ def running(
         stop_groups([*started.values(), redis_proc], grace_s=10.0)
 
 
-def call(address: str, path: str, payload: bytes, streaming: bool, metadata=AUTH) -> grpc.StatusCode:
-    """Send raw bytes to `path`; the status code it answers with."""
+def call_status(
+    address: str, path: str, payload: bytes, streaming: bool, metadata=AUTH
+) -> tuple[grpc.StatusCode, str]:
+    """Send raw bytes to `path`; the status code it answers with and its details."""
     with grpc.insecure_channel(address) as chan:
         if streaming:
             rpc = chan.unary_stream(path, request_serializer=None, response_deserializer=None)
@@ -206,14 +204,19 @@ def call(address: str, path: str, payload: bytes, streaming: bool, metadata=AUTH
                 for _ in rpc(payload, timeout=3.0, metadata=metadata):
                     pass
             except grpc.RpcError as exc:
-                return exc.code()
-            return grpc.StatusCode.OK
+                return exc.code(), exc.details() or ""
+            return grpc.StatusCode.OK, ""
         rpc = chan.unary_unary(path, request_serializer=None, response_deserializer=None)
         try:
             rpc(payload, timeout=30.0, metadata=metadata)
         except grpc.RpcError as exc:
-            return exc.code()
-        return grpc.StatusCode.OK
+            return exc.code(), exc.details() or ""
+        return grpc.StatusCode.OK, ""
+
+
+def call(address: str, path: str, payload: bytes, streaming: bool, metadata=AUTH) -> grpc.StatusCode:
+    """Send raw bytes to `path`; the status code it answers with."""
+    return call_status(address, path, payload, streaming, metadata)[0]
 
 
 def still_serving(name: str, proc: ServiceProcess) -> None:
@@ -241,13 +244,13 @@ def test_every_rpc_answers_bad_input_with_an_allowed_code(name: str, running) ->
     for method in service.methods:
         path = f"/{service.full_name}/{method.name}"
         for case, payload, strict in cases(method):
-            code = call(proc.address, path, payload, method.server_streaming)
+            code, details = call_status(proc.address, path, payload, method.server_streaming)
             counted += 1
             allowed = {grpc.StatusCode.INVALID_ARGUMENT} if strict else ALLOWED
             if method.server_streaming and not strict:
                 allowed = allowed | {STREAM_OPEN}
-            if code in NEVER or code not in allowed:
-                wrong.append(f"{method.name}[{case}] -> {code.name}")
+            if code in NEVER or code not in allowed or TRAILER_TOO_BIG in details:
+                wrong.append(f"{method.name}[{case}] -> {code.name}: {details[:120]}")
             if method.name == "PauseGeneration" and code == grpc.StatusCode.OK:
                 call(proc.address, f"/{service.full_name}/ResumeGeneration", b"", False)
     assert counted >= 10
@@ -274,6 +277,85 @@ def test_temperature_outside_the_engine_range_is_invalid_argument(running, tempe
         chan.unary_unary("/parity.v1.RolloutService/Generate")(request.SerializeToString(), timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith("sampling.temperature: must be in [0, 2]")
+
+
+def _partial_whole_version(tiny_model: Path) -> rollout_pb2.UpdateWeightsRequest:
+    """A whole version (base_version 0) of the tiny model that lists one tensor of its 20."""
+    from rollout.validation import checkpoint_shapes
+
+    shape = checkpoint_shapes(tiny_model)["model.norm.weight"]
+    return rollout_pb2.UpdateWeightsRequest(
+        plan=common_pb2.TransferPlan(
+            version=1000,
+            tensors=[common_pb2.TensorMeta(name="model.norm.weight", shape=list(shape), dtype="float32")],
+            bucket_bytes=1 << 20,
+            checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64,
+            rendezvous=common_pb2.Rendezvous(
+                host="127.0.0.1",
+                port=1,
+                rank=1,
+                world_size=2,
+                backend="gloo",
+                group_name="partial",
+                timeout_s=5,
+                secret="s" * 32,
+            ),
+        )
+    )
+
+
+_ONE_TENSOR = [common_pb2.TensorMeta(name="w", shape=[4], dtype="float32")]
+# (case, service, method, request or a builder of it from the tiny model's path, code, details start)
+EXACT_REFUSALS = [
+    ("20KB address", "broadcast", "RegisterWorker",
+     broadcast_pb2.RegisterWorkerRequest(worker_id="w", address="x" * 20_000),
+     grpc.StatusCode.INVALID_ARGUMENT, "address: "),
+    ("heartbeat of an unknown worker", "broadcast", "Heartbeat",
+     broadcast_pb2.HeartbeatRequest(worker_id="nobody"), grpc.StatusCode.NOT_FOUND, "worker_id: 'nobody'"),
+    ("unregister of an unknown 20KB worker id", "broadcast", "UnregisterWorker",
+     broadcast_pb2.UnregisterWorkerRequest(worker_id="n" * 20_000), grpc.StatusCode.NOT_FOUND, "worker_id: 'nnn"),
+    ("version 2^63-1", "broadcast", "PublishVersion",
+     broadcast_pb2.PublishVersionRequest(version=2**63 - 1, model="toy", tensors=_ONE_TENSOR,
+                                         checksum_algorithm=common_pb2.CHECKSUM_ALGORITHM_WSUM64),
+     grpc.StatusCode.INVALID_ARGUMENT, "version: "),
+    ("whole version missing tensors", "rollout", "UpdateWeights", _partial_whole_version,
+     grpc.StatusCode.INVALID_ARGUMENT, "plan.tensors: missing 19 of the model's 20 tensors: "),
+    ("update_mode 99", "rollout", "UpdateWeights", rollout_pb2.UpdateWeightsRequest(update_mode=99),
+     grpc.StatusCode.INVALID_ARGUMENT, "update_mode: "),
+    ("pause mode 42", "rollout", "PauseGeneration", rollout_pb2.PauseGenerationRequest(mode=42),
+     grpc.StatusCode.INVALID_ARGUMENT, "mode: "),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "name", "method", "request_", "code", "start"),
+    EXACT_REFUSALS,
+    ids=[c[0] for c in EXACT_REFUSALS],
+)
+def test_refusals_answer_the_exact_code_and_name_the_field(
+    running, tiny_model: Path, case: str, name: str, method: str, request_, code, start: str
+) -> None:
+    """Not just an allowed code: the one that fits, with details that start with the field, short
+    enough to arrive (a 20 KB quote made the client answer RESOURCE_EXHAUSTED instead)."""
+    request = request_(tiny_model) if callable(request_) else request_
+    path = f"/{SERVICES[name].full_name}/{method}"
+    try:
+        got, details = call_status(running[name].address, path, request.SerializeToString(), False)
+    finally:
+        if method == "PauseGeneration":  # a pause that was wrongly accepted must not outlive the test
+            call(running[name].address, f"/{SERVICES[name].full_name}/ResumeGeneration", b"", False)
+    assert (got, details[: len(start)]) == (code, start), f"{case}: {got.name} {details[:200]!r}"
+    assert len(details.encode()) <= 1024, f"{case}: {len(details)} characters of details"
+
+
+def test_resume_refuses_unknown_fields_as_pause_does(running) -> None:
+    unknown = b"\xf8\x06\x01"  # field 111, varint 1: no field of either request
+    for method in ("PauseGeneration", "ResumeGeneration"):
+        path = f"/{SERVICES['rollout'].full_name}/{method}"
+        got, details = call_status(running["rollout"].address, path, unknown, False)
+        assert got == grpc.StatusCode.INVALID_ARGUMENT, (method, got, details)
+        assert details.startswith(f"{method}Request: unknown field number(s) [111]"), details
+    still_serving("rollout", running["rollout"])
 
 
 def test_protected_rpcs_without_the_token_are_unauthenticated(running) -> None:

@@ -14,22 +14,41 @@ memory from being reused while the consumer maps it.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from parity.v1 import common_pb2
+from parity.weights.rendezvous import MAX_TIMEOUT_S
 
 if TYPE_CHECKING:
     import torch
 
 
 def handle_problem(handle: common_pb2.CudaIpcHandle) -> tuple[str, str] | None:
-    """(field of the handle, what is wrong) when `handle` lacks what mapping it needs, else None."""
+    """(field of the handle, what is wrong) when `handle` lacks what mapping it needs or carries a
+    value no mapping may be made with (offsets, sizes, the timeout; as `rendezvous_problem` checks a
+    group's), else None. Nothing is mapped here."""
     if handle.nbytes <= 0:
         return "nbytes", f"must be > 0 (got {handle.nbytes})"
     if not handle.storage_handle or not handle.ref_counter_handle:
         return "storage_handle", "the CUDA IPC handle's storage and ref-counter handles are required"
     if not handle.device_uuid:
         return "device_uuid", "the GPU UUID of the buffer is required"
+    if handle.device_index < 0:
+        return "device_index", f"must be >= 0 (got {handle.device_index})"
+    for field in ("tensor_offset", "storage_offset_bytes", "ref_counter_offset"):
+        if getattr(handle, field) < 0:
+            return field, f"must be >= 0 (got {getattr(handle, field)})"
+    if handle.tensor_offset + handle.nbytes > handle.storage_size_bytes:
+        return "storage_size_bytes", (
+            f"{handle.storage_size_bytes} bytes cannot hold the buffer: tensor_offset "
+            f"{handle.tensor_offset} + nbytes {handle.nbytes}"
+        )
+    if not math.isfinite(handle.timeout_s) or not 0 <= handle.timeout_s <= MAX_TIMEOUT_S:
+        return "timeout_s", (
+            f"must be finite and in [0, {MAX_TIMEOUT_S:.0f}] seconds; 0: the receiver's default "
+            f"(got {handle.timeout_s})"
+        )
     return None
 
 

@@ -13,8 +13,10 @@ Invariants:
     reply's `latest_version`: a worker must not serve before its weight version reaches it (the
     broadcast service pushes that version to a worker that registers behind).
   - Heartbeats go every `heartbeat_interval_s`, or the interval the registration reply names.
-    One answered FAILED_PRECONDITION/NOT_FOUND (the worker was dropped) triggers a new
-    registration; other errors are logged and retried at the next beat.
+    One answered NOT_FOUND (the worker was dropped, or the service restarted and never knew it)
+    triggers a new registration, and so does FAILED_PRECONDITION, the code a broadcast service of
+    an older release answers with, so that a mixed-release deployment keeps re-registering; other
+    errors are logged and retried at the next beat.
   - Registration and heartbeats report `weight_version()` at the moment of the call.
 """
 
@@ -32,7 +34,7 @@ from parity.v1 import broadcast_pb2, broadcast_pb2_grpc
 
 log = logging.getLogger("parity.membership")
 
-_DROPPED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+_DROPPED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)  # see the docstring
 
 
 class MembershipClient:

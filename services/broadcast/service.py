@@ -2,7 +2,9 @@
 
 Invariants:
 - Every RPC validates its input first and answers INVALID_ARGUMENT / FAILED_PRECONDITION /
-  RESOURCE_EXHAUSTED with details naming the field; a bad request never changes state.
+  RESOURCE_EXHAUSTED with details naming the field; a bad request never changes state. Heartbeat
+  and UnregisterWorker for a worker that is not registered answer NOT_FOUND (the membership client
+  registers again on it).
 - Every RPC that changes state needs the token when one is set: PublishVersion, AwaitCatchUp,
   RegisterWorker, UnregisterWorker and Heartbeat (GrpcServer's protected methods).
 - PublishVersion refuses, before any state changes, a version larger than every registered worker
@@ -30,7 +32,7 @@ from broadcast.membership import DEVICE_UUID, PUBLISHER_ID, Epoch, Membership, W
 from broadcast.registry import VersionRecord, VersionRegistry, is_final_for, reached
 from parity import tracing
 from parity.config.broadcast import BroadcastConfig
-from parity.errors import RequestError, invalid
+from parity.errors import RequestError, invalid, quote
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc
 from parity.weights.cuda_ipc import handle_problem
@@ -272,7 +274,7 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
         worker = self.membership.unregister(request.worker_id)
         if worker is None:
             await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"worker_id: {request.worker_id!r} is not registered"
+                grpc.StatusCode.NOT_FOUND, f"worker_id: {quote(request.worker_id)} is not registered"
             )
         worker.state = WorkerState.WORKER_STATE_DROPPED
         self.events.emit(Kind.VERSION_EVENT_KIND_WORKER_DROPPED, worker.weight_version, worker.worker_id)

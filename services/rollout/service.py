@@ -59,8 +59,10 @@ from rollout.validation import (
     Limits,
     check_prompt_fields,
     check_unknown_fields,
+    check_update_mode,
     check_update_request,
     checkpoint_shapes,
+    full_version_names,
     generation_spec,
 )
 
@@ -127,6 +129,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.engine = engine
         self.model_dir = model_dir
         self.shapes = checkpoint_shapes(model_dir)
+        self.full_version = full_version_names(self.shapes, model_dir)  # what a whole version lists
         self.rate = metrics.TokenRate()
         self.shutting_down = False
         self.required_version = 0  # latest version the broadcast service reported at registration
@@ -328,7 +331,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "service", "shutting down")
             if self.engine_down:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine", "restarting after the engine died")
-            check_update_request(request, self.shapes, self.config.enable_fault_injection)
+            check_update_request(request, self.shapes, self.config.enable_fault_injection, self.full_version)
             version = int(request.plan.version)
             if version < self.engine.weight_version:
                 raise RequestError(
@@ -382,15 +385,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             prepare_seconds=result.prepare_s,
         )
 
+    def check_pause_request(self, request) -> None:
+        """PauseGeneration and ResumeGeneration alike: known fields only, and a service that is up."""
+        check_unknown_fields(request)
+        if self.shutting_down:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "service", "shutting down")
+        if self.engine_down:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine", "restarting after the engine died")
+
     async def PauseGeneration(self, request, context):
-        try:
-            check_unknown_fields(request)
-            if self.shutting_down:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "service", "shutting down")
-            if self.engine_down:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine", "restarting after the engine died")
-        except RequestError as exc:
-            await context.abort(exc.code, exc.details)
+        self.check_pause_request(request)
+        check_update_mode(request.mode, "mode")  # UNSPECIFIED: the configured mode
         if not self.paused:
             await self.engine.pause(_MODES.get(request.mode, self.config.update_mode))
             self.paused = True
@@ -398,6 +403,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.PauseGenerationResponse()
 
     async def ResumeGeneration(self, request, context):
+        # also while shutting down: a client's pause must not hold in-flight requests through the
+        # stop's grace period
+        check_unknown_fields(request)
+        if self.engine_down:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine", "restarting after the engine died")
         if self.paused:
             await self.engine.resume()
             self.paused = False
