@@ -102,7 +102,9 @@ def redis_server() -> Iterator[str]:
     the test process also when that is killed before its teardown (a timeout, a ^C twice)."""
     workdir = tempfile.mkdtemp(prefix="parity-redis-")
     try:
-        server, url = start_redis(workdir, timeout_s=10.0, die_with_launcher=True)
+        # No password: tests pass its URL on command lines, where a URL with a password is
+        # refused (secrets travel in the environment). A password's own path: tests/test_security.py.
+        server, url = start_redis(workdir, timeout_s=10.0, die_with_launcher=True, password="")
     except RuntimeError as exc:
         pytest.fail(str(exc))
     yield url
@@ -145,6 +147,11 @@ def start_services(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
             at = args_list.index("--auth_token")
             env[f"PARITY_{kind.upper()}_AUTH_TOKEN"] = args_list[at + 1]
             del args_list[at : at + 2]
+        for flag in ("--redis_url", "--run.redis_url"):  # a URL with a password is refused there too
+            if flag in args_list and "@" in args_list[args_list.index(flag) + 1]:
+                at = args_list.index(flag)
+                env["PARITY_RUN_REDIS_URL"] = args_list[at + 1]
+                del args_list[at : at + 2]
         service = start_service(
             kind, args_list, log_dir=tmp_path, env=env, name=name or f"{kind}{len(started)}"
         )
