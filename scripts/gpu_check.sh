@@ -53,7 +53,8 @@ python3 -m parity.weights.wsum_kernel 2>&1 | tee "$out/wsum_kernel.log"
 # run takes ~16 s); the defaults (600 s, 900 s) would leave the step's timeout to cut the run off.
 step pipeline_run 240 python3 -m commands.main run --model tiny --steps 4 --rollout.engine reference --rollout.device cuda \
   --trainer.device cuda --precision bf16 --rollout.dtype bfloat16 --skip_preflight --eval_size 8 \
-  --groups_per_step 2 --group_size 4 --startup_timeout_s 90 --step_timeout_s 60 --out "$out/pipeline_run"
+  --groups_per_step 2 --group_size 4 --startup_timeout_s 90 --step_timeout_s 60 --trainer.await_workers_timeout_s 60 \
+  --out "$out/pipeline_run"
 python3 scripts/step_mismatch.py "$out/pipeline_run" 2>&1 | tee "$out/pipeline_k3.log"
 # A real-size step: Qwen2.5-1.5B's shape, randomly initialised (no download), ours vs plain per micro-batch.
 step trainer_step_1.5b 300 python3 bench/trainer_step.py --shape qwen2.5-1.5b --device cuda --precision bf16 --groups 8 --group_size 8 \

@@ -428,7 +428,7 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str], resume: Resu
             )
 
             final_version = broadcast_latest_version(broadcast_address)
-            wait_rollouts_at(sup, rollouts, final_version, timeout_s=300.0)
+            wait_rollouts_at(sup, rollouts, final_version, timeout_s=cfg.run.step_timeout_s)
             record["final_rollout_status"] = {n: rollout_status(sup.children[n].address) for n in rollouts}
             record["final_weight_version"] = final_version
             if cfg.task.eval_size:

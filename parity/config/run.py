@@ -65,7 +65,10 @@ class RunConfig(Section):
         600.0, gt=0, description="Seconds each service may take to report SERVING."
     )
     step_timeout_s: float = Field(
-        900.0, gt=0, description="Abort when no optimizer step lands for this many seconds."
+        900.0,
+        gt=0,
+        description="Abort when no optimizer step lands for this many seconds, or when the rollout "
+        "services have not reached the final version this long after the last step.",
     )
     progress_interval_s: float = Field(
         10.0, gt=0, description="Seconds between progress lines when no step lands."
