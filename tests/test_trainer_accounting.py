@@ -172,3 +172,20 @@ def _environ() -> dict[str, str]:
     import os
 
     return dict(os.environ)
+
+
+def test_a_step_that_trained_nothing_has_no_gradient_norm_not_zero() -> None:
+    """Every group flat (one reward for all its samples) and no KL: nothing is trained, so there is
+    no gradient norm to report; 0.0 would read as "trained, gradient vanished"."""
+    import math
+
+    from trainer.step import optimizer_step
+
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    idle = optimizer_step(layer, optimizer, scheduler, 1.0, trainable_tokens=0)
+    assert math.isnan(idle.grad_norm) and not idle.stepped
+    layer(torch.ones(1, 3)).sum().backward()
+    trained = optimizer_step(layer, optimizer, scheduler, 1.0, trainable_tokens=1)
+    assert trained.stepped and math.isfinite(trained.grad_norm) and trained.grad_norm > 0

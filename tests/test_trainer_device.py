@@ -196,3 +196,19 @@ def test_step_metrics_report_peak_memory_and_no_mfu_on_cpu(tmp_path: Path, tiny_
     speed = speed_metrics(stats, trainer._speed, 0.5)
     assert speed["peak_memory_gib"] > 0
     assert "mfu" not in speed
+
+
+def test_mfu_divides_by_the_peak_of_what_the_decoder_computes_in(tmp_path: Path) -> None:
+    """bfloat16 parameters under fp32 precision compute in bf16: their MFU divides by the bf16 peak
+    (the fp32 peak made it ~15x too high, above 1)."""
+    from trainer.loop import Trainer
+    from trainer.precision import compute_precision
+
+    assert compute_precision("fp32", "float32") == "fp32"
+    assert compute_precision("bf16", "float32") == "bf16"
+    assert compute_precision("fp32", "bfloat16") == "bf16"
+    trainer = Trainer(
+        config_for("trainer", model="tiny", device="cpu", run_dir=str(tmp_path), dtype="bfloat16")
+    )
+    trainer.device, trainer.flops_per_token, trainer.world_size, trainer.ref_model = "cpu", 1.0, 1, None
+    assert trainer._speed.precision == "bf16"

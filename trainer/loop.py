@@ -41,6 +41,7 @@ from trainer.mismatch_gate import GATED_METRIC, MismatchGate, running_threshold
 from trainer.mismatch_locate import MISMATCH_REPORT, locate
 from trainer.nonfinite import record_skipped_step
 from trainer.own_version import score_own_version
+from trainer.precision import compute_precision
 from trainer.prepare import PreparedBatch, ScoredSequence, prepare, trainable_counts
 from trainer.recovery import PUBLISHED_VERSION_FILE, bound_dedupe, plan_resume, read_published_version
 from trainer.stats import StepStats
@@ -459,7 +460,7 @@ class Trainer:
     def _speed(self) -> SpeedInputs:
         return SpeedInputs(
             self.device,
-            self.config.precision,
+            compute_precision(self.config.precision, self.config.dtype),
             self.flops_per_token,
             self.world_size,
             self.ref_model is not None,

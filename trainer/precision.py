@@ -87,6 +87,12 @@ def head_weight_dtype(precision: str) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
+def compute_precision(precision: str, dtype: str) -> str:
+    """What the decoder's matmuls run in (bf16|fp32), for the device's peak FLOP/s: `precision`
+    bf16, or bfloat16 parameters (`trainer.dtype`) under fp32 precision."""
+    return "bf16" if precision == "bf16" or dtype == "bfloat16" else "fp32"
+
+
 def fp32_region(device: torch.device):
     """Autocast off: the head and log-softmax are float32 even when a caller runs the scorer under
     autocast."""

@@ -115,7 +115,9 @@ def optimizer_step(model, optimizer, scheduler, grad_clip: float, trainable_toke
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))  # a collective: every rank
+    if trainable_tokens == 0:  # nothing trained (every group flat): no gradient to measure, not 0.0
+        grad_norm = math.nan
     stepped = trainable_tokens > 0 and math.isfinite(grad_norm)
     if stepped:
         optimizer.step()
