@@ -162,7 +162,11 @@ class Actor:
             await asyncio.sleep(POLL_S)
 
     async def _backlog(self) -> int:
-        depth = await asyncio.to_thread(self.queue.backlog)
+        try:
+            depth = await asyncio.to_thread(self.queue.backlog)
+        except Exception:
+            metrics.QUEUE_DEPTH.set(float("nan"))  # unknown while Redis is out, not the last value
+            raise
         metrics.QUEUE_DEPTH.set(depth)
         return depth
 

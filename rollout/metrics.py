@@ -86,6 +86,12 @@ REFUSED_REQUESTS = Counter(
 )
 
 
+# Measurements, not counts: NaN until something measures them (the actor's first backlog read, the
+# engine loaded, a second rate sample), never a 0 that reads as measured.
+for _gauge in (QUEUE_DEPTH, WEIGHT_VERSION, TOKENS_PER_SECOND):
+    _gauge.set(float("nan"))
+
+
 class TokenRate:
     """Sliding-window tokens/s from the running token total."""
 
@@ -103,7 +109,7 @@ class TokenRate:
         while self._samples and now - self._samples[0][0] > RATE_WINDOW_S:
             self._samples.popleft()
         first_t, first_total = self._samples[0]
-        rate = (self.total - first_total) / (now - first_t) if now > first_t else 0.0
+        rate = (self.total - first_total) / (now - first_t) if now > first_t else float("nan")
         TOKENS_PER_SECOND.set(rate)
         return rate
 

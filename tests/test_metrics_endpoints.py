@@ -338,3 +338,40 @@ def test_one_rollout_life_is_traced_across_three_services(pipeline: Pipeline) ->
         for consume in consumes:  # one per delivery (a redelivered entry is consumed again)
             assert consume.kind == CONSUMER and consume.attributes["parity.group_id"] == group_id
             assert consume.parent_id == "", "a consumer links to its producer; it is not its child"
+
+
+def test_rollout_measurements_are_nan_until_measured_not_zero() -> None:
+    """Queue depth, weight version and tokens/s read NaN before the actor, the engine or a second
+    rate sample measured them: a 0 would read as an empty queue, version 0, an idle engine."""
+    import math
+    import subprocess
+    import sys
+
+    code = (
+        "import rollout.metrics\n"
+        "from prometheus_client import generate_latest\n"
+        "print(generate_latest().decode())\n"
+    )
+    text = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("parity_rollout_")
+    }
+    for name in (
+        "parity_rollout_queue_depth",
+        "parity_rollout_weight_version",
+        "parity_rollout_tokens_per_second",
+    ):
+        assert math.isnan(values[name]), (name, values[name])
+
+    from rollout.metrics import TokenRate
+
+    rate = TokenRate()
+    rate.add(500)
+    assert math.isnan(rate.tick())  # one sample: no interval yet
+    time.sleep(0.05)
+    rate.add(100)
+    assert rate.tick() > 0
