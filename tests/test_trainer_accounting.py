@@ -69,6 +69,9 @@ def test_a_nonfinite_gradient_skips_the_step_and_records_its_rollouts(
     assert [r["skipped_nonfinite_steps_total"] for r in rows] == [1, 1, 2]
     assert [r["rollouts_skipped_nonfinite"] for r in rows] == [4, 0, 4]
     assert rows[0]["grad_norm"] is None  # NaN in metrics.jsonl is null, never a number
+    backlog = [r["backlog"] for r in rows]  # entries not yet acked, read at each step
+    print("backlog per step:", backlog)
+    assert backlog == sorted(backlog, reverse=True) and backlog[0] >= 2 and backlog[-1] >= 0
     # skipped rollouts are not in the lineage (trained once or never), but recorded as skipped
     assert trained_ids(tmp_path) == ids_of("g1")
     skipped = lines(tmp_path / SKIPPED_ROLLOUTS_FILE)

@@ -321,6 +321,7 @@ class Trainer:
                 metrics.update(version_tag_metrics(batch))
                 metrics.update(self.head_watch.observe(batch.groups))
             metrics.update(timings)
+            metrics["backlog"] = self.queue.backlog()  # stream entries this trainer has not acked
             span.set_attribute(tracing.ATTR_TOKENS, prepared.num_tokens)
             span.set_attribute("parity.groups", len(batch.groups))
             span.set_attribute(tracing.ATTR_LAG, metrics["lag_max"])
