@@ -280,3 +280,20 @@ def test_a_remote_mlflow_that_never_answers_holds_the_launcher_seconds_not_minut
     took = time.monotonic() - start
     print(f"gave up after {took:.1f}s")
     assert took < 60 and all(os.environ[k] == v for k, v in MLFLOW_HTTP_DEFAULTS.items())
+
+
+def test_an_evaluation_that_scored_nothing_logs_no_accuracy(tmp_path: Path) -> None:
+    """Every held-out reward failed: accuracy and reward_mean are None; the trackers get no scalar
+    (it raised before, ending the launch) and still the table of what was tried."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trackers = RunTrackers.open(["tensorboard"], tmp_path, 1, {"run": {"steps": 1}})
+    nothing = {"label": "before", "step": 0, "accuracy": None, "reward_mean": None,
+               "items": [{"prompt_id": "p", "prompt": "q", "answer": "2", "completion": "x", "reward": None,
+                          "weight_versions": [0]}]}  # fmt: skip
+    trackers.evaluation(nothing)
+    trackers.close(finished=True)
+    (events,) = [p.parent for p in tmp_path.rglob("events.out.tfevents.*")]
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    assert not [tag for tag in accumulator.Tags()["scalars"] if tag.startswith("eval/")]

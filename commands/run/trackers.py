@@ -282,12 +282,15 @@ class RunTrackers:
         if not self.trackers:
             return
         step = int(result["step"])
+        # None when nothing was scored (every held-out reward failed): left out, never 0
         scalars = {
-            "eval/accuracy": float(result["accuracy"]),
-            "eval/reward_mean": float(result["reward_mean"]),
+            f"eval/{key}": float(result[key])
+            for key in ("accuracy", "reward_mean")
+            if result.get(key) is not None
         }
         rows = [[_cell(item.get(c)) for c in EVAL_COLUMNS] for item in result.get("items", [])]
-        self._each("eval", lambda t: t.log_scalars(step, scalars))
+        if scalars:
+            self._each("eval", lambda t: t.log_scalars(step, scalars))
         if rows:
             self._each("eval", lambda t: t.log_table(f"eval_{result['label']}", step, EVAL_COLUMNS, rows))
 
