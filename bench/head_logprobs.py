@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for name, fn in order if round_index % 2 == 0 else order[::-1]:
             results[name] = run(fn)
-        max_abs = max(max_abs, float((results["whole"][3] - results["ours"][3]).abs().max()))
+        diff = float((results["whole"][3] - results["ours"][3]).abs().max())
+        max_abs = diff if math.isnan(diff) or math.isnan(max_abs) else max(max_abs, diff)  # NaN sticks
         label = "warmup" if round_index == 0 else f"round {round_index}/{args.repeats}"
         print(
             f"{label}: whole {results['whole'][0]:.3f}s, ours {results['ours'][0]:.3f}s",
