@@ -170,3 +170,26 @@ def test_write_results_writes_the_overview_and_links_it_first(tmp_path: Path) ->
     assert images[0].endswith("(overview.png)") and len(images) == 1 + len(PLOT_NAMES)
     # Right under the heading, before anything else.
     assert summary.splitlines()[2] == images[0]
+
+
+def test_the_drawn_gate_threshold_is_the_one_the_trainer_got_from_the_preflight(tmp_path: Path) -> None:
+    """bf16 rollouts, no check.gate_threshold: the trainer's threshold comes from the preflight's
+    k3 (recorded in config.json); the plots and `parity compare` draw that one, not the default."""
+    import json
+
+    from commands.check.compare import Run
+    from commands.run.plots import PlotContext
+    from tests.conftest import config_for
+    from trainer.mismatch_gate import calibrated_threshold, running_threshold
+
+    cfg = config_for("run", model="tiny", **{"rollout.dtype": "bfloat16"})
+    k3 = 0.05
+    expected = calibrated_threshold(cfg, k3)
+    assert expected is not None and expected != running_threshold(cfg)[0]
+    record = {
+        "config": cfg.model_dump(),
+        "preflight": {"ran": True, "report": {"rows": [{"stats": {"k3": k3}}]}},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(record))
+    assert PlotContext.from_config(cfg, tmp_path, 3).gate_threshold == expected
+    assert Run(tmp_path, [], record).threshold == expected

@@ -123,11 +123,11 @@ class Run:
     @property
     def threshold(self) -> float | None:
         """The running gate's threshold of the run's config (None when the config cannot say)."""
+        from commands.run.gate import run_threshold
         from parity.config import ParityConfig
-        from trainer.mismatch_gate import running_threshold
 
         try:
-            return running_threshold(ParityConfig.model_validate(self.settings))[0]
+            return run_threshold(ParityConfig.model_validate(self.settings), self.config)[0]
         except Exception:  # an older or partial config: no gate line rather than a wrong one
             return None
 

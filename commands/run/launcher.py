@@ -474,12 +474,10 @@ def _start_trainer(
 def gate_env(cfg: ParityConfig, preflight_record: dict | None) -> dict[str, str]:
     """The trainer's running-gate threshold when it comes from the preflight (reduced precision and
     check.gate_threshold unset): GATE_MARGIN x the clean k3 the preflight measured. Else nothing."""
+    from commands.run.gate import preflight_k3
     from trainer.mismatch_gate import calibrated_threshold, running_threshold
 
-    report = (preflight_record or {}).get("report") or {}
-    rows = report.get("rows") or []
-    k3 = rows[0].get("stats", {}).get("k3") if rows and isinstance(rows[0], dict) else None
-    k3 = k3 if isinstance(k3, int | float) else None
+    k3 = preflight_k3(preflight_record)
     value, source = running_threshold(cfg, k3)
     log(f"running mismatch gate: k3 above {value:g} ({source})")
     calibrated = calibrated_threshold(cfg, k3)

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from commands.run.console import log
+from commands.run.gate import run_threshold
 from commands.run.supervisor import format_duration
-from trainer.mismatch_gate import running_threshold
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -112,10 +112,14 @@ class PlotContext:
 
     @classmethod
     def from_config(cls, cfg: ParityConfig, run_dir: Path, steps: int) -> PlotContext:
+        try:  # the preflight's k3 sets the threshold under reduced precision
+            record = json.loads((run_dir / "config.json").read_text())
+        except (OSError, ValueError):
+            record = None
         return cls(
             run_name=run_dir.resolve().name,
             seed=cfg.run.seed,
-            gate_threshold=running_threshold(cfg)[0],
+            gate_threshold=run_threshold(cfg, record)[0],
             reward_range=reward_range(cfg.task.name, cfg.task.reward),
             subtitle=f"{cfg.model.name} on {cfg.task.name}, {cfg.run.mode}, {steps} steps",
         )
