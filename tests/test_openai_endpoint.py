@@ -419,6 +419,35 @@ def test_an_incomplete_group_is_dropped_after_the_timeout(endpoint) -> None:
     assert not any(a["published"] for a in answers) and published(r) == []
 
 
+def test_a_group_whose_publish_fails_is_kept_and_published_by_the_next_finish(endpoint) -> None:
+    """The stream key taken by a string (XADD answers WRONGTYPE, as a Redis that stays down past its
+    outage limit would fail it): the finish answers 503 and the whole group is kept; once the key
+    is free again, the next finish publishes it first, then its own."""
+    base_url, r = endpoint
+    r.delete(STREAM)
+    api, auth = client(base_url), {"Authorization": f"Bearer {TOKEN}"}
+
+    def finish(sid: str) -> httpx.Response:
+        api.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hi."}],
+            max_tokens=3,
+            extra_headers={"X-Parity-Session": sid},
+        )
+        return httpx.post(f"{base_url}/sessions/{sid}/finish", json={"reward": 1.0}, headers=auth, timeout=60)
+
+    first, second = f"kept-{uuid.uuid4().hex[:6]}", f"next-{uuid.uuid4().hex[:6]}"
+    r.set(STREAM, "not a stream")
+    refused = finish(first)
+    assert refused.status_code == 503, refused.text
+    assert "1 finished group(s) kept" in refused.json()["error"]["message"], refused.text
+    r.delete(STREAM)
+    answer = finish(second)
+    assert answer.status_code == 200 and answer.json()["published"], answer.text
+    groups = published(r)
+    assert [g.group_id.split(":", 1)[1] for g in groups] == [f"session:{first}", f"session:{second}"]
+
+
 @pytest.mark.slow
 def test_the_tool_call_example_plays_its_episodes_and_publishes_each_group(
     endpoint, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -54,7 +54,7 @@ from aiohttp import web
 
 from parity.config import ParityConfig
 from parity.errors import RequestError, status_for
-from parity.v1 import common_pb2, rollout_pb2
+from parity.v1 import common_pb2, rollout_pb2, rollouts_pb2
 from rollout import sessions as session_book
 from rollout.engine import CompletionResult
 from rollout.sessions import GroupBook, MessageTemplate, SamplingKey, SessionBook, SessionRefused
@@ -195,6 +195,10 @@ class OpenAIServer:
         self._template: MessageTemplate | None = None
         self._template_tokenizer = None
         self._queue = None
+        # whole groups whose publish failed (Redis out longer than its outage limit, a wrong key):
+        # published first, in order, by the next finish
+        self._unpublished: list[rollouts_pb2.RolloutGroup] = []
+        self._publishing = asyncio.Lock()
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="openai-render")
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task | None = None
@@ -561,9 +565,7 @@ class OpenAIServer:
             raise ApiError(500, "the session's tokens differ from the engine's; its group was dropped")
         group = self.groups.add(key, size, session, sample)
         self.sessions.close(session)
-        published = ""
-        if group is not None:
-            published = await self._publish(group)
+        published = await self._publish_whole_groups(group)
         pending = self.groups.pending.get(key)
         return web.json_response(
             {
@@ -578,6 +580,34 @@ class OpenAIServer:
                 "model_tokens": sum(sample.loss_mask),
             }
         )
+
+    async def _publish_whole_groups(self, group: rollouts_pb2.RolloutGroup | None) -> str:
+        """Publish the groups kept from failed publishes, then `group` (when this finish completed
+        one); the stream entry id of `group`, or "". A publish that fails keeps the group and its
+        successors for the next finish, and answers 503 saying so: a finished group is never lost."""
+        if group is not None:
+            self._unpublished.append(group)
+        published = ""
+        async with self._publishing:
+            while self._unpublished:
+                head = self._unpublished[0]
+                try:
+                    entry = await self._publish(head)
+                except Exception as exc:  # answered below; the groups are kept
+                    log.warning(
+                        "OpenAI group %s not published (kept for the next finish): %s", head.group_id, exc
+                    )
+                    raise ApiError(
+                        503,
+                        f"publish: {type(exc).__name__}: {exc}; {len(self._unpublished)} finished group(s) "
+                        "kept, published with the next finish",
+                        None,
+                        "publish_failed",
+                    ) from exc
+                self._unpublished.pop(0)
+                if head is group:
+                    published = entry
+        return published
 
     async def _publish(self, group) -> str:
         from parity import tracing
