@@ -269,6 +269,32 @@ def test_recomputed_old_logprobs_use_the_tokens_own_version(
     assert 0.0 <= row["mismatch_k3_at_version"] < 1e-8 and row["mismatch_max_abs_at_version"] < 1e-4
 
 
+def test_the_at_version_mismatch_leaves_out_mixed_context_tokens(
+    redis_url: str, tmp_path: Path, reference_model
+) -> None:
+    """A keep-mode update landed mid-sequence: the last tokens are tagged v1 but attended to KV
+    computed at v0. The replay at v1 recomputes their context at v1 too, so they measure the
+    update, not the backend: the at-version mismatch leaves them out (with them, k3 read the
+    version change as backend error)."""
+    queue = RolloutQueue(redis_url, stream=STREAM)
+    queue.publish(group(reference_model, "m0"))
+    trainer = make_trainer(redis_url, tmp_path, steps=2, lr=1e-2, old_logprobs="recompute", max_lag=3)
+    mixed = group(reference_model, "m1", version=0, seed=7)  # logprobs of the v0 weights
+    for sample in mixed.samples:
+        n = len(sample.token_ids)
+        sample.token_weight_versions[:] = [0] * (n - 3) + [1] * 3  # tagged v1 ...
+        sample.token_context_versions[:] = [0] * n  # ... over KV of v0
+    mixed.max_weight_version = 1
+    queue.publish(mixed)
+    trainer.run()
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["mismatch_k3_mixed_context"] is not None
+    row = rows[1]
+    n = len(mixed.samples[0].token_ids)
+    assert row["at_version_token_frac"] == pytest.approx((n - 3) / n)  # the clean v0 tokens only
+    assert 0.0 <= row["mismatch_k3_at_version"] < 1e-8, row["mismatch_k3_at_version"]
+
+
 def test_each_version_is_rescored_over_the_sequences_that_hold_it(
     redis_url: str, tmp_path: Path, reference_model, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -174,9 +174,13 @@ def _train_micro_batch(
     recomputed_T = None
     if config.old_logprobs == "recompute":
         recomputed_T, known_T = rescore_at_versions(models.old_model, history, chunk, behaviour_T, device)
-        # Backend mismatch on every token, stale or not: trainer vs rollout at the same weights.
-        part.at_version_trainer_logprobs = recomputed_T[known_T].float()
-        part.at_version_rollout_logprobs = behaviour_T[known_T].float()
+        # Backend mismatch on every token, stale or not: trainer vs rollout at the same weights. Not
+        # on mixed-context tokens (sampled over KV an older version computed, a keep-mode update mid
+        # turn): the replay runs the whole sequence at the token's own version, so they would read
+        # as backend error.
+        measured_T = known_T & to_device(part.clean, device)
+        part.at_version_trainer_logprobs = recomputed_T[measured_T].float()
+        part.at_version_rollout_logprobs = behaviour_T[measured_T].float()
     ref_T = None
     if models.ref_model is not None:
         with torch.no_grad():
