@@ -334,6 +334,7 @@ class Actor:
                         c.max_episode_tokens,
                         sampling.max_tokens,
                         self._fault,
+                        self.engine.max_model_len,
                     )
                     for i in range(sampling.n)
                 )

@@ -175,10 +175,13 @@ async def run_episode(
     max_episode_tokens: int,
     max_tokens: int,
     fault: FaultSpec | None = None,
+    max_model_len: int | None = None,
 ) -> Episode:
     """Play one episode (module docstring). `prompt_ids(first_observation)` renders the first user
     turn as training renders prompts; `generate` runs one engine request; `fault` is a parity fault
-    to inject (tests only; the multi-turn classes act here). Closes `env`."""
+    to inject (tests only; the multi-turn classes act here); `max_model_len`: the engine's context,
+    which each turn's prompt plus its tokens stays within (the episode ends `context_length`
+    instead of the engine refusing the request). Closes `env`."""
 
     def on(name: str, versions: list[int]) -> bool:
         return (
@@ -192,6 +195,8 @@ async def run_episode(
         episode.prompt_token_ids = list(ids)
         for turn_index in range(max_turns):
             budget = max_episode_tokens - len(episode.token_ids)
+            if max_model_len is not None:  # the engine refuses a prompt and its tokens beyond it
+                budget = min(budget, max_model_len - len(ids))
             if budget < 1:
                 episode.end = "context_length"
                 break
@@ -228,7 +233,10 @@ async def run_episode(
                 _environment_turn(episode, [], step.reward)
                 break
             obs_ids = template.observation_ids(step.observation, result.token_ids)
-            if len(episode.token_ids) + len(obs_ids) >= max_episode_tokens:
+            next_prompt = len(ids) + len(result.token_ids) + len(obs_ids)
+            if len(episode.token_ids) + len(obs_ids) >= max_episode_tokens or (
+                max_model_len is not None and next_prompt >= max_model_len
+            ):
                 episode.end = "context_length"
                 _environment_turn(episode, [], step.reward)
                 break

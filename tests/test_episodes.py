@@ -42,6 +42,7 @@ def play(
     max_turns=4,
     max_episode_tokens=512,
     max_tokens=64,
+    max_model_len=None,
 ):
     engine = ScriptedEngine(tokenizer, turns)
     episode_env = env if not isinstance(env, str) else get_environment(env, seed=0).new_episode("g/0")
@@ -53,7 +54,7 @@ def play(
     episode = asyncio.run(
         run_episode(
             episode_env, record, first_prompt, engine.generate, template,
-            max_turns, max_episode_tokens, max_tokens,
+            max_turns, max_episode_tokens, max_tokens, max_model_len=max_model_len,
         )
     )  # fmt: skip
     return episode, engine, template
@@ -98,3 +99,21 @@ def test_every_end_reason_is_recorded(tokenizer) -> None:
     broken = LocalEnv(Raises, name="raises", episode_id="g/0", step_timeout_s=5)
     episode, _, _ = play(tokenizer, [wrong] * 4, env=broken)
     assert episode.end == "environment_error" and episode.error and episode.error_reason == "error"
+
+
+def test_an_episode_stays_within_the_engines_context_and_ends_context_length(tokenizer) -> None:
+    """max_episode_tokens counts the episode after its prompt; the engine's max_model_len counts
+    the prompt too. A turn whose prompt would reach it is never asked for (vLLM refuses such a
+    request, which ended the actor's loop): the episode ends context_length, its last observation
+    not appended, every request within the context."""
+    eos = tokenizer.eos_token_id
+    turns = [[*encode(tokenizer, "3"), eos], [*encode(tokenizer, "4"), eos], [*encode(tokenizer, "5"), eos]]
+    whole, _, _ = play(tokenizer, turns)
+    first_prompt = len(whole.prompt_token_ids)
+    second_prompt = first_prompt + whole.turns[1].end  # prompt + turn 1 + its observation
+    limit = second_prompt + 1  # room for turn 2's prompt and one token, not for a third prompt
+    episode, engine, _ = play(tokenizer, turns, max_model_len=limit)
+    assert episode.end == "context_length", episode.end
+    assert all(len(p) + m <= limit for p, m in zip(engine.prompts, engine.max_tokens, strict=True))
+    assert len(engine.prompts) == 2 and engine.max_tokens[1] == 1  # turn 2: the one token left
+    assert episode.token_ids[-1] == turns[1][0]  # it ends on the model's token: no observation after it

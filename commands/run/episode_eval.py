@@ -35,6 +35,7 @@ def evaluate_episodes(
     system_prompt: str,
     max_turns: int,
     max_episode_tokens: int,
+    max_model_len: int | None = None,
     concurrency: int = 32,
     timeout_s: float = 600.0,
 ) -> EvalResult:
@@ -90,6 +91,7 @@ def evaluate_episodes(
                         max_turns,
                         max_episode_tokens,
                         max_tokens,
+                        max_model_len=max_model_len,
                     )
                     for i, prompt in enumerate(prompts)
                 )

@@ -29,6 +29,7 @@ def run_eval(cfg: ParityConfig, task: object, address: str, label: str, step: in
             system_prompt=t.system_prompt,
             max_turns=t.max_turns,
             max_episode_tokens=t.max_episode_tokens,
+            max_model_len=cfg.rollout.max_model_len,
         )
     else:
         result = _evaluate_completions(cfg, task, address, label, step)
