@@ -232,6 +232,10 @@ async def run_episode(
                 episode.end = "context_length"
                 _environment_turn(episode, [], step.reward)
                 break
+            if turn_index == max_turns - 1:  # no turn follows: its observation would be dead tokens
+                episode.end = "max_turns"
+                _environment_turn(episode, [], step.reward)
+                break
             obs_ids = template.observation_ids(step.observation, result.token_ids)
             next_prompt = len(ids) + len(result.token_ids) + len(obs_ids)
             if len(episode.token_ids) + len(obs_ids) >= max_episode_tokens or (

@@ -117,3 +117,14 @@ def test_an_episode_stays_within_the_engines_context_and_ends_context_length(tok
     assert all(len(p) + m <= limit for p, m in zip(engine.prompts, engine.max_tokens, strict=True))
     assert len(engine.prompts) == 2 and engine.max_tokens[1] == 1  # turn 2: the one token left
     assert episode.token_ids[-1] == turns[1][0]  # it ends on the model's token: no observation after it
+
+
+def test_the_last_allowed_turn_ends_max_turns_with_no_observation_after_it(tokenizer) -> None:
+    """An observation after the last turn the episode may take feeds no turn: appended, it was
+    forwarded by the trainer every step and counted as environment tokens."""
+    eos = tokenizer.eos_token_id
+    turn1 = [*encode(tokenizer, "3"), eos]  # a wrong guess: the environment answers, not done
+    episode, engine, _ = play(tokenizer, [turn1, turn1], max_turns=1)
+    assert episode.end == "max_turns" and len(engine.prompts) == 1
+    assert episode.token_ids == turn1 and episode.loss_mask == [True] * len(turn1)
+    assert episode.turns[-1].role == "model" and episode.turns[-1].reward is not None
