@@ -258,7 +258,10 @@ def update_round(stub, model: str, named: list, version: int, bucket: int) -> di
         "checksum_s": described - start,
         "trainer_s": trainer_done - described,
         "e2e_s": done - described,
-        "stall_s": max((w.last_paused_seconds for w in status.workers), default=0.0),
+        "stall_s": max(
+            (w.last_paused_seconds for w in status.workers if w.HasField("last_paused_seconds")),
+            default=float("nan"),
+        ),
         "bytes": sent,
         "epoch": status.epoch,
     }
@@ -350,7 +353,9 @@ def vllm_receiver_phase(args: argparse.Namespace, log_dir: Path, swap: str) -> d
                     updates_from = time.monotonic()  # after the warm-up update
                 row = update_round(stub, "smollm2-135m", named, i + 1, args.bucket_bytes)
                 worker = stub.GetStatus(pb.WeightBroadcastServiceGetStatusRequest(), timeout=10).workers[0]
-                row["update_rpc_s"] = worker.last_update_seconds
+                row["update_rpc_s"] = (
+                    worker.last_update_seconds if worker.HasField("last_update_seconds") else float("nan")
+                )
                 log(
                     f"  vLLM update v{i + 1}: e2e {row['e2e_s']:.3f}s, worker RPC {row['update_rpc_s']:.3f}s, "
                     f"paused {row['stall_s']:.3f}s, {load.tokens} tokens generated so far"

@@ -219,7 +219,7 @@ class Coordinator:
         elapsed = time.monotonic() - start
         worker.busy = False
         worker.last_update_seconds = elapsed
-        worker.last_paused_seconds = reply.paused_seconds if reply is not None else 0.0
+        worker.last_paused_seconds = reply.paused_seconds if reply is not None else None
         if reply is not None and not error:
             # the service's own check: the worker's checksums of what it received equal the trainer's
             with tracing.span("verify", attrs, parent_traceparent=record.traceparent):

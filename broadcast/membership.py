@@ -53,8 +53,8 @@ class WorkerRecord:
     updates_failed: int = 0
     attempted_version: int = 0
     last_failure_monotonic: float = 0.0
-    last_update_seconds: float = 0.0
-    last_paused_seconds: float = 0.0
+    last_update_seconds: float | None = None  # None: not measured (no attempt yet)
+    last_paused_seconds: float | None = None  # None: not measured (no attempt, or no reply)
     excluded_until: float = 0.0  # monotonic; kept out of epochs until then
     epoch: int = 0
     busy: bool = False  # an UpdateWeights to it is in flight

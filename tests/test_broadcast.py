@@ -415,3 +415,17 @@ def test_the_store_binds_its_own_address_and_peers_are_told_the_advertised_one(t
         assert "store 192.0.2.7:" in service.log_tail() and "bound on 127.0.0.1" in service.log_tail()
     finally:
         service.stop(10)
+
+
+def test_update_timings_are_unset_until_measured_not_zero() -> None:
+    """A worker's last update and pause times: unset before any attempt, and the pause unset after
+    an attempt the worker never answered (0.0 would read as 'updated without pausing')."""
+    from broadcast.membership import WorkerRecord
+
+    record = WorkerRecord("w0", "127.0.0.1:1", 0)
+    fresh = record.info()
+    assert not fresh.HasField("last_update_seconds") and not fresh.HasField("last_paused_seconds")
+    record.last_update_seconds, record.last_paused_seconds = 1.25, 0.0
+    measured = record.info()
+    assert measured.HasField("last_paused_seconds") and measured.last_paused_seconds == 0.0
+    assert measured.last_update_seconds == 1.25
