@@ -65,7 +65,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         async def deny(request, context: grpc.aio.ServicerContext):
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
-                f"{method} changes model weights and needs 'authorization: Bearer <token>' metadata",
+                f"authorization: {method} changes the service's state (weights, training, membership) "
+                "and needs 'authorization: Bearer <token>' metadata",
             )
 
         handler = await continuation(handler_call_details)

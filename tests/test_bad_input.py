@@ -359,16 +359,22 @@ def test_resume_refuses_unknown_fields_as_pause_does(running) -> None:
 
 
 def test_protected_rpcs_without_the_token_are_unauthenticated(running) -> None:
-    protected = {
-        "rollout": ["UpdateWeights", "PauseGeneration", "ResumeGeneration"],
-        "trainer": ["RequestCheckpoint", "Stop"],
-    }
-    for name, methods in protected.items():
-        for method in methods:
-            path = f"/{SERVICES[name].full_name}/{method}"
-            assert (
-                call(running[name].address, path, b"", False, metadata=()) == grpc.StatusCode.UNAUTHENTICATED
-            )
+    """Every state-changing RPC of the three services, with no token and with a wrong one."""
+    from services.broadcast.service import PROTECTED_METHODS as BROADCAST
+    from services.rollout.service import PROTECTED_METHODS as ROLLOUT
+    from services.trainer.service import PROTECTED_METHODS as TRAINER
+
+    protected = {"rollout": ROLLOUT, "trainer": TRAINER, "broadcast": BROADCAST}
+    assert len(ROLLOUT) == 3 and len(TRAINER) == 2 and len(BROADCAST) == 6
+    wrong = (("authorization", f"Bearer {TOKEN}x"),)
+    for name, paths in protected.items():
+        for path in paths:
+            streaming = SERVICES[name].methods_by_name[path.rsplit("/", 1)[1]].server_streaming
+            for metadata in ((), wrong):
+                code, details = call_status(running[name].address, path, b"", streaming, metadata=metadata)
+                assert code == grpc.StatusCode.UNAUTHENTICATED, (path, metadata, code, details)
+                assert details.startswith("authorization: "), details
+        still_serving(name, running[name])
 
 
 def test_seeded_group_whose_prefill_exceeds_a_step_budget_completes(running) -> None:
