@@ -216,6 +216,8 @@ class Coordinator:
                 error = f"UpdateWeights: {code.name}: {exc.details()}"
             except Exception as exc:  # keep the version's accounting whole
                 error = f"internal: {exc!r}"
+            if error:
+                tracing.fail(error)
         elapsed = time.monotonic() - start
         worker.busy = False
         worker.last_update_seconds = elapsed
@@ -224,6 +226,8 @@ class Coordinator:
             # the service's own check: the worker's checksums of what it received equal the trainer's
             with tracing.span("verify", attrs, parent_traceparent=record.traceparent):
                 error = check_reply(reply, plan)
+                if error:
+                    tracing.fail(error)
         if not error:
             worker.weight_version, worker.verified = record.version, True
             if not group_name.startswith(ONE_SHOT_PREFIX):

@@ -55,6 +55,7 @@ MESSAGING_BATCH_COUNT = "messaging.batch.message_count"
 _HEALTH_SERVICE = "grpc.health.v1.Health"
 _NOOP = contextlib.nullcontext(trace.INVALID_SPAN)
 
+MAX_LINKS = 2048  # links a span keeps (the SDK keeps 128): above run.groups_per_step's 1024
 _enabled = False
 _provider: Any = None  # opentelemetry.sdk.trace.TracerProvider when enabled
 
@@ -75,12 +76,14 @@ def init(service_name: str, exporter: Any = None) -> bool:
     if exporter is None and (disabled or choice not in {"otlp", "console"}):
         return False
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
     # Resource.create merges OTEL_RESOURCE_ATTRIBUTES; OTEL_SERVICE_NAME wins over our default.
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
-    provider = TracerProvider(resource=resource)
+    # train_step links every rollout group of its batch: up to run.groups_per_step (1024), past
+    # the SDK's default of 128 links a span
+    provider = TracerProvider(resource=resource, span_limits=SpanLimits(max_links=MAX_LINKS))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     elif choice == "console":
@@ -164,6 +167,17 @@ def span(
         attributes=dict(attributes or {}),
         links=links(links_from),
     )
+
+
+def fail(message: str) -> None:
+    """Mark the current span failed with `message`: for an error the code caught and answered
+    (a failed transfer, a refused update), which would otherwise leave the span green."""
+    if _enabled:
+        from opentelemetry.trace import Status, StatusCode
+
+        current = trace.get_current_span()
+        current.set_status(Status(StatusCode.ERROR, message[:1000]))
+        current.add_event("error", {"message": message[:1000]})
 
 
 def set_attributes(attributes: Mapping[str, Any]) -> None:

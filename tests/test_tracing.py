@@ -245,3 +245,66 @@ def test_standard_otel_variables_choose_the_exporter(env: dict[str, str], export
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ([exporter_module] if exporter_module else [])
+
+
+def test_a_failed_weight_update_marks_its_spans(exporter: InMemorySpanExporter) -> None:
+    """The coordinator's update of one worker (real code; the worker and the registry are FAKES):
+    an UpdateWeights that failed ends its broadcast_transfer span in error, and a failed ack its
+    verify span, with the cause, not green."""
+    import asyncio
+    from unittest import mock
+
+    import grpc
+
+    from broadcast.coordinator import Coordinator
+    from parity.v1 import common_pb2, rollout_pb2
+
+    class FakeWorker:
+        def __init__(self, mode: str) -> None:
+            self.mode = mode
+
+        async def UpdateWeights(self, request, **kwargs):
+            if self.mode == "rpc":
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "worker down"
+                )
+            return rollout_pb2.UpdateWeightsResponse(
+                outcome=rollout_pb2.UPDATE_OUTCOME_FAILED, error="lm_head differs"
+            )
+
+    async def scenario() -> list[str]:
+        config = mock.MagicMock(transfer_timeout_s=1.0, rpc_margin_s=1.0, auth_token="")
+        membership = mock.MagicMock()
+        membership.live.get.return_value = mock.MagicMock(attempted_version=0)
+        record = mock.MagicMock(version=3)
+        record.plan.return_value = common_pb2.TransferPlan(version=3)
+        record.plan_bytes.return_value = 10
+        with tracing.span("publish_version"):
+            record.traceparent = tracing.current_traceparent()
+        coordinator = Coordinator(config, mock.MagicMock(), membership, 0, lambda: None)
+        coordinator.rendezvous = lambda *args: common_pb2.Rendezvous()
+        errors = []
+        for mode in ("rpc", "failed_ack"):
+            coordinator._stub = lambda worker, m=mode: FakeWorker(m)
+            errors.append(await coordinator._update("w1", record, "g", "s", 1, 2, 0.0))
+        return errors
+
+    errors = asyncio.run(scenario())
+    assert "UNAVAILABLE" in errors[0] and errors[1]
+    failed = [s for s in exporter.get_finished_spans() if s.status.status_code == trace.StatusCode.ERROR]
+    assert [s.name for s in failed] == ["broadcast_transfer", "verify"], [
+        (s.name, s.status.status_code) for s in exporter.get_finished_spans()
+    ]
+    assert "UNAVAILABLE" in failed[0].status.description and "lm_head" in failed[1].status.description
+
+
+def test_a_span_keeps_a_link_to_every_group_of_the_largest_batch(exporter: InMemorySpanExporter) -> None:
+    """train_step links every group it trains (run.groups_per_step <= 1024); the SDK kept 128."""
+    parents = []
+    for group in range(1024):
+        with tracing.span("publish", {tracing.ATTR_GROUP_ID: f"g{group}"}, kind="producer"):
+            parents.append(tracing.current_traceparent())
+    with tracing.span("train_step", links_from=parents):
+        pass
+    (step,) = [s for s in exporter.get_finished_spans() if s.name == "train_step"]
+    assert len(step.links) == 1024

@@ -100,7 +100,7 @@ class WeightBroadcastService(broadcast_pb2_grpc.WeightBroadcastServiceServicer):
     # -- RPCs -----------------------------------------------------------------------------------
     async def PublishVersion(self, request: pb.PublishVersionRequest, context: grpc.aio.ServicerContext):
         attrs = {"parity.weight_version": request.version, "parity.model": request.model}
-        with tracing.span("publish_version", attrs, kind="server"):
+        with tracing.span("publish_version", attrs):  # inside the interceptor's server span
             try:
                 self.registry.validate(request)
                 if not DEVICE_UUID.match(request.device_uuid):

@@ -351,6 +351,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 request.plan, mode, request.fault_corrupt_tensor, keep_paused=self.paused
             )
             span.set_attribute("outcome", result.outcome)
+            # the stages, in the trace as in the log (NaN: a stage that did not run)
+            for stage in ("transfer_s", "verify_s", "prepare_s", "swap_s", "paused_s"):
+                value = getattr(result, stage)
+                span.set_attribute(stage, float("nan") if value is None else float(value))
+            if result.outcome == "failed":
+                tracing.fail(result.error)
         self.paused_seconds_total += result.paused_s
         metrics.PAUSE_SECONDS.inc(result.paused_s)
         metrics.UPDATES.labels(result.outcome).inc()
