@@ -50,7 +50,10 @@ class TaskConfig(Section):
         "the group is dropped and counted in rewards_failed_total.",
     )
     reward_retries: int = Field(
-        2, ge=0, le=10, description="Retries of a grpc reward on UNAVAILABLE/DEADLINE_EXCEEDED, with backoff."
+        2,
+        ge=0,
+        le=10,
+        description="Retries of a grpc reward on UNAVAILABLE, DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED, with backoff.",
     )
     chat_template: bool = Field(
         True,
