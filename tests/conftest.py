@@ -152,8 +152,15 @@ def start_services(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
                 at = args_list.index(flag)
                 env["PARITY_RUN_REDIS_URL"] = args_list[at + 1]
                 del args_list[at : at + 2]
+        # die_with_launcher: a pytest worker killed before its teardown (a timeout, CI stopping it)
+        # takes its services with it, instead of leaving them (and their vLLM engines) running
         service = start_service(
-            kind, args_list, log_dir=tmp_path, env=env, name=name or f"{kind}{len(started)}"
+            kind,
+            args_list,
+            log_dir=tmp_path,
+            env=env,
+            name=name or f"{kind}{len(started)}",
+            die_with_launcher=True,
         )
         started.append(service)
         if wait:
