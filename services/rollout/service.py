@@ -199,10 +199,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 else ("" if self.actor_healthy else ", actor down or redis unreachable"),
             )
 
-    def check_available(self) -> None:
-        if self.shutting_down:
+    def check_up(self, stopping_too: bool = True) -> None:
+        """UNAVAILABLE while the engine restarts, and (`stopping_too`) once the service stops."""
+        if stopping_too and self.shutting_down:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "service", "shutting down")
-        if self.engine_down or self.engine.dead():
+        if self.engine_down:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine", "restarting after the engine died")
+
+    def check_available(self) -> None:
+        self.check_up()
+        if self.engine.dead():
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine", "restarting after the engine died")
         if not self.caught_up:
             raise RequestError(
@@ -327,10 +333,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     # -- weights and pausing ------------------------------------------------------------------
     async def UpdateWeights(self, request, context):
         try:
-            if self.shutting_down:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "service", "shutting down")
-            if self.engine_down:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine", "restarting after the engine died")
+            self.check_up()
             check_update_request(request, self.shapes, self.config.enable_fault_injection, self.full_version)
             version = int(request.plan.version)
             if version < self.engine.weight_version:
@@ -391,16 +394,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             prepare_seconds=result.prepare_s,
         )
 
-    def check_pause_request(self, request) -> None:
-        """PauseGeneration and ResumeGeneration alike: known fields only, and a service that is up."""
-        check_unknown_fields(request)
-        if self.shutting_down:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "service", "shutting down")
-        if self.engine_down:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine", "restarting after the engine died")
-
     async def PauseGeneration(self, request, context):
-        self.check_pause_request(request)
+        check_unknown_fields(request)
+        self.check_up()
         check_update_mode(request.mode, "mode")  # UNSPECIFIED: the configured mode
         if not self.paused:
             await self.engine.pause(_MODES.get(request.mode, self.config.update_mode))
@@ -409,11 +405,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.PauseGenerationResponse()
 
     async def ResumeGeneration(self, request, context):
-        # also while shutting down: a client's pause must not hold in-flight requests through the
-        # stop's grace period
         check_unknown_fields(request)
-        if self.engine_down:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "engine", "restarting after the engine died")
+        # also while stopping: a client's pause must not hold in-flight requests through the grace period
+        self.check_up(stopping_too=False)
         if self.paused:
             await self.engine.resume()
             self.paused = False
