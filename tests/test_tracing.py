@@ -95,6 +95,43 @@ def test_otel_env_turns_tracing_on_with_service_name() -> None:
     assert span["attributes"]["parity.step"] == 1
 
 
+def test_parity_run_children_trace_as_three_services() -> None:
+    """Under `parity run` a user's OTEL_SERVICE_NAME names the run, not every service alike: each
+    child traces as NAME-<kind>, with an instance id of its own (rollout0 and rollout1 apart)."""
+    from commands.run.supervisor import trace_env
+
+    user = {"OTEL_SERVICE_NAME": "myrun", "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
+    script = (
+        "from parity import tracing\n"
+        "assert tracing.init('parity-default')\n"
+        "with tracing.span('s'): pass\n"
+        "tracing.shutdown()\n"
+    )
+    seen = {}
+    for kind, name in [
+        ("broadcast", "broadcast"),
+        ("trainer", "trainer"),
+        ("rollout", "rollout0"),
+        ("rollout", "rollout1"),
+    ]:
+        env = {**os.environ, **user, "OTEL_TRACES_EXPORTER": "console", **trace_env(kind, name, "m1", user)}
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, check=True
+        )
+        seen[name] = json.loads(out.stdout)["resource"]["attributes"]
+    assert {n: a["service.name"] for n, a in seen.items()} == {
+        "broadcast": "myrun-broadcast",
+        "trainer": "myrun-trainer",
+        "rollout0": "myrun-rollout",
+        "rollout1": "myrun-rollout",
+    }
+    assert len({a["service.instance.id"] for a in seen.values()}) == 4
+    assert all(a["deployment.environment"] == "test" for a in seen.values())
+    # no name given: each keeps its default; an instance id the user chose is kept
+    assert "OTEL_SERVICE_NAME" not in trace_env("trainer", "trainer", "m1", {})
+    assert trace_env("trainer", "trainer", "m1", {"OTEL_RESOURCE_ATTRIBUTES": "service.instance.id=x"}) == {}
+
+
 def test_consumer_span_links_to_each_producer(exporter: InMemorySpanExporter) -> None:
     """A consume span links (not parents) to every valid traceparent; bad or empty ones are skipped."""
     parents = []

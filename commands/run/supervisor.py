@@ -16,6 +16,9 @@ Invariants:
   cannot leave orphans behind.
 - A child that exits when it was not expected to (`expect_exit`) raises `ChildDied`, naming the
   child, its exit code (or signal) and the last lines of its log.
+- Each service traces as itself (`trace_env`): an `OTEL_SERVICE_NAME` given to `parity run` becomes
+  `NAME-broadcast`, `NAME-trainer` and `NAME-rollout` in the children, and each child's resource
+  carries `service.instance.id=<child name>.<marker>` (rollout0, rollout1, ... stay apart).
 """
 
 from __future__ import annotations
@@ -36,6 +39,21 @@ from parity.procs import ServiceProcess, start_redis, start_service, stop_groups
 MARKER_ENV = "PARITY_RUN_MARKER"
 VLLM_TITLE_PREFIX_ENV = "VLLM_PROCESS_NAME_PREFIX"  # vLLM titles its processes PREFIX::EngineCore
 REDIS_LOST_GRACE_S = 2.0
+
+
+def trace_env(kind: str, name: str, marker: str, environ: dict[str, str]) -> dict[str, str]:
+    """The OpenTelemetry variables child `name` (a `parity serve KIND`) gets (module docstring).
+    A `service.instance.id` the user set in OTEL_RESOURCE_ATTRIBUTES is kept."""
+    env: dict[str, str] = {}
+    if environ.get("OTEL_SERVICE_NAME", "").strip():
+        env["OTEL_SERVICE_NAME"] = f"{environ['OTEL_SERVICE_NAME'].strip()}-{kind}"
+    attributes = environ.get("OTEL_RESOURCE_ATTRIBUTES", "").strip().strip(",")
+    keys = {pair.split("=", 1)[0].strip() for pair in attributes.split(",") if pair.strip()}
+    if "service.instance.id" not in keys:
+        env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(
+            filter(None, [attributes, f"service.instance.id={name}.{marker}"])
+        )
+    return env
 
 
 class ChildDied(RuntimeError):
@@ -136,8 +154,14 @@ class Supervisor:
         """Start `parity serve KIND` as a child named `name` (its log: log_dir/NAME.log).
 
         Its config comes from `env` (PARITY_CONFIG and instance values), never from argv."""
+        traced = trace_env(kind, name, self.marker, dict(os.environ))
         child = start_service(
-            kind, [], log_dir=self.log_dir, env={**self.env, **env}, name=name, die_with_launcher=True
+            kind,
+            [],
+            log_dir=self.log_dir,
+            env={**self.env, **traced, **env},
+            name=name,
+            die_with_launcher=True,
         )
         self.children[name] = child
         return child
