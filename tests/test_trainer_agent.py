@@ -102,14 +102,19 @@ def test_standalone_becomes_the_loopback_rendezvous_only_among_torchruns_own_arg
 
 def test_ranks_across_hosts_keep_their_rendezvous_and_gloo_interface(monkeypatch: pytest.MonkeyPatch) -> None:
     # The Kubernetes overlays: a static rendezvous across pods; gloo must not be pinned to lo there.
-    from trainer.local_rendezvous import GLOO_IFNAME_ENV, use
+    from trainer.local_rendezvous import GLOO_IFNAME_ENV, NCCL_IFNAME_ENV, use
 
     monkeypatch.delenv(GLOO_IFNAME_ENV, raising=False)
+    monkeypatch.delenv(NCCL_IFNAME_ENV, raising=False)
     argv = ["--nnodes=2", "--rdzv-backend=static", "--rdzv-endpoint=trainer-0:29400", "-m", "x"]
     assert use(argv) == argv
-    assert GLOO_IFNAME_ENV not in os.environ
+    assert GLOO_IFNAME_ENV not in os.environ and NCCL_IFNAME_ENV not in os.environ
     assert use(["--standalone", "-m", "x"])[0] == "--rdzv-backend=parity-local"
-    assert os.environ[GLOO_IFNAME_ENV] == "lo"
+    assert os.environ[GLOO_IFNAME_ENV] == "lo" and os.environ[NCCL_IFNAME_ENV] == "lo"
+    # a choice the user made stands
+    monkeypatch.setenv(NCCL_IFNAME_ENV, "ib0")
+    use(["--standalone", "-m", "x"])
+    assert os.environ[NCCL_IFNAME_ENV] == "ib0"
 
 
 def test_the_agent_waits_longer_than_torchruns_30_s_for_a_graceful_stop(tmp_path: Path) -> None:

@@ -7,8 +7,10 @@ code in the agent. Here the agent serves the store on a socket bound to 127.0.0.
 connect to it there (torchrun's agent store: `use_agent_store`). Nothing on it is pickled: a
 static rendezvous of one node keeps no state of its own in the store.
 
-The ranks' gloo sockets are pinned to loopback too (`GLOO_SOCKET_IFNAME=lo`, unless set). NCCL
-bootstrap sockets are left to NCCL's defaults (`NCCL_SOCKET_IFNAME`): not testable without GPUs.
+The ranks' gloo and NCCL bootstrap sockets are pinned to loopback too (`GLOO_SOCKET_IFNAME=lo`,
+`NCCL_SOCKET_IFNAME=lo`, each unless set): NCCL otherwise picks the first non-loopback interface
+for its bootstrap listener. Ranks of one host move their data over NVLink, PCIe or shared memory,
+not these sockets. (The NCCL half is checked as far as the environment the ranks get: no GPUs here.)
 
     --standalone  ->  --rdzv-backend=parity-local --rdzv-endpoint=127.0.0.1:0 --nnodes=1
 """
@@ -24,6 +26,7 @@ from typing import Any
 BACKEND = "parity-local"
 HOST = "127.0.0.1"
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+NCCL_IFNAME_ENV = "NCCL_SOCKET_IFNAME"
 
 
 def replace_standalone(argv: Sequence[str]) -> list[str]:
@@ -49,6 +52,7 @@ def use(argv: Sequence[str]) -> list[str]:
     if replaced != list(argv):
         rendezvous_handler_registry.register(BACKEND, _create_handler)
         os.environ.setdefault(GLOO_IFNAME_ENV, "lo")
+        os.environ.setdefault(NCCL_IFNAME_ENV, "lo")
     return replaced
 
 
