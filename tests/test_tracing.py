@@ -345,3 +345,61 @@ def test_a_span_keeps_a_link_to_every_group_of_the_largest_batch(exporter: InMem
         pass
     (step,) = [s for s in exporter.get_finished_spans() if s.name == "train_step"]
     assert len(step.links) == 1024
+
+
+def test_openai_endpoint_requests_are_server_spans_under_the_callers_trace(
+    exporter: InMemorySpanExporter,
+) -> None:
+    """Each HTTP request to the OpenAI-compatible endpoint is a server span named METHOD ROUTE, the
+    child of the harness's traceparent; a 5xx marks it failed, a 4xx does not."""
+    import urllib.error
+    import urllib.request
+
+    from parity.config import ParityConfig
+    from services.rollout.openai_api import OpenAIServer
+
+    caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+    async def scenario() -> dict[str, int]:
+        config = ParityConfig(rollout={"openai_port": 0}, run={"redis_url": "redis://127.0.0.1:1/0"})
+        endpoint = OpenAIServer(config, servicer=None)  # never reaches Redis: no session finishes
+        port = await endpoint.start()
+
+        def call(method: str, path: str, body: bytes | None = None) -> int:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}{path}", data=body, method=method, headers={"traceparent": caller}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return response.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+
+        try:
+            return {
+                "models": await asyncio.to_thread(call, "GET", "/v1/models"),
+                "finish": await asyncio.to_thread(call, "POST", "/v1/sessions/nope/finish", b'{"reward": 1}'),
+                # no servicer behind this endpoint: the handler raises, the boundary answers 500
+                "chat": await asyncio.to_thread(
+                    call, "POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}]}'
+                ),
+            }
+        finally:
+            await endpoint.stop()
+
+    codes = asyncio.run(scenario())
+    assert codes == {"models": 200, "finish": 404, "chat": 500}
+    spans = {s.name: s for s in exporter.get_finished_spans() if s.kind == trace.SpanKind.SERVER}
+    assert set(spans) == {
+        "GET /v1/models",
+        "POST /v1/sessions/{session_id}/finish",
+        "POST /v1/chat/completions",
+    }
+    for span in spans.values():
+        assert f"{span.context.trace_id:032x}" == caller.split("-")[1]
+        assert span.parent is not None and f"{span.parent.span_id:016x}" == caller.split("-")[2]
+    failed = {name for name, span in spans.items() if span.status.status_code == trace.StatusCode.ERROR}
+    assert failed == {"POST /v1/chat/completions"}
+    finish = spans["POST /v1/sessions/{session_id}/finish"]
+    assert finish.attributes["http.response.status_code"] == 404
+    assert finish.attributes["parity.session_id"] == "nope"

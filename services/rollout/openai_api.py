@@ -32,6 +32,8 @@ Invariants:
 - The same engine, admission (`max_inflight_requests`, `max_inflight_tokens`), availability
   (503 while not serving) and validation (`rollout.validation.generation_spec`) as Generate.
 - `stream: true` is refused (400): responses carry the per-token fields whole.
+- Traced as the gRPC API: with tracing on, each request is a server span (`METHOD ROUTE`), the child
+  of the caller's W3C `traceparent` header when it sends one.
 - Tool calls: when a chat call offers `tools`, calls in the reply (`rollout.openai_tool_parser`,
   rollout/tool_calls.py) come back as the message's `tool_calls` (finish_reason `tool_calls`), and
   the harness may send that message back as it came; the episode keeps the sampled tokens as they
@@ -52,6 +54,7 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 
+from parity import tracing
 from parity.config import ParityConfig
 from parity.errors import RequestError, status_for
 from parity.v1 import common_pb2, rollout_pb2, rollouts_pb2
@@ -208,7 +211,8 @@ class OpenAIServer:
     # -- lifecycle ----------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(
-            client_max_size=self.config.openai_max_request_bytes, middlewares=[self._boundary]
+            client_max_size=self.config.openai_max_request_bytes,
+            middlewares=[self._traced, self._boundary],
         )
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
@@ -250,6 +254,33 @@ class OpenAIServer:
                 )
             if expired := self.sessions.expire():
                 log.warning("%d OpenAI sessions expired unfinished", len(expired))
+
+    # -- tracing --------------------------------------------------------------------------------------
+    @web.middleware
+    async def _traced(self, request: web.Request, handler) -> web.StreamResponse:
+        """With tracing on, each request is a server span named `METHOD ROUTE` (the OpenTelemetry
+        HTTP conventions), the child of the caller's W3C `traceparent` header when it sends one, so
+        a harness's own trace holds the turns it asked for and the publish of its finished groups.
+        A 5xx answer marks the span failed. Off, nothing is done."""
+        if not tracing.enabled():
+            return await handler(request)
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else request.path
+        attrs = {
+            "http.request.method": request.method,
+            "http.route": route,
+            "url.path": request.path,
+            "server.port": self.port,
+        }
+        parent = request.headers.get("traceparent", "")
+        with tracing.span(
+            f"{request.method} {route}", attrs, kind="server", parent_traceparent=parent
+        ) as span:
+            response = await handler(request)
+            span.set_attribute("http.response.status_code", response.status)
+            if response.status >= 500:
+                tracing.fail(f"HTTP {response.status}")
+            return response
 
     # -- the error boundary ---------------------------------------------------------------------------
     @web.middleware
@@ -309,6 +340,8 @@ class OpenAIServer:
         session_id = header or field
         if len(session_id) > MAX_SESSION_ID_CHARS:
             raise ApiError(400, f"session_id: longer than {MAX_SESSION_ID_CHARS} characters", "session_id")
+        if session_id:
+            tracing.set_attributes({"parity.session_id": session_id})  # on the request's span
         return session_id
 
     def _sampling(self, body: dict, kind: str) -> common_pb2.SamplingParams:
@@ -525,6 +558,7 @@ class OpenAIServer:
     # -- finishing -------------------------------------------------------------------------------------
     async def finish(self, request: web.Request) -> web.Response:
         session_id = request.match_info["session_id"]
+        tracing.set_attributes({"parity.session_id": session_id[:MAX_SESSION_ID_CHARS]})
         body = await self._body(request)
         unknown = set(body) - {"reward", "group_id", "group_size", "end"}
         if unknown:
@@ -610,7 +644,6 @@ class OpenAIServer:
         return published
 
     async def _publish(self, group) -> str:
-        from parity import tracing
         from parity.rollout_queue import RolloutQueue
 
         run = self.run_config.run
