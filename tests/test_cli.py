@@ -180,7 +180,7 @@ def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_service_goes_on(s
 
     from parity.v1 import broadcast_pb2, broadcast_pb2_grpc
 
-    service = start_services("broadcast", timeout_s=120)
+    service = start_services("broadcast", timeout_s=240)
     os.kill(service.proc.pid, signal.SIGUSR1)
     deadline = time.monotonic() + 30
     # faulthandler heads the thread that took the signal "Current thread"; when the kernel hands

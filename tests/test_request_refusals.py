@@ -322,7 +322,7 @@ def test_a_worker_the_service_does_not_know_registers_again(start_services) -> N
 
     token = "refusals-token"
     service = start_services(
-        "broadcast", "--heartbeat_interval_s", "0.2", "--auth_token", token, timeout_s=60
+        "broadcast", "--heartbeat_interval_s", "0.2", "--auth_token", token, timeout_s=240
     )
 
     async def scenario() -> list[int]:

@@ -73,19 +73,21 @@ def test_weighted_sum_and_the_tasks_own_reward() -> None:
 
 
 @pytest.mark.parametrize(
-    ("function", "kind", "reason"),
-    [
-        ("tests.test_rewards:raises", "error", "ZeroDivisionError"),
-        ("tests.test_rewards:not_finite", "non_finite", "returned nan for completion 1"),
-        ("tests.test_rewards:hangs", "timeout", "no result within 0.5s"),
+    ("function", "kind", "reason", "timeout_s"),
+    [  # a short timeout only where it is what fails: a slow box must not turn an error into a timeout
+        ("tests.test_rewards:raises", "error", "ZeroDivisionError", 10.0),
+        ("tests.test_rewards:not_finite", "non_finite", "returned nan for completion 1", 10.0),
+        ("tests.test_rewards:hangs", "timeout", "no result within 0.5s", 0.5),
     ],
 )
-def test_a_failing_reward_fails_the_group_with_its_reason(function: str, kind: str, reason: str) -> None:
+def test_a_failing_reward_fails_the_group_with_its_reason(
+    function: str, kind: str, reason: str, timeout_s: float
+) -> None:
     started = time.monotonic()
     with pytest.raises(RewardFailed) as info:
-        _score(f"exact,{function}", ["19", "nan"], timeout_s=0.5)
+        _score(f"exact,{function}", ["19", "nan"], timeout_s=timeout_s)
     assert info.value.kind == kind and reason in info.value.reason and function in info.value.reason
-    assert time.monotonic() - started < 3.0  # a hanging reward costs its timeout, not its hang
+    assert time.monotonic() - started < timeout_s + 2.5  # a hanging reward costs its timeout, not its hang
 
 
 def raises(prompt: str, completion: str, answer: str, metadata) -> float:
@@ -126,7 +128,8 @@ def test_reward_code_never_blocks_the_event_loop() -> None:
 
     ticks, failure = asyncio.run(main())
     assert failure is not None and failure.kind == "timeout"
-    assert ticks >= 20, ticks  # 0.6 s at 10 ms per tick: the loop ran throughout
+    # 0.6 s at 10 ms a tick is ~60 ticks on a quiet box; a loop blocked by the reward gets 0 or 1
+    assert ticks >= 5, ticks
 
 
 # --- grpc:HOST:PORT against a stand-in RewardService ----------------------------------------------
@@ -230,8 +233,8 @@ def test_grpc_reward_to_nothing_fails_as_unavailable() -> None:
 
 def test_eval_scoring_reports_failures_in_place() -> None:
     scorer = build_scorer(
-        get_task("arithmetic"), TaskConfig(reward="tests.reward_helpers:faulty", reward_timeout_s=0.3)
-    )
+        get_task("arithmetic"), TaskConfig(reward="tests.reward_helpers:faulty", reward_timeout_s=2.0)
+    )  # the prompts that score must score within it on a slow box; the hanging ones cost it
     from tests.reward_helpers import fault_kind
 
     prompts = [Prompt(f"id{i}", f"prompt {i}", "1") for i in range(9)]

@@ -119,7 +119,7 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
     from parity.weights import checksum
 
     broadcast = start_services(
-        "broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "20", name="broadcast", timeout_s=90
+        "broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "20", name="broadcast", timeout_s=240
     )
     receiver = start_receiver(tmp_path, broadcast.address)
     try:
@@ -130,7 +130,7 @@ def test_two_rank_service_trains_like_one_rank_and_publishes_the_gathered_weight
             "trainer",
             *service_args(redis_url, "mr:two", two_dir, "--steps", "3", "--checkpoint_every", "1"),
             "--broadcast_address", broadcast.address, "--auth_token", TOKEN, "--wait_committed_s", "20",
-            name="trainer2", timeout_s=120,
+            name="trainer2", timeout_s=600,
         )  # fmt: skip
         # Two steps' rollouts for three steps: after step 2 (and its checkpoint) it waits for more;
         # then SIGTERM to its process group, as a supervisor stops it: a graceful stop of every rank.
@@ -221,7 +221,7 @@ def test_followers_outlive_a_publish_longer_than_the_collective_timeout(
     # its wait after dist_timeout_s and torchrun ended the service before the last checkpoint.
     timeout_s = 8
     broadcast = start_services(
-        "broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "60", name="broadcast", timeout_s=90
+        "broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "60", name="broadcast", timeout_s=240
     )
     receiver = start_receiver(tmp_path, broadcast.address, "--bucket_delay_s", "3.5")
     try:
@@ -233,7 +233,7 @@ def test_followers_outlive_a_publish_longer_than_the_collective_timeout(
         svc = start_services(
             "trainer", *service_args(redis_url, "slow:two", run_dir, "--steps", "1"),
             "--broadcast_address", broadcast.address, "--auth_token", TOKEN, "--wait_committed_s", "120",
-            "--bucket_bytes", "262144", "--dist_timeout_s", str(timeout_s), name="trainer2", timeout_s=120,
+            "--bucket_bytes", "262144", "--dist_timeout_s", str(timeout_s), name="trainer2", timeout_s=600,
         )  # fmt: skip
         assert exit_code(svc, 240) == 0, svc.log_tail(40)
         log = svc.log_path.read_text()
@@ -267,7 +267,7 @@ def test_rank_0_localises_a_gated_mismatch_like_one_rank(
     publish_to_both(redis_url, ("loc:two", "loc:one"), faulty)
     svc = start_services(
         "trainer", *service_args(redis_url, "loc:two", two_dir, "--steps", "1", "--check.on_mismatch", "warn"),
-        name="trainer2", timeout_s=120,
+        name="trainer2", timeout_s=600,
     )  # fmt: skip
     assert exit_code(svc, 120) == 0, svc.log_tail(40)
     train_one_rank(redis_url, "loc:one", one_dir, 1, **{"check.on_mismatch": "warn"})
@@ -296,7 +296,7 @@ def test_two_ranks_serving_after_the_last_step_outlive_the_collective_timeout(
     timeout_s = 20
     svc = start_services(
         "trainer", *service_args(redis_url, "serve:two", tmp_path / "two", "--steps", "1"),
-        "--after_last_step", "serve", "--dist_timeout_s", str(timeout_s), name="trainer2", timeout_s=120,
+        "--after_last_step", "serve", "--dist_timeout_s", str(timeout_s), name="trainer2", timeout_s=600,
     )  # fmt: skip
     with grpc.insecure_channel(svc.address) as chan:
         stub = trainer_pb2_grpc.TrainerServiceStub(chan)
@@ -377,7 +377,7 @@ def test_killing_rank_1_ends_the_service_with_an_error_naming_it(
     redis_url: str, tmp_path: Path, start_services
 ) -> None:
     svc = start_services(
-        "trainer", *service_args(redis_url, "mr:kill", tmp_path / "run", "--steps", "5"), timeout_s=120
+        "trainer", *service_args(redis_url, "mr:kill", tmp_path / "run", "--steps", "5"), timeout_s=600
     )
     ranks = rank_pids(svc.proc.pid)
     assert sorted(ranks) == [0, 1]

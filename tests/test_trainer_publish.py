@@ -50,7 +50,9 @@ def run_trainer(redis_url: str, run_dir: Path, broadcast: str, steps: int) -> Tr
 def test_versions_are_published_committed_and_continue_above_the_broadcasts_latest(
     redis_url: str, tmp_path: Path, start_services, tiny_model: Path
 ) -> None:
-    broadcast = start_services("broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "20", timeout_s=90)
+    broadcast = start_services(
+        "broadcast", "--auth_token", TOKEN, "--transfer_timeout_s", "20", timeout_s=240
+    )
     model = load_model(tiny_model)
     queue = RolloutQueue(redis_url, stream=STREAM)
     gen = torch.Generator().manual_seed(0)

@@ -36,7 +36,7 @@ def _broadcast(start_services, redis_url: str, stream: str, notify: str = "auto"
         "PARITY_RUN_STREAM": stream,
         "PARITY_BROADCAST_NOTIFY_REDIS": notify,
     }
-    return start_services("broadcast", env=env, timeout_s=60)
+    return start_services("broadcast", env=env, timeout_s=240)
 
 
 async def _join(stub, first: int, last: int, drop: bool = True) -> None:
