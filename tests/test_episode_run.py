@@ -64,6 +64,7 @@ def test_an_episode_run_trains_on_exact_tokens_with_own_version_parity(episode_r
         if row["own_version_tokens"]:
             assert row["mismatch_k3_own_version"] <= 1e-9, row
         assert row["num_tokens"] == row["episode_model_tokens"]  # observations are never trained on
+    assert sum(r["own_version_tokens"] for r in rows) > 0  # measured, not skipped on every step
     assert sum(r["episode_environment_tokens"] for r in rows) > 0  # some episodes had several turns
     assert max(r["weight_version"] for r in rows) >= 2  # the run published new versions
 
