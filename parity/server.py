@@ -186,6 +186,9 @@ class GrpcServer:
         self.server = grpc.aio.server(
             interceptors=chain,
             options=[
+                # gRPC sets SO_REUSEPORT by default: a second service on a taken port would bind it
+                # too, and the kernel would spread calls between the two. One port, one service.
+                ("grpc.so_reuseport", 0),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
                 ("grpc.max_receive_message_length", config.max_message_bytes),
             ],
@@ -202,9 +205,15 @@ class GrpcServer:
         """Bind and start; returns the bound port. Services report NOT_SERVING until `set_serving`."""
         host = self.config.host
         bind_host = f"[{host.strip('[]')}]" if ":" in host.strip("[]") else host
-        self.port = self.server.add_insecure_port(f"{bind_host}:{self.config.port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{bind_host}:{self.config.port}")
+        except RuntimeError:  # grpc's "Failed to bind"
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"could not bind {host}:{self.config.port}")
+            raise RuntimeError(
+                f"port: could not bind {host}:{self.config.port} (in use by another process, or not "
+                "an address of this host)"
+            )
         await self.server.start()
         await self.set_serving(False)
         log.info("gRPC listening on %s:%d (%s)", host, self.port, ", ".join(self.service_names))

@@ -231,6 +231,10 @@ def test_parity_run_refuses_flags_for_the_keys_it_sets_for_each_child() -> None:
         load(["--trainer.run_dir", "x"], home="run", environ={}, as_command=True)
     with pytest.raises(ConfigError, match=r"^check\.max_tokens: set by `parity run` itself"):
         load(["--check.max_tokens", "8"], home="run", environ={}, as_command=True)
+    with pytest.raises(
+        ConfigError, match=r"^trainer\.await_workers: set by `parity run` itself.*rollout_workers"
+    ):
+        load(["--trainer.await_workers", "0"], home="run", environ={}, as_command=True)
     # the same keys are a service's own options
     assert load(["--run_dir", "x"], home="trainer", environ={}, as_command=True).config.trainer.run_dir == "x"
 

@@ -105,6 +105,8 @@ def test_bad_flag_exits_2_with_a_clear_error() -> None:
         (["--engine=tensorrt"], "rollout.engine"),
         (["--bogus", "1"], "--bogus"),
         (["--task", "chess"], "task.name"),
+        (["--rollout_workers=2", "--rollout.port=50071"], "rollout.port: 50071 would be taken by each"),
+        (["--trainer.port=50071", "--broadcast.port=50071"], "trainer.port: 50071 is also broadcast.port"),
     ):
         proc = subprocess.run(
             [sys.executable, "-m", "commands.main", "run", *flags], capture_output=True, text=True, timeout=60

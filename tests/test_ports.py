@@ -60,3 +60,29 @@ def test_without_room_below_the_range_the_kernel_chooses(
     assert 0 < ports.free_port() <= 65_535
     monkeypatch.setattr(ports, "EPHEMERAL_RANGE", tmp_path / "missing")
     assert ports._ephemeral_low() == 32_768
+
+
+def test_a_second_service_on_a_taken_port_fails_to_start() -> None:
+    """gRPC binds with SO_REUSEPORT unless told not to: two services on one port would both start,
+    and the kernel would hand each call to either. The second must fail instead."""
+    import asyncio
+
+    from parity.config import ServiceConfig
+    from parity.server import GrpcServer
+
+    async def scenario() -> str:
+        port = ports.free_port()
+        first = GrpcServer(ServiceConfig(port=port), ["parity.test.First"])
+        second = GrpcServer(ServiceConfig(port=port), ["parity.test.Second"])
+        assert await first.start() == port
+        try:
+            await second.start()
+            return f"the second server bound {second.port} too"
+        except RuntimeError as exc:
+            return str(exc)
+        finally:
+            await second.server.stop(0)
+            await first.stop(0)
+
+    outcome = asyncio.run(scenario())
+    assert "could not bind" in outcome, outcome

@@ -91,7 +91,9 @@ def child_config(
 
 
 def validate_inputs(cfg: ParityConfig) -> object:
-    """Resolve the task, then the model (preparing it if needed), before any process starts."""
+    """Check the fixed ports, resolve the task, then the model (preparing it if needed), before any
+    process starts."""
+    fixed_ports(cfg)
     from rollout.environments.base import EnvironmentFailed
     from rollout.rewards import build_scorer
     from rollout.tasks import get_task
@@ -127,6 +129,33 @@ def validate_inputs(cfg: ParityConfig) -> object:
     if note:
         log(note)
     return task
+
+
+def fixed_ports(cfg: ParityConfig) -> None:
+    """`parity run` starts every service on this host: a port given for them must be one port each
+    (a rollout port is taken by every rollout service: with several it would be refused at start)."""
+    workers = cfg.run.rollout_workers
+    owners: dict[int, str] = {}
+    for key, port in [
+        ("broadcast.port", cfg.broadcast.port),
+        ("broadcast.metrics_port", cfg.broadcast.metrics_port),
+        ("broadcast.store_port", cfg.broadcast.store_port),
+        ("trainer.port", cfg.trainer.port),
+        ("trainer.metrics_port", cfg.trainer.metrics_port),
+        ("rollout.port", cfg.rollout.port),
+        ("rollout.metrics_port", cfg.rollout.metrics_port),
+        ("rollout.openai_port", cfg.rollout.openai_port),
+    ]:
+        if port <= 0:
+            continue
+        if key.startswith("rollout.") and workers > 1:
+            raise RunConfigError(
+                f"{key}: {port} would be taken by each of run.rollout_workers={workers} rollout services; "
+                "leave it 0 (a free port each)"
+            )
+        if port in owners:
+            raise RunConfigError(f"{key}: {port} is also {owners[port]}; give each service its own port")
+        owners[port] = key
 
 
 def held_out_shortfall(wanted: int, held: int) -> str | None:

@@ -49,6 +49,7 @@ RUN_OWNED = frozenset(
         "rollout.worker_index",
         "rollout.port_file",
         "trainer.broadcast_address",
+        "trainer.await_workers",
         "trainer.run_dir",
         "trainer.port_file",
         "broadcast.port_file",
@@ -62,6 +63,7 @@ RUN_OWNED = frozenset(
 )
 RUN_OWNED_HINT = {
     "trainer.run_dir": "use --out",
+    "trainer.await_workers": "the trainer awaits every rollout service: use --rollout_workers",
     "check.max_tokens": "the preflight check samples like training: use --task.max_tokens",
     "check.temperature": "the preflight check samples like training: use --task.temperature",
     "check.top_p": "the preflight check samples like training: use --task.top_p",
