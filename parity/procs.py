@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -39,9 +38,6 @@ from pathlib import Path
 
 from parity import health
 from parity.ports import free_port
-
-_URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]+@")
-
 
 PARENT_PID_ENV = "PARITY_PARENT_PID"
 
@@ -278,11 +274,6 @@ def start_service(
             start_new_session=True,
         )
     return ServiceProcess(name=name, proc=proc, port_file=port_file, log_path=log_path)
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by ***, for logs and records."""
-    return _URL_PASSWORD.sub(r"\1***@", url)
 
 
 def write_redis_conf(workdir: Path, password: str) -> Path:

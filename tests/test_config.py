@@ -7,7 +7,9 @@ hold docker-compose's config file to the same schema.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -198,11 +200,16 @@ def test_a_secret_is_refused_on_the_command_line() -> None:
 
 def test_a_redis_url_with_a_password_is_refused_on_the_command_line() -> None:
     url = "redis://:hunter2@127.0.0.1:6379/0"
-    for argv in (["--redis_url", url], [f"--run.redis_url={url}"]):
+    # redis-py also reads a password from the query string; a socket URL has no user part at all
+    in_query = ("redis://127.0.0.1:6379/0?password=hunter2", "unix:///tmp/r.sock?db=0&Password=hunter2")
+    for argv in (["--redis_url", url], [f"--run.redis_url={url}"], *(["--redis_url", q] for q in in_query)):
         with pytest.raises(
             ConfigError, match=r"^run\.redis_url: a secret is never taken from the command line"
         ):
             load(argv, home="trainer", environ={})
+    endpoint = "https://user:hunter2@collector:4318"
+    with pytest.raises(ConfigError, match=r"^observability\.otlp_endpoint: a secret is never taken"):
+        load(["--observability.otlp_endpoint", endpoint], home="trainer", environ={})
     assert load([], environ={"PARITY_RUN_REDIS_URL": url}).config.run.redis_url == url
     plain = "redis://127.0.0.1:6379/0"  # no password: a flag is fine
     assert load(["--redis_url", plain], home="trainer", environ={}).config.run.redis_url == plain
@@ -355,3 +362,52 @@ def test_gpu_memory_utilization_is_a_fraction_named_when_refused(value: str, bou
     assert half.rollout.gpu_memory_utilization == 0.5
     with pytest.raises(ConfigError, match=rf"^rollout\.gpu_memory_utilization: .*{bound}"):
         load(["--rollout.gpu_memory_utilization", value], home="run", environ={})
+
+
+def test_written_configs_and_records_never_hold_a_url_password() -> None:
+    from commands.run.launcher import _public_config
+    from parity.config.loader import to_toml
+    from parity.url_secrets import redact_url, url_password
+
+    urls = {
+        "redis://:pw1secret@h:1/0": "redis://:***@h:1/0",
+        "redis://h:1/0?password=pw2secret&db=1": "redis://h:1/0?password=***&db=1",
+        "https://u:pw3secret@collector:4318": "https://u:***@collector:4318",
+    }
+    for url, redacted in urls.items():
+        assert url_password(url) and redact_url(url) == redacted
+    assert url_password("redis://h:1/0?db=1") is None and url_password("not a url") is None
+    environ = {
+        "PARITY_RUN_REDIS_URL": "redis://h:1/0?password=pw2secret",
+        "PARITY_OBSERVABILITY_OTLP_ENDPOINT": "https://u:pw3secret@collector:4318",
+    }
+    config = load([], home="run", environ=environ).config
+    for text in (to_toml(config), json.dumps(_public_config(config))):
+        assert "pw2secret" not in text and "pw3secret" not in text, text
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--startup_timeout_s", "inf"], "run.startup_timeout_s"),
+        (["--trainer.dist_timeout_s", "nan"], "trainer.dist_timeout_s"),
+        (["--lr", "1e999"], "trainer.lr"),
+        (["--rollout.kv_cache_gib", "inf"], "rollout.kv_cache_gib"),
+    ],
+)
+def test_infinite_and_nan_settings_are_refused_naming_the_key(argv: list[str], named: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{re.escape(named)}: Input should be a finite number"):
+        load(argv, home="run", environ={}, as_command=True)
+
+
+def test_an_empty_resume_is_refused_not_a_new_run() -> None:
+    for argv in (["--resume", ""], ["--resume=  "]):
+        with pytest.raises(ConfigError, match=r"^run\.resume: empty"):
+            load(argv, home="run", environ={}, as_command=True)
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "utf16.toml"
+    path.write_bytes("[run]\nsteps = 3\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match=r"utf16\.toml: not UTF-8 text"):
+        load(["--config", str(path)], home="run", environ={})

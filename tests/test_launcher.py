@@ -389,3 +389,23 @@ def test_default_task_scores_the_final_integer(completion: str, reward: float) -
         task.reward(Prompt("p", "What is 7 + 12? Answer with just the number.", "19"), completion) == reward
     )
     assert task.eval_prompts(5) == get_task("arithmetic").eval_prompts(5)  # same held-out split
+
+
+def test_an_unusable_out_or_resume_dir_is_a_clear_error_before_anything_starts(tmp_path: Path) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    broken = tmp_path / "broken_run"
+    broken.mkdir()
+    (broken / "config.toml").write_text("foo = 1\n")
+    for flags, named in (
+        (["--model", "tiny", "--out", str(a_file / "run")], "run.out:"),
+        (["--resume", str(broken)], "foo: expected a [foo] table"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "commands.main", "run", *flags],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

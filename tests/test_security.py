@@ -26,7 +26,8 @@ import pytest
 import redis
 
 from commands.run.supervisor import MARKER_ENV, marked_pids
-from parity.procs import redact_url, start_redis, stop_groups
+from parity.procs import start_redis, stop_groups
+from parity.url_secrets import redact_url
 
 
 def test_private_redis_requires_a_password_and_keeps_an_aof(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ from commands.run.trackers import RunTrackers, TrackerError
 from parity.config import ConfigError, LoadedConfig, ParityConfig, env_for, load, write_config
 from parity.config.entry import entrypoint
 from parity.config.loader import CONFIG_FILE_ENV, config_env_keys
-from parity.procs import redact_url
+from parity.url_secrets import redact_url
 
 TRAINER = "trainer"
 BROADCAST = "broadcast"
@@ -325,9 +325,14 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str], resume: Resu
     """One launch of the run in `run_dir`: a new run, or (`resume`) the continuation of one."""
     run_started = time.monotonic()
     task = validate_inputs(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(run_dir, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as exc:
+        raise RunConfigError(f"run.out: {run_dir}: cannot write a run there ({exc.strerror or exc})") from None
     if resume is None and (run_dir / "metrics.jsonl").exists():
-        raise RunError(
+        raise RunConfigError(
             f"run.out: {run_dir} already holds a run (metrics.jsonl); choose another directory, "
             f"or continue it with --resume {run_dir}"
         )
@@ -419,9 +424,7 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str], resume: Resu
             )
             sup.wait_ready(rollouts, run.startup_timeout_s)
             timings["startup_s"] = time.monotonic() - run_started
-            record["config"] = child_cfg.model_dump(
-                exclude={s: {"auth_token"} for s in ("rollout", "trainer", "broadcast")}
-            )
+            record["config"] = _public_config(child_cfg)
             record["config"]["run"]["redis_url"] = redact_url(redis_url)
             record["broadcast"] = {"address": broadcast_address}
             record["rollout_services"] = {
@@ -522,7 +525,10 @@ def _preflight_word(preflight_record: dict | None) -> str:
 def _public_config(cfg: ParityConfig) -> dict:
     """The config as trackers record it: no secrets, no credentials in URLs."""
     dumped = cfg.model_dump(exclude={s: {"auth_token"} for s in ("rollout", "trainer", "broadcast")})
-    dumped["run"]["redis_url"] = redact_url(dumped["run"]["redis_url"])
+    for section in dumped.values():  # any URL: the Redis URL, the OTLP endpoint, a task's service
+        for key, value in section.items():
+            if isinstance(value, str):
+                section[key] = redact_url(value)
     return dumped
 
 
@@ -578,7 +584,7 @@ def launch(cfg: ParityConfig, argv: list[str]) -> int:
     if cfg.run.resume:  # before the environment is cleared: PARITY_* variables apply on top of the file
         try:
             resume = plan_resume(Path(cfg.run.resume).resolve(), list(argv))
-        except ResumeError as exc:
+        except (ResumeError, ConfigError) as exc:  # ConfigError: its config.toml does not load
             print(f"parity run: error: {exc}", file=sys.stderr)
             return 2
         cfg = resume.config

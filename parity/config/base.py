@@ -39,7 +39,9 @@ class ConfigError(ValueError):
 class Section(BaseModel):
     """One component's part of the run config."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True)
+    # inf and NaN are no setting: an infinite timeout is a wait with no end, and code that converts
+    # one to an integer (a timedelta, a byte count) fails long after the config was accepted
+    model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True, allow_inf_nan=False)
 
 
 class ServiceConfig(Section):

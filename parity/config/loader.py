@@ -22,7 +22,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +32,10 @@ from pydantic import BaseModel, ValidationError
 from parity.config.base import ConfigError, is_secret
 from parity.config.cli import check_flag_allowed, resolve_flag
 from parity.config.schema import SECTIONS, ParityConfig
+from parity.url_secrets import redact_url, url_password
+
+# URLs that may carry a password: refused on the command line when they do (they would show in `ps`)
+URL_KEYS = frozenset({("run", "redis_url"), ("observability", "otlp_endpoint")})
 
 CONFIG_FILE_ENV = "PARITY_CONFIG"
 NOT_CONFIG_ENV = frozenset({CONFIG_FILE_ENV, "PARITY_HOME", "PARITY_DEVICE", "PARITY_RUN_MARKER"})
@@ -114,6 +117,8 @@ def _from_file(path: str, values: dict, sources: dict) -> None:
         document = tomllib.loads(Path(path).read_text())
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path}: not UTF-8 text (TOML files are UTF-8)") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: not valid TOML ({exc})") from None
     for section, body in document.items():
@@ -207,21 +212,15 @@ def _from_flags(
                 raise ConfigError(f"--{flag}: expected a value")
             else:
                 value, i = tokens[i], i + 1
-        if (section, name) == ("run", "redis_url") and _url_password(str(value)):
+        if (section, name) == ("run", "resume") and not str(value).strip():
+            # `--resume "$DIR"` with DIR unset would otherwise start a new run from scratch
+            raise ConfigError("run.resume: empty; name the run directory to resume")
+        if (section, name) in URL_KEYS and url_password(str(value)):
             raise _secret_refused(
                 section, name, "the command line", "the URL holds a password, which would show in `ps`"
             )
         _put(values, sources, section, name, value, f"--{flag}")
     return config_files, print_config
-
-
-def _url_password(url: str) -> str | None:
-    from urllib.parse import urlsplit
-
-    try:
-        return urlsplit(url).password
-    except ValueError:  # not a URL: the field's own check says so
-        return None
 
 
 def _error(exc: ValidationError, sources: Mapping[str, str]) -> ConfigError:
@@ -276,7 +275,6 @@ def load(
 
 
 # --- writing ----------------------------------------------------------------------------------
-_URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]+@")
 
 
 def _toml_value(value: object) -> str:
@@ -284,7 +282,7 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
-    return json.dumps(_URL_PASSWORD.sub(r"\1***@", str(value)))
+    return json.dumps(redact_url(str(value)))
 
 
 def to_toml(config: ParityConfig, sources: Mapping[str, str] | None = None) -> str:
