@@ -330,7 +330,9 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str], resume: Resu
         if not os.access(run_dir, os.W_OK):
             raise PermissionError(13, "not writable")
     except OSError as exc:
-        raise RunConfigError(f"run.out: {run_dir}: cannot write a run there ({exc.strerror or exc})") from None
+        raise RunConfigError(
+            f"run.out: {run_dir}: cannot write a run there ({exc.strerror or exc})"
+        ) from None
     if resume is None and (run_dir / "metrics.jsonl").exists():
         raise RunConfigError(
             f"run.out: {run_dir} already holds a run (metrics.jsonl); choose another directory, "
