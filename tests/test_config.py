@@ -411,3 +411,14 @@ def test_a_config_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
     path.write_bytes("[run]\nsteps = 3\n".encode("utf-16"))
     with pytest.raises(ConfigError, match=r"utf16\.toml: not UTF-8 text"):
         load(["--config", str(path)], home="run", environ={})
+
+
+def test_check_max_tokens_must_fit_the_engines_context() -> None:
+    with pytest.raises(ConfigError, match=r"^check\.max_tokens: must be <= 511"):
+        load(["--max_tokens", "600"], home="check", environ={}, as_command=True)
+    assert (
+        load(
+            ["--max_tokens", "600", "--max_model_len", "1024"], home="check", environ={}
+        ).config.check.max_tokens
+        == 600
+    )

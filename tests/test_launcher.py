@@ -92,6 +92,7 @@ def test_flag_forms_are_equivalent() -> None:
         (["--prefix_caching=maybe"], "rollout.prefix_caching"),
         (["--mode=sync", "--rollout_workers=3", "--groups_per_step=8"], "run.groups_per_step"),
         (["--lr", "abc"], "trainer.lr"),
+        (["--eval_pass_k", "32"], "task.eval_pass_k"),  # above rollout.max_n: refused only after start-up
     ],
 )
 def test_bad_value_names_the_key(flags: list[str], named: str) -> None:

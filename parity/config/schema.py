@@ -62,7 +62,13 @@ class ParityConfig(BaseModel):
             )
         if task.group_size > rollout.max_n:
             raise ValueError(f"task.group_size: must be <= rollout.max_n={rollout.max_n}")
-        for key, tokens in (("task.max_tokens", task.max_tokens), ("task.eval_max_tokens", task.eval_tokens)):
+        if task.eval_pass_k > rollout.max_n:  # the held-out evaluation asks for eval_pass_k samples at once
+            raise ValueError(f"task.eval_pass_k: must be <= rollout.max_n={rollout.max_n}")
+        for key, tokens in (
+            ("task.max_tokens", task.max_tokens),
+            ("task.eval_max_tokens", task.eval_tokens),
+            ("check.max_tokens", self.check.max_tokens),
+        ):
             if tokens > rollout.effective_max_tokens:
                 raise ValueError(
                     f"{key}: must be <= {rollout.effective_max_tokens} "
