@@ -358,3 +358,37 @@ def test_a_worker_the_service_does_not_know_registers_again(start_services) -> N
         return registered
 
     assert len(asyncio.run(scenario())) >= 2
+
+
+def test_a_registration_refused_for_its_token_is_an_error_naming_it_not_a_retry_forever(
+    start_services, tiny_model: Path
+) -> None:
+    """A wrong token stays wrong: the membership client raises, naming rollout.auth_token (the
+    rollout service then stops with that line), instead of retrying every 5 s for good."""
+    from parity.weights.membership_client import MembershipClient, MembershipRefused
+
+    service = start_services("broadcast", "--auth_token", "the-right-token", timeout_s=240)
+
+    async def register(token: str, worker_id: str) -> str:
+        client = MembershipClient(
+            service.address, worker_id, "127.0.0.1:1", token, 1.0, lambda: 0, lambda _v: None
+        )
+        try:
+            await asyncio.wait_for(client.register(), timeout=30)
+            return "registered"
+        except MembershipRefused as exc:
+            return str(exc)
+        finally:
+            await client.unregister()
+
+    refused = asyncio.run(register("a-wrong-token", "w-wrong"))
+    assert refused.startswith("rollout.auth_token: the broadcast service at") and "UNAUTHENTICATED" in refused
+    assert asyncio.run(register("the-right-token", "w-right")) == "registered"
+
+    # the rollout service itself: it stops (exit 1) with that line rather than never serving
+    rollout = start_services(
+        "rollout", "--engine", "reference", "--model", str(tiny_model), "--max_model_len", "128",
+        "--broadcast_address", service.address, "--auth_token", "a-wrong-token", wait=False,
+    )  # fmt: skip
+    assert rollout.proc.wait(600) == 1, rollout.log_tail()
+    assert "rollout.auth_token: the broadcast service at" in rollout.log_path.read_text()

@@ -9,7 +9,9 @@ when dropped, unregister. The rollout service and the tests' stand-in receiver b
 
 Invariants:
   - `run` registers before its first heartbeat, retrying with backoff (0.2 s doubling to 5 s) until
-    the broadcast service answers. Every successful registration calls `on_registered` with the
+    the broadcast service answers. A refusal no retry can change (UNAUTHENTICATED or
+    PERMISSION_DENIED: the token; INVALID_ARGUMENT: the worker's id or address) raises
+    `MembershipRefused`, naming the setting, instead of retrying forever. Every successful registration calls `on_registered` with the
     reply's `latest_version`: a worker must not serve before its weight version reaches it (the
     broadcast service pushes that version to a worker that registers behind).
   - Heartbeats go every `heartbeat_interval_s`, or the interval the registration reply names.
@@ -35,6 +37,16 @@ from parity.v1 import broadcast_pb2, broadcast_pb2_grpc
 log = logging.getLogger("parity.membership")
 
 _DROPPED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)  # see the docstring
+# refusals that name a setting of this worker (module docstring): no retry can change them
+_REFUSED = {
+    grpc.StatusCode.UNAUTHENTICATED: "rollout.auth_token",
+    grpc.StatusCode.PERMISSION_DENIED: "rollout.auth_token",
+    grpc.StatusCode.INVALID_ARGUMENT: "rollout.worker_id or the service's address",
+}
+
+
+class MembershipRefused(RuntimeError):
+    """The broadcast service refused this worker's registration for a reason retrying cannot fix."""
 
 
 class MembershipClient:
@@ -79,6 +91,12 @@ class MembershipClient:
                 )
                 break
             except grpc.aio.AioRpcError as exc:
+                if exc.code() in _REFUSED:
+                    raise MembershipRefused(
+                        f"{_REFUSED[exc.code()]}: the broadcast service at {self.broadcast_address} "
+                        f"refused to register worker {self.worker_id!r} ({exc.code().name}: "
+                        f"{(exc.details() or '')[:300]})"
+                    ) from None
                 log.warning(
                     "RegisterWorker at %s failed (%s); retrying", self.broadcast_address, exc.code().name
                 )

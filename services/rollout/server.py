@@ -26,7 +26,7 @@ from parity.metrics import serve_metrics
 from parity.process_exit import serve_then_exit
 from parity.server import GrpcServer, install_shutdown_handlers
 from parity.v1 import rollout_pb2_grpc
-from parity.weights.membership_client import MembershipClient
+from parity.weights.membership_client import MembershipClient, MembershipRefused
 from rollout import metrics
 from services.rollout.service import PROTECTED_METHODS, SERVICE_NAME, RolloutServicer, build_engine
 
@@ -187,7 +187,14 @@ async def serve(run_config: ParityConfig, model_dir: Path) -> int:
             device_uuid=await engine.device_uuid(),
         )
         servicer.membership = link
-        background.append(asyncio.create_task(link.run()))
+        membership = asyncio.create_task(link.run())
+        background.append(membership)
+
+        def membership_done(task: asyncio.Task) -> None:  # refused for good: say which setting, stop
+            if not task.cancelled() and isinstance(task.exception(), MembershipRefused):
+                give_up(f"rollout service: {task.exception()}")
+
+        membership.add_done_callback(membership_done)
     await servicer.refresh_serving()
     if config.actor:
         from rollout.actor import Actor
