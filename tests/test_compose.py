@@ -24,7 +24,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-ENV = {"PARITY_AUTH_TOKEN": "test-token", "PARITY_REDIS_PASSWORD": "test-redis-password"}
+ENV = {"PARITY_AUTH_TOKEN": "test-token-0123456789", "PARITY_REDIS_PASSWORD": "test-redis-password"}
 PARITY_SERVICES = {
     "broadcast": "BROADCAST",
     "trainer": "TRAINER",

@@ -32,6 +32,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+MIN_EXPOSED_TOKEN_CHARS = 16  # a token guarding a service off loopback (`openssl rand -hex 16`: 32)
+
+
 class ConfigError(ValueError):
     """A config value is invalid. The message names the key (`section.field`)."""
 
@@ -68,11 +71,20 @@ class ServiceConfig(Section):
     )
 
     def check_security(self) -> None:
-        """Refuse to expose weight-changing RPCs to the network without a token."""
-        if not is_loopback(self.host) and not self.auth_token:
+        """Refuse to expose weight-changing RPCs to the network without a token, or with one a
+        remote client could guess (shorter than MIN_EXPOSED_TOKEN_CHARS, or with blanks)."""
+        if is_loopback(self.host):
+            return
+        if not self.auth_token:
             raise ConfigError(
                 f"auth_token: required when host={self.host!r} is not loopback "
                 "(weight-changing RPCs must not be callable by unauthenticated remote clients)"
+            )
+        token = self.auth_token
+        if len(token) < MIN_EXPOSED_TOKEN_CHARS or token != token.strip() or any(c.isspace() for c in token):
+            raise ConfigError(
+                f"auth_token: with host={self.host!r} (not loopback) it must be at least "
+                f"{MIN_EXPOSED_TOKEN_CHARS} characters with no blanks, e.g. `openssl rand -hex 16`"
             )
 
 
