@@ -47,7 +47,7 @@ def test_non_loopback_bind_requires_token() -> None:
     with pytest.raises(ConfigError, match="auth_token"):
         ServiceConfig(host="192.0.2.10").check_security()
     for weak in ("s3cret", " " * 20, "a-token-with a-blank-in-it"):  # guessable, or a pasting slip
-        with pytest.raises(ConfigError, match="auth_token: with host='192.0.2.10' .* at least 16"):
+        with pytest.raises(ConfigError, match=r"auth_token: with host='192\.0\.2\.10' .* at least 16"):
             ServiceConfig(host="192.0.2.10", auth_token=weak).check_security()
     ServiceConfig(host="192.0.2.10", auth_token="0123456789abcdef").check_security()
     ServiceConfig(host="127.0.0.1").check_security()
