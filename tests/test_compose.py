@@ -447,3 +447,19 @@ def test_the_trainer_has_time_to_stop_gracefully(compose) -> None:
 
     grace = compose["services"]["trainer"]["stop_grace_period"]
     assert grace.endswith("s") and int(grace[:-1]) > SHUTDOWN_TIMEOUT_S, grace
+
+
+def test_published_ports_bind_loopback_unless_told_otherwise() -> None:
+    """The OTLP receiver, the Jaeger UI and Prometheus are published on 127.0.0.1 by default (an
+    open OTLP port lets anyone write spans; the UIs show the run); PARITY_PUBLISH_HOST opens them."""
+    published = {
+        name: service.get("ports", [])
+        for name, service in load_compose()["services"].items()
+        if service.get("ports")
+    }
+    assert set(published) == {"otel-collector", "jaeger", "prometheus"}
+    for name, ports in published.items():
+        for port in ports:
+            assert str(port).startswith("127.0.0.1:") and str(port).count(":") == 2, (name, port)
+    opened = load_compose({**ENV, "PARITY_PUBLISH_HOST": "0.0.0.0"})["services"]["jaeger"]["ports"]
+    assert opened == ["0.0.0.0:16686:16686"]
