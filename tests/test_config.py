@@ -422,3 +422,25 @@ def test_check_max_tokens_must_fit_the_engines_context() -> None:
         ).config.check.max_tokens
         == 600
     )
+
+
+@pytest.mark.parametrize(
+    ("home", "argv", "named"),
+    [
+        ("rollout", ["--broadcast_address", "broadcast.svc"], "rollout.broadcast_address"),
+        ("check", ["--rollout_address", "rollout.svc"], "check.rollout_address"),
+        ("trainer", ["--broadcast_address", ":99999999"], "trainer.broadcast_address"),
+        ("trainer", ["--broadcast_address", "h:0"], "trainer.broadcast_address"),
+    ],
+)
+def test_every_address_setting_must_be_host_and_port(home: str, argv: list[str], named: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{re.escape(named)}: must be host:port"):
+        load(argv, home=home, environ={})
+
+
+def test_addresses_that_are_host_and_port_load() -> None:
+    for value in ("broadcast:50051", "[::1]:5000", "10.0.0.2:1"):
+        assert (
+            load(["--broadcast_address", value], home="rollout", environ={}).config.rollout.broadcast_address
+            == value
+        )

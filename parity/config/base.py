@@ -35,6 +35,16 @@ def is_loopback(host: str) -> bool:
 MIN_EXPOSED_TOKEN_CHARS = 16  # a token guarding a service off loopback (`openssl rand -hex 16`: 32)
 
 
+def check_address(value: str) -> str:
+    """A HOST:PORT setting (empty: none). Field validators call it; the message is the field's."""
+    if not value:
+        return value
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError("must be host:port with a port in 1-65535")
+    return value
+
+
 class ConfigError(ValueError):
     """A config value is invalid. The message names the key (`section.field`)."""
 

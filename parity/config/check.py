@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from parity.config.base import Section
+from parity.config.base import Section, check_address
 
 DEFAULT_THRESHOLD = 1e-3
 
@@ -75,3 +75,8 @@ class CheckConfig(Section):
     update_scale: float = Field(
         0.05, gt=0, description="--ablate: relative size of the weight update in the prefix-cache rows."
     )
+
+    @field_validator("rollout_address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        return check_address(value)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from parity.config.base import ServiceConfig
+from parity.config.base import ServiceConfig, check_address
 
 EngineName = Literal["vllm", "reference"]
 DtypeName = Literal["float32", "bfloat16"]
@@ -41,7 +41,7 @@ class RolloutConfig(ServiceConfig):
     dtype: DtypeName = Field(
         "float32",
         description="Rollout weights/activations dtype. float32 by default: on CPU bf16 is not faster "
-        "and costs ~5e-4 k3-KL of train-inference mismatch.",
+        "and raises the train-inference mismatch (k3) by orders of magnitude (docs/benchmarks.md).",
     )
     logprobs_mode: LogprobsModeName = Field(
         "processed", description="processed: after temperature/top-k/top-p (what was sampled); raw: logits."
@@ -63,7 +63,8 @@ class RolloutConfig(ServiceConfig):
     cpu_top_p: CpuTopPName = Field(
         "bounded",
         description="vLLM on CPU only: bounded masks top-k/top-p from a bounded topk with the same kept "
-        "tokens (rollout/cpu_top_p.py; ~1.35x decode throughput here); sort keeps vLLM's full-vocab sort.",
+        "tokens (rollout/cpu_top_p.py; faster decoding than the sort, docs/benchmarks.md); sort keeps vLLM's "
+        "full-vocab sort.",
     )
     max_model_len: int = Field(512, gt=0, description="Context length (prompt + completion) in tokens.")
     max_n: int = Field(16, gt=0, description="Largest allowed group size n per request.")
@@ -78,7 +79,7 @@ class RolloutConfig(ServiceConfig):
         1,
         ge=1,
         description="torch intra-op threads of the reference engine; 1 avoids OpenMP oversubscription "
-        "(100x slower steps) on shared CPUs.",
+        "(far slower steps) on shared CPUs.",
     )
     max_num_seqs: int = Field(64, gt=0, description="Most sequences the engine batches at once.")
     gpu_memory_utilization: float = Field(
@@ -123,7 +124,7 @@ class RolloutConfig(ServiceConfig):
         1024 * 1024,
         gt=0,
         description="Largest prompt_text in UTF-8 bytes; a larger one gets INVALID_ARGUMENT before it is "
-        "tokenised (tokenising 1 MiB takes ~2 s of one core here).",
+        "tokenised (tokenising costs CPU time that grows with the prompt's length).",
     )
     max_tokenize_pending: int = Field(
         64,
@@ -223,6 +224,11 @@ class RolloutConfig(ServiceConfig):
         description="OpenAI endpoint: a group whose group_size episodes have not all finished this long "
         "after its first is dropped, never published (counted).",
     )
+
+    @field_validator("broadcast_address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        return check_address(value)
 
     @model_validator(mode="after")
     def _fault(self) -> RolloutConfig:

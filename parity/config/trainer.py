@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from parity.config.base import DEFAULT_BUCKET_BYTES, ServiceConfig
+from parity.config.base import DEFAULT_BUCKET_BYTES, ServiceConfig, check_address
 
 Objective = Literal["grpo", "ppo", "gspo"]
 LossAgg = Literal["token", "sequence"]
@@ -204,9 +204,7 @@ class TrainerConfig(ServiceConfig):
     @field_validator("broadcast_address")
     @classmethod
     def _address(cls, value: str) -> str:
-        if value and (":" not in value or not value.rsplit(":", 1)[1].isdigit()):
-            raise ValueError("must be host:port")
-        return value
+        return check_address(value)
 
     @model_validator(mode="after")
     def _precision(self) -> TrainerConfig:
