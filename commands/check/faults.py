@@ -215,7 +215,7 @@ def run_catalogue(
             f"check.fault_classes: unknown fault {', '.join(unknown)}; known: {', '.join(FAULTS)}"
         )
     try:
-        model_dir = models.prepare(model)
+        model_dir = models.resolve(model)  # a built-in name, a model directory or a Hub id, as model.name
     except models.ModelError as exc:
         raise ValueError(f"check.fault_model: {exc}") from exc
     out.mkdir(parents=True, exist_ok=True)
