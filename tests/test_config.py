@@ -444,3 +444,11 @@ def test_addresses_that_are_host_and_port_load() -> None:
             load(["--broadcast_address", value], home="rollout", environ={}).config.rollout.broadcast_address
             == value
         )
+
+
+def test_a_misspelt_section_or_a_missing_one_in_a_variable_gets_a_suggestion() -> None:
+    environ = {"PARITY_TRAINR_LR": "1", "PARITY_STEPS": "3", "PARITY_IMAGE": "x", "PARITY_AUTH_TOKEN": "t"}
+    ignored = load([], home="run", environ=environ).ignored_env
+    assert ignored.get("PARITY_TRAINR_LR") == "PARITY_TRAINER_LR"
+    assert ignored.get("PARITY_STEPS") == "PARITY_RUN_STEPS"
+    assert "PARITY_IMAGE" not in ignored  # compose's wiring: nothing close, nothing said

@@ -164,7 +164,13 @@ def ignored_env_keys(environ: Mapping[str, str]) -> dict[str, str]:
         if section in SECTIONS and name:
             close = difflib.get_close_matches(name, list(_fields(section)), n=1, cutoff=0.8)
             ignored[key] = env_name(section, close[0]) if close else ""
+        elif close := difflib.get_close_matches(key, _all_env_names(), n=1, cutoff=0.85):
+            ignored[key] = close[0]  # a misspelt section (PARITY_TRAINR_LR) or none (PARITY_STEPS)
     return ignored
+
+
+def _all_env_names() -> list[str]:
+    return [env_name(section, name) for section in SECTIONS for name in _fields(section)]
 
 
 def _from_flags(
