@@ -64,7 +64,8 @@ class ServiceConfig(Section):
     port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
     auth_token: str = Field(
         "",
-        description="Shared token required on weight-changing RPCs. Mandatory when host is not loopback. "
+        description="Shared token required on weight-changing RPCs. Mandatory when host is not loopback, "
+        "and there at least 16 characters with no blanks. "
         "Secret: environment only (PARITY_<SECTION>_AUTH_TOKEN), never printed or written.",
         json_schema_extra=SECRET,
     )

@@ -6,8 +6,9 @@ of them can be changed, and every one is reported by `GetStatus` and logged at s
 run that departs from them says so.
 
 Rollout dtype defaults to float32: on CPU there is no bf16 speed-up worth the mismatch (the CPU
-kernels for bf16 matmul are not faster than fp32 on the machines we run on, and fp32 rollouts give
-a k3-KL of ~1e-10 against the trainer instead of ~5e-4). On GPU choose bfloat16 with the fp32 head.
+kernels for bf16 matmul are not faster than fp32 on the machines we run on, and fp32 rollouts match
+the trainer far more closely: docs/benchmarks.md, "Summary"). On GPU choose bfloat16 with the fp32
+head.
 """
 
 from __future__ import annotations
