@@ -142,7 +142,7 @@ class VllmEngine(RolloutEngine):
         """Build AsyncLLM (its engine-core process loads the checkpoint: version 0) off the event
         loop, so that health and every other RPC keep answering while it loads."""
         vllm_stop_log.quiet_engine_stop()
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
         args = self.engine_args()
         if not model_in_engine_core(args.distributed_executor_backend):  # naps: set before it starts
             self.engine_core_wait = cpu_engine_wait.configure(self.config.engine_core_nap_us)
@@ -445,7 +445,7 @@ class VllmEngine(RolloutEngine):
             if f.name == "model" or getattr(args, f.name) != getattr(defaults, f.name)
         }
         kwargs.update(distributed_executor_backend="uni", **engine_arg_overrides)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.config.kv_cache_gib))))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
         multiprocessing = "VLLM_ENABLE_V1_MULTIPROCESSING"  # read while the engine is built
         previous = os.environ.get(multiprocessing)
         os.environ[multiprocessing] = "0"

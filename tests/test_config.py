@@ -392,12 +392,18 @@ def test_written_configs_and_records_never_hold_a_url_password() -> None:
         (["--startup_timeout_s", "inf"], "run.startup_timeout_s"),
         (["--trainer.dist_timeout_s", "nan"], "trainer.dist_timeout_s"),
         (["--lr", "1e999"], "trainer.lr"),
-        (["--rollout.kv_cache_gib", "inf"], "rollout.kv_cache_gib"),
+        (["--task.temperature", "inf"], "task.temperature"),
     ],
 )
 def test_infinite_and_nan_settings_are_refused_naming_the_key(argv: list[str], named: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{re.escape(named)}: Input should be a finite number"):
         load(argv, home="run", environ={}, as_command=True)
+
+
+def test_the_cpu_kv_cache_is_whole_gib_as_vllm_reads_it() -> None:
+    with pytest.raises(ConfigError, match=r"^rollout\.kv_cache_gib: .*integer"):
+        load(["--rollout.kv_cache_gib", "0.4"], home="rollout", environ={})
+    assert load(["--rollout.kv_cache_gib", "2"], home="rollout", environ={}).config.rollout.kv_cache_gib == 2
 
 
 def test_an_empty_resume_is_refused_not_a_new_run() -> None:

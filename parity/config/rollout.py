@@ -72,8 +72,11 @@ class RolloutConfig(ServiceConfig):
     max_tokens_limit: int = Field(
         0, ge=0, description="Largest allowed max_tokens; 0 means max_model_len - 1."
     )
-    kv_cache_gib: float = Field(
-        1.0, gt=0, description="KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."
+    kv_cache_gib: int = Field(
+        1,
+        ge=1,
+        description="KV cache size on CPU in whole GiB (VLLM_CPU_KVCACHE_SPACE, which vLLM reads as an "
+        "integer).",
     )
     enforce_eager: bool = Field(True, description="Skip graph capture/compilation (fast startup on CPU).")
     reference_threads: int = Field(
