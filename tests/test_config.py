@@ -458,3 +458,20 @@ def test_a_misspelt_section_or_a_missing_one_in_a_variable_gets_a_suggestion() -
     assert ignored.get("PARITY_TRAINR_LR") == "PARITY_TRAINER_LR"
     assert ignored.get("PARITY_STEPS") == "PARITY_RUN_STEPS"
     assert "PARITY_IMAGE" not in ignored  # compose's wiring: nothing close, nothing said
+
+
+def test_a_toml_boolean_for_a_number_or_a_number_for_a_switch_is_refused(tmp_path: Path) -> None:
+    for body, message in (
+        (
+            "[run]\nsteps = true\n",
+            r"^run\.steps: expected a value of its own type, not true/false \(got true",
+        ),
+        ("[run]\nskip_preflight = 1\n", r"^run\.skip_preflight: expected true or false \(got 1"),
+    ):
+        path = tmp_path / "run.toml"
+        path.write_text(body)
+        with pytest.raises(ConfigError, match=message):
+            load(["--config", str(path)], home="run", environ={})
+    path.write_text("[run]\nskip_preflight = true\nsteps = 4\n")
+    run = load(["--config", str(path)], home="run", environ={}).config.run
+    assert (run.skip_preflight, run.steps) == (True, 4)

@@ -127,7 +127,18 @@ def _from_file(path: str, values: dict, sources: dict) -> None:
         for name, value in body.items():
             if section in SECTIONS and name in _fields(section) and is_secret(SECTIONS[section], name):
                 raise _secret_refused(section, name, f"a config file ({path})", "files get copied and shared")
+            if section in SECTIONS and name in _fields(section):
+                _check_toml_kind(section, name, value, path)
             _put(values, sources, section, name, value, path)
+
+
+def _check_toml_kind(section: str, name: str, value: object, path: str) -> None:
+    """TOML has real booleans: one for a number (`steps = true`, read as 1) or a number for a switch
+    (`skip_preflight = 1`) is a mistake in the file, not a value to convert."""
+    is_switch = _fields(section)[name].annotation is bool
+    if isinstance(value, bool) != is_switch:
+        wanted = "true or false" if is_switch else "a value of its own type, not true/false"
+        raise ConfigError(f"{section}.{name}: expected {wanted} (got {json.dumps(value)}; from {path})")
 
 
 def _env_key(key: str) -> tuple[str, str] | None:
