@@ -410,3 +410,16 @@ def test_an_unusable_out_or_resume_dir_is_a_clear_error_before_anything_starts(t
         )
         assert proc.returncode == 2, proc.stderr
         assert named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_two_launches_in_one_second_never_share_a_run_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from commands.run.launcher import claim_run_dir
+    from parity.config import load
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load([], home="run", environ={}).config
+    claimed = [claim_run_dir(cfg) for _ in range(3)]  # within one second: one name, three directories
+    assert len(set(claimed)) == 3 and all(d.is_dir() for d in claimed)
+    assert claimed[1].name == f"{claimed[0].name}-2" or claimed[1].name[:15] != claimed[0].name[:15]

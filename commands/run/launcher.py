@@ -27,6 +27,7 @@ ended (commands/run/records.py); the chosen trackers get every step (commands/ru
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -129,6 +130,26 @@ def validate_inputs(cfg: ParityConfig) -> object:
     if note:
         log(note)
     return task
+
+
+def claim_run_dir(cfg: ParityConfig) -> Path:
+    """`run.out`, or a new runs/<UTC time> directory claimed by creating it (a -2, -3, ... suffix
+    when another launch took that second's name: two launches never share a directory)."""
+    if cfg.run.out:
+        return cfg.run.run_dir()
+    base = cfg.run.run_dir()
+    for index in range(1, 1000):
+        candidate = base if index == 1 else base.with_name(f"{base.name}-{index}")
+        try:
+            candidate.mkdir(parents=True, exist_ok=False)
+            return candidate
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise RunConfigError(
+                f"run.out: {candidate}: cannot write a run there ({exc.strerror or exc})"
+            ) from None
+    raise RunConfigError(f"run.out: every name under {base.parent} for this second is taken; give --out")
 
 
 def fixed_ports(cfg: ParityConfig) -> None:
@@ -594,6 +615,12 @@ def launch(cfg: ParityConfig, argv: list[str]) -> int:
     # environment would override that file in every child (environment beats file), so drop them.
     for key in config_env_keys(os.environ):
         del os.environ[key]
+    # children (redis) chdir; relative paths would break
+    try:
+        run_dir = resume.run_dir if resume else claim_run_dir(cfg).resolve()
+    except RunConfigError as exc:
+        print(f"parity run: error: {exc}", file=sys.stderr)
+        return 2
     # Ctrl-C reaches only this process (children run in their own sessions). Install the handler
     # explicitly: a launcher started in the background inherits SIGINT ignored.
     global _interrupted
@@ -602,8 +629,6 @@ def launch(cfg: ParityConfig, argv: list[str]) -> int:
         signal.SIGTERM: signal.signal(signal.SIGTERM, _interrupt_once),
         signal.SIGINT: signal.signal(signal.SIGINT, _interrupt_once),
     }
-    # children (redis) chdir; relative paths would break
-    run_dir = resume.run_dir if resume else cfg.run.run_dir().resolve()
     started = time.monotonic()
     rc, reason = 1, ""
     try:
@@ -612,6 +637,9 @@ def launch(cfg: ParityConfig, argv: list[str]) -> int:
     except (RunConfigError, TrackerError) as exc:
         print(f"parity run: error: {exc}", file=sys.stderr)
         rc, reason = 2, str(exc)
+        if resume is None and not cfg.run.out:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # the directory claimed for it, left empty: refused before it began
         return rc
     except KeyboardInterrupt:
         log(f"interrupted after {format_duration(time.monotonic() - started)}; every process was stopped")
