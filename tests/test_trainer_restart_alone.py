@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 from broadcast.membership import Membership
+from parity.ports import free_port
 from parity.procs import ServiceProcess, start_service
 from parity.v1 import broadcast_pb2 as pb
 from parity.v1 import broadcast_pb2_grpc
@@ -138,7 +139,10 @@ def test_a_broadcast_service_restarted_alone_syncs_the_next_version_within_30_s(
     args = ["--heartbeat_interval_s", "0.5", "--heartbeat_timeout_s", "30", "--transfer_timeout_s",
             str(TIMEOUT_S), "--rpc_margin_s", "5", "--bucket_bytes", str(BUCKET_BYTES)]  # fmt: skip
     env = {"PARITY_BROADCAST_AUTH_TOKEN": TOKEN}
-    broadcast = start_service("broadcast", args, log_dir=tmp_path, env=env).wait_ready(240)
+    # a drawn port (parity.ports), not the kernel's: a port-0 bind is ephemeral, and another
+    # process could take it in the 10 s the service is down
+    port = str(free_port())
+    broadcast = start_service("broadcast", [*args, "--port", port], log_dir=tmp_path, env=env).wait_ready(240)
     address = broadcast.address
     worker = _start_worker(tmp_path, address, "w0")
     publisher = None
@@ -153,7 +157,6 @@ def test_a_broadcast_service_restarted_alone_syncs_the_next_version_within_30_s(
         # connect meanwhile (its catch-up polls), and with gRPC's default reconnect backoff its next
         # publish, right after the restart, failed at once with UNAVAILABLE.
         time.sleep(10)
-        port = address.rsplit(":", 1)[1]
         broadcast = start_service(
             "broadcast", [*args, "--port", port], log_dir=tmp_path, env=env, name="broadcast-restarted"
         ).wait_ready(240)
