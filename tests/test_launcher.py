@@ -423,3 +423,14 @@ def test_two_launches_in_one_second_never_share_a_run_directory(
     claimed = [claim_run_dir(cfg) for _ in range(3)]  # within one second: one name, three directories
     assert len(set(claimed)) == 3 and all(d.is_dir() for d in claimed)
     assert claimed[1].name == f"{claimed[0].name}-2" or claimed[1].name[:15] != claimed[0].name[:15]
+
+
+def test_progress_never_waits_for_a_step_past_the_last() -> None:
+    from commands.run.launcher import waiting_for
+
+    assert [waiting_for(done, 2) for done in (0, 1, 2, 3)] == [
+        "first step",
+        "step 2",
+        "the trainer to finish (its last checkpoint and publish)",
+        "the trainer to finish (its last checkpoint and publish)",
+    ]

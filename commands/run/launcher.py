@@ -132,6 +132,13 @@ def validate_inputs(cfg: ParityConfig) -> object:
     return task
 
 
+def waiting_for(done_steps: int, steps: int) -> str:
+    """What a progress line says the run waits for, given the steps already in metrics.jsonl."""
+    if done_steps >= steps:
+        return "the trainer to finish (its last checkpoint and publish)"
+    return "first step" if done_steps == 0 else f"step {done_steps + 1}"
+
+
 def claim_run_dir(cfg: ParityConfig) -> Path:
     """`run.out`, or a new runs/<UTC time> directory claimed by creating it (a -2, -3, ... suffix
     when another launch took that second's name: two launches never share a directory)."""
@@ -322,8 +329,9 @@ def follow_training(
         if since_step > cfg.run.step_timeout_s:
             raise RunError(f"no optimizer step for {since_step:.0f}s (run.step_timeout_s); see logs")
         if now - last_line_at >= cfg.run.progress_interval_s:
-            waiting = "first step" if last_step_at is None else f"step {len(metrics.rows) + 1}"
-            log(f"waiting for {waiting} ({format_duration(since_step)} so far)")
+            log(
+                f"waiting for {waiting_for(len(metrics.rows), cfg.run.steps)} ({format_duration(since_step)} so far)"
+            )
             last_line_at = now
         time.sleep(0.5)
     return {
