@@ -62,7 +62,7 @@ CURVES: dict[str, Curve] = {
         [
             ("mismatch_k3_own_version_informative", "k3, own version, informative tokens (gated)"),
             ("mismatch_k3_own_version", "k3, own version, all clean tokens"),
-            ("mismatch_max_abs_own_version", "max |Δ|, own version"),
+            ("mismatch_max_abs_own_version", "max |Δ| logprob, own version (not gated)"),
             ("mismatch_k3", "k3, lag-0 clean tokens"),
             ("mismatch_k3_mixed_context", "k3, lag-0 tokens over older KV (mixed context)"),
         ],
@@ -255,9 +255,15 @@ def draw_panel(ax: Axes, name: str, rows: list[dict], evals: list[dict], ctx: Pl
         ax.set_yscale("log")
         note_left_out(ax, left_out)
     if curve.gate and ctx.gate_threshold is not None and ctx.gate_threshold > 0:
+        # the gate acts on one curve only (the informative tokens' k3): the label says so, since
+        # max |Δ| and drift are drawn on the same axes in nats and may well lie above it
         label = f"running gate = {ctx.gate_threshold:g}"
         draw_gate(
-            ax, ctx.gate_threshold, f"gate: {label}" if name == "mismatch" else f"{label} (gates mismatch)"
+            ax,
+            ctx.gate_threshold,
+            f"{label} (on informative k3)"
+            if name == "mismatch"
+            else f"{label} (on the mismatch's k3; drift is not gated)",
         )
     ax.set_title(curve.title)
     ax.set_ylabel(curve.ylabel)
@@ -398,7 +404,7 @@ def write_results(
         if plots
         else f"Plots not drawn: matplotlib is missing ({missing}).",
         "",
-        f"- command: `parity run {' '.join(argv)}`",
+        f"- command: `{' '.join(['parity run', *argv])}`",
         f"- wall time: {format_duration(timings['wall_s'])} (startup {format_duration(timings['startup_s'])}, "
         f"training {format_duration(timings['trainer_ready_to_exit_s'])})",
     ]
