@@ -94,7 +94,7 @@ def test_values_a_log_axis_cannot_show_are_left_out_not_clipped(figures: dict) -
     assert list(own.get_xdata()) == [1, 2, 3, 5]
     ys = list(own.get_ydata())
     assert ys[:2] == [1e-9, 3e-9] and math.isnan(ys[2]) and ys[3] == 1e-8
-    assert any("1 value <= 0 not drawn" in t.get_text() for t in mismatch.texts)
+    assert any("1 value <= 0 not drawn" in t.get_text() for t in mismatch.get_legend().get_texts())
     kl = _line(_ax(figures, "kl_new_old"), "kl_new_old")
     assert math.isnan(kl.get_ydata()[1])  # the negative estimate
     assert all(y > 0 for y in kl.get_ydata() if not math.isnan(y))

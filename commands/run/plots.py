@@ -173,17 +173,14 @@ def log_values(ys: Sequence[float]) -> tuple[list[float], int]:
 
 
 def note_left_out(ax: Axes, count: int) -> None:
-    """Say on the panel how many values a log axis could not show."""
+    """Say on the panel how many values a log axis could not show: a legend entry with no marker
+    (a note placed on the axes could sit under the legend)."""
     if count:
-        ax.text(
-            0.01,
-            0.01,
-            f"{count} value{'s' if count > 1 else ''} <= 0 not drawn (log axis)",
-            transform=ax.transAxes,
-            fontsize=7,
-            color="0.35",
-            ha="left",
-            va="bottom",
+        ax.plot(
+            [],
+            [],
+            linestyle="none",
+            label=f"{count} value{'s' if count > 1 else ''} <= 0 not drawn (log axis)",
         )
 
 
