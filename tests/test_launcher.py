@@ -434,3 +434,17 @@ def test_progress_never_waits_for_a_step_past_the_last() -> None:
         "the trainer to finish (its last checkpoint and publish)",
         "the trainer to finish (its last checkpoint and publish)",
     ]
+
+
+def test_a_built_in_model_prepared_on_first_use_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from commands.run.launcher import validate_inputs
+    from parity.config import load
+
+    monkeypatch.setenv("PARITY_HOME", str(tmp_path / "home"))  # nothing prepared here
+    cfg = load(["--model", "tiny"], home="run", environ={}).config
+    validate_inputs(cfg)
+    assert "preparing tiny (first use" in capsys.readouterr().out
+    validate_inputs(cfg)  # prepared now: nothing to say
+    assert "preparing" not in capsys.readouterr().out

@@ -122,6 +122,11 @@ def validate_inputs(cfg: ParityConfig) -> object:
         raise RunConfigError(message) from None
     from parity import models
 
+    if cfg.model.name in models.MODEL_NAMES:
+        try:
+            models.locate(cfg.model.name)
+        except models.ModelNotPrepared:  # the first use: say why the console is quiet for a while
+            log(f"preparing {cfg.model.name} (first use, built on this machine; no download)")
     try:
         models.resolve(cfg.model.name)
     except models.ModelError as exc:
