@@ -242,6 +242,9 @@ def test_parity_run_refuses_flags_for_the_keys_it_sets_for_each_child() -> None:
         ConfigError, match=r"^trainer\.await_workers: set by `parity run` itself.*rollout_workers"
     ):
         load(["--trainer.await_workers", "0"], home="run", environ={}, as_command=True)
+    for argv in (["--trainer.after_last_step", "serve"], ["--max_groups", "1"]):  # a run that never ends
+        with pytest.raises(ConfigError, match=r"set by `parity run` itself"):
+            load(argv, home="run", environ={}, as_command=True)
     # the same keys are a service's own options
     assert load(["--run_dir", "x"], home="trainer", environ={}, as_command=True).config.trainer.run_dir == "x"
 

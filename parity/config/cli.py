@@ -50,6 +50,8 @@ RUN_OWNED = frozenset(
         "rollout.port_file",
         "trainer.broadcast_address",
         "trainer.await_workers",
+        "trainer.after_last_step",
+        "rollout.max_groups",
         "trainer.run_dir",
         "trainer.port_file",
         "broadcast.port_file",
@@ -64,6 +66,8 @@ RUN_OWNED = frozenset(
 RUN_OWNED_HINT = {
     "trainer.run_dir": "use --out",
     "trainer.await_workers": "the trainer awaits every rollout service: use --rollout_workers",
+    "trainer.after_last_step": "the run ends when the trainer exits after its last step",
+    "rollout.max_groups": "the actors generate until the run's last step: use --steps",
     "check.max_tokens": "the preflight check samples like training: use --task.max_tokens",
     "check.temperature": "the preflight check samples like training: use --task.temperature",
     "check.top_p": "the preflight check samples like training: use --task.top_p",
