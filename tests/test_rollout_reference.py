@@ -192,7 +192,15 @@ def test_an_interrupted_evaluation_stops_at_once_with_its_requests_in_flight(
     )  # fmt: skip
     try:
         assert proc.stdout.readline().strip() == "evaluating"
-        time.sleep(3.0)  # its Generate calls are sent and wait for the resume
+        deadline = time.monotonic() + 120  # its Generate calls are sent and wait for the resume
+        while (
+            _stub(service)
+            .GetStatus(rollout_pb2.RolloutServiceGetStatusRequest(), timeout=10)
+            .num_running_requests
+            < 1
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, "no request of the evaluation arrived"
+            time.sleep(0.1)
         assert proc.poll() is None, proc.stdout.read()
         proc.send_signal(signal.SIGINT)
         started = time.monotonic()
