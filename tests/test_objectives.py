@@ -179,3 +179,72 @@ def test_lag_is_trainer_minus_token_version_and_stale_beyond_max_lag() -> None:
     assert offpolicy.lag_histogram([0, 2, 0, 1, 10]) == {"0": 2, "1": 1, "2": 1, "10": 1}
     assert not offpolicy.is_stale(5, 3, max_lag=2)
     assert offpolicy.is_stale(5, 2, max_lag=2)
+
+
+def _loss_of(config_updates: dict, *, behaviour, new, recomputed=None, ref=None, advantages=(1.0, -1.0)):
+    """policy_loss on two sequences of two tokens; returns (loss, grad of new, stats)."""
+    from parity.config.trainer import TrainerConfig
+    from trainer.loss import LossInputs, policy_loss
+
+    new_T = torch.tensor(new, requires_grad=True)
+    inputs = LossInputs(
+        new_T=new_T,
+        behaviour_T=torch.tensor(behaviour),
+        advantages_S=torch.tensor(advantages),
+        seq_index_T=torch.tensor([0, 0, 1, 1]),
+        seq_lengths_S=torch.tensor([2, 2]),
+        total_tokens=4,
+        total_seqs=2,
+        recomputed_T=None if recomputed is None else torch.tensor(recomputed),
+        ref_T=None if ref is None else torch.tensor(ref),
+    )
+    loss, stats = policy_loss(TrainerConfig(**config_updates), inputs)
+    loss.backward()
+    return loss, new_T.grad, stats
+
+
+@pytest.mark.parametrize("objective", ["grpo", "gspo"])
+@pytest.mark.parametrize(
+    ("case", "kwargs"),
+    [  # one bad logprob each: it is left out, the step stays finite, the others still train
+        ("old -inf, recompute", {"recomputed": [-1.0, -math.inf, -1.0, -1.0]}),
+        ("old -inf on a negative advantage", {"recomputed": [-1.0, -1.0, -1.0, -math.inf]}),
+        ("behaviour NaN", {"behaviour_nan": 1}),
+        ("new -inf (the trainer's mask)", {"new_inf": 2}),
+    ],
+)
+def test_a_token_with_a_non_finite_logprob_is_left_out_and_the_step_stays_finite(
+    objective: str, case: str, kwargs: dict
+) -> None:
+    behaviour = [-1.0, -1.2, -0.8, -1.1]
+    new = [-0.9, -1.1, -0.9, -1.0]
+    kwargs = dict(kwargs)  # the parametrized dict is shared between the objectives
+    if "behaviour_nan" in kwargs:
+        behaviour[kwargs.pop("behaviour_nan")] = math.nan
+    if "new_inf" in kwargs:
+        new[kwargs.pop("new_inf")] = -math.inf
+    loss, grad, stats = _loss_of({"objective": objective}, behaviour=behaviour, new=new, **kwargs)
+    assert math.isfinite(float(loss.detach())), case
+    assert torch.isfinite(grad).all(), (case, grad)
+    assert int(stats.nonfinite_tokens) == 1, case
+    assert int(torch.isnan(stats.kl_new_old).sum()) == 1  # not measured there, never 0
+    assert grad.abs().sum() > 0  # the other tokens still train
+
+
+def test_an_extreme_log_ratio_or_an_excluded_reference_token_gives_no_inf_or_nan() -> None:
+    # a log-ratio of 100 overflows float32's exp; with the KL penalty on and a zero advantage this
+    # gave inf * 0 = NaN
+    loss, grad, _ = _loss_of(
+        {"kl_coef": 0.1},
+        behaviour=[-101.0, -1.0, -1.0, -1.0],
+        new=[-1.0, -1.0, -1.0, -1.0],
+        ref=[-1.0, -1.0, -1.0, -1.0],
+        advantages=(0.0, 0.0),
+    )
+    assert math.isfinite(float(loss.detach())) and torch.isfinite(grad).all()
+    # a token outside the reference's top-p set (ref -inf): no KL there, measured NaN, not inf
+    loss, grad, stats = _loss_of(
+        {"kl_coef": 0.1}, behaviour=[-1.0] * 4, new=[-1.0] * 4, ref=[-1.0, -math.inf, -1.0, -1.0]
+    )
+    assert math.isfinite(float(loss.detach())) and torch.isfinite(grad).all()
+    assert torch.isnan(stats.kl_ref[1]) and torch.isfinite(stats.kl_ref[[0, 2, 3]]).all()

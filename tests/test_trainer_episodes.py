@@ -100,6 +100,12 @@ def test_an_episode_in_the_old_layout_is_malformed(tmp_path) -> None:
     assert "loss mask" in validate_group(group)
     single = make_group(model, "s0", (1.0,), generator=torch.Generator().manual_seed(3))
     assert validate_group(single) == ""
+    # a non-finite reward would make its group's advantages NaN; a sampled token's logprob is finite
+    bad_reward = make_group(model, "s1", (1.0, float("nan")), generator=torch.Generator().manual_seed(3))
+    assert "reward nan is not finite" in validate_group(bad_reward)
+    bad_logprob = make_group(model, "s2", (1.0,), generator=torch.Generator().manual_seed(3))
+    bad_logprob.samples[0].logprobs[2] = float("-inf")
+    assert "logprob is not finite" in validate_group(bad_logprob)
 
 
 def test_episodes_cross_the_ranks_wire_with_their_masks(tmp_path) -> None:

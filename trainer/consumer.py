@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -65,6 +66,10 @@ def validate_group(group: rollouts_pb2.RolloutGroup) -> str:
     for sample in group.samples:
         if not sample.rollout_id:
             return "a sample has no rollout_id"
+        if not math.isfinite(sample.reward):  # its group's advantages would all be NaN
+            return f"{sample.rollout_id}: reward {sample.reward} is not finite"
+        if not all(math.isfinite(lp) for lp in sample.logprobs):  # a sampled token has a finite one
+            return f"{sample.rollout_id}: a logprob is not finite"
         n = len(sample.token_ids)
         if sample.loss_mask:  # an episode: per-token fields cover the model's tokens only
             problem = _episode_problem(sample)

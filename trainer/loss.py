@@ -7,8 +7,12 @@ Which logprobs are the "old" policy of the ratio (`old_logprobs` and `is_correct
   history; behaviour logprobs where that version is no longer held);
 - decoupled PPO (an IS correction on, no recompute): the current policy, detached;
 - otherwise the behaviour (rollout) logprobs.
-A token whose trainer logprob is not finite (the trainer's top-k/top-p mask excludes it) gets zero
-loss and zero KL; it is counted in `nonfinite_tokens`. The loss is already divided by the whole
+A token is left out when any logprob its loss needs is not finite: the trainer's (its top-k/top-p
+mask excludes the token), the old one (a recomputed logprob at a version whose mask excluded it) or
+the behaviour one. Such a token gets zero loss, no KL to the reference, and NaN (not measured) in
+the per-token statistics; it is counted in `nonfinite_tokens`. Its logprobs are replaced by zeros
+before any arithmetic, so nothing non-finite reaches the gradient. Likewise a token whose
+reference logprob is not finite (outside the reference's top-k/top-p set) gets no KL penalty. The loss is already divided by the whole
 batch's token (or sequence) count, so summing micro-batch gradients gives the batch gradient.
 """
 
@@ -56,18 +60,24 @@ def policy_loss(config: TrainerConfig, inputs: LossInputs) -> tuple[torch.Tensor
 
     cfg, x = config, inputs
     num_seqs = int(x.seq_lengths_S.numel())
-    finite_T = torch.isfinite(x.new_T.detach())
-    new_safe_T = torch.where(finite_T, x.new_T, x.behaviour_T)
+    finite_T = torch.isfinite(x.new_T.detach()) & torch.isfinite(x.behaviour_T)
     if x.recomputed_T is not None:
-        old_T = x.recomputed_T
+        finite_T &= torch.isfinite(x.recomputed_T)
+    zero_T = torch.zeros_like(x.behaviour_T)
+    # a left-out token is 0 on every side: ratio 1, IS weight 1, no term in GSPO's sequence mean
+    new_safe_T = torch.where(finite_T, x.new_T, zero_T)
+    behaviour_T = torch.where(finite_T, x.behaviour_T, zero_T)
+    if x.recomputed_T is not None:
+        old_T = torch.where(finite_T, x.recomputed_T, zero_T)
     elif cfg.is_correction != "none":
         old_T = new_safe_T.detach()  # decoupled PPO: the proximal policy is the current one
     else:
-        old_T = x.behaviour_T
+        old_T = behaviour_T
     weights_T, corrected_T = offpolicy.is_weights(
-        old_T, x.behaviour_T, x.seq_index_T, num_seqs, cfg.is_correction, cfg.is_level, cfg.is_cap
+        old_T, behaviour_T, x.seq_index_T, num_seqs, cfg.is_correction, cfg.is_level, cfg.is_cap
     )
-    kl_new_old_T = objectives.kl_k3(new_safe_T.detach(), old_T).masked_fill(~finite_T, 0.0)
+    nan_T = torch.full_like(zero_T, float("nan"))
+    kl_new_old_T = torch.where(finite_T, objectives.kl_k3(new_safe_T.detach(), old_T), nan_T)
     eps_low, eps_high = cfg.clip_range()
     if cfg.objective == "gspo":
         loss_S, clip = objectives.gspo_sequence_loss(
@@ -87,8 +97,10 @@ def policy_loss(config: TrainerConfig, inputs: LossInputs) -> tuple[torch.Tensor
         )
     kl_ref_T = None
     if x.ref_T is not None:
-        kl_T = torch.where(finite_T, objectives.kl_k3(new_safe_T, x.ref_T), torch.zeros_like(new_safe_T))
-        kl_ref_T = kl_T.detach()
+        with_ref_T = finite_T & torch.isfinite(x.ref_T)
+        ref_safe_T = torch.where(with_ref_T, x.ref_T, zero_T)
+        kl_T = torch.where(with_ref_T, objectives.kl_k3(new_safe_T, ref_safe_T), zero_T)
+        kl_ref_T = torch.where(with_ref_T, kl_T.detach(), nan_T)
         loss = loss + cfg.kl_coef * objectives.aggregate(
             kl_T, x.seq_index_T, x.seq_lengths_S, cfg.loss_agg, x.total_tokens, x.total_seqs
         )

@@ -14,7 +14,12 @@ Conventions (each is tested against hand-computed values in tests/test_objective
 - Aggregation: "token" averages over every token of the batch; "sequence" averages each sequence's
   token mean over sequences. The caller passes the batch-level normaliser so that gradient
   accumulation over micro-batches gives exactly the full-batch loss.
-- KL to the reference policy: k3 = exp(ref - new) - (ref - new) - 1 per token (>= 0, unbiased).
+- KL to the reference policy: k3 = exp(ref - new) - (ref - new) - 1 per token (>= 0). It is
+  unbiased for KL(new || ref) on samples from `new`; the batch's tokens come from the behaviour
+  policy (up to max_lag versions old), and as a loss its gradient in expectation is that of
+  KL(ref || new), as in DeepSeekMath's GRPO.
+- Log-ratios are clamped to ±MAX_LOG_RATIO before `exp` (e^20 ≈ 4.9e8), so one extreme token
+  cannot overflow float32 into an inf or NaN loss; beyond the clamp its gradient is zero.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
 ADV_EPS = 1e-6
+MAX_LOG_RATIO = 20.0  # log-ratios are clamped to ±this before exp (module docstring)
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ def ppo_clip_token_loss(
     """(per-token loss [T], clipped indicator [T]). The ratio's gradient flows through new_logprobs."""
     import torch
 
-    ratio_T = torch.exp(new_logprobs_T - old_logprobs_T)
+    ratio_T = torch.exp((new_logprobs_T - old_logprobs_T).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     clipped_T = ratio_T.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss_T = -torch.minimum(ratio_T * advantages_T, clipped_T * advantages_T)
     return loss_T, clip_indicator(ratio_T.detach(), eps_low, eps_high)
@@ -90,7 +96,8 @@ def gspo_sequence_ratio(
     """s_i = exp(mean over sequence i's tokens of (logp_new - logp_old)) -> [S]."""
     import torch
 
-    return torch.exp(segment_mean(new_logprobs_T - old_logprobs_T, seq_index_T, num_seqs))
+    mean_S = segment_mean(new_logprobs_T - old_logprobs_T, seq_index_T, num_seqs)
+    return torch.exp(mean_S.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
 def gspo_sequence_loss(
@@ -115,7 +122,7 @@ def kl_k3(new_logprobs_T: torch.Tensor, ref_logprobs_T: torch.Tensor) -> torch.T
     """Per-token k3 estimate of KL(new || ref) on samples from new: e^(ref-new) - (ref-new) - 1."""
     import torch
 
-    delta_T = ref_logprobs_T - new_logprobs_T
+    delta_T = (ref_logprobs_T - new_logprobs_T).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(delta_T) - delta_T - 1.0
 
 

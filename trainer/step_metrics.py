@@ -97,7 +97,7 @@ def step_metrics(
         on_version = mismatch.mismatch_stats(at_version_T, stats.at_version_rollout_logprobs)
         for key in ("k1", "k2", "k3", "max_abs", "nonfinite_tokens"):
             metrics[f"mismatch_{key}_at_version"] = getattr(on_version, key)
-        metrics["at_version_token_frac"] = at_version_T.numel() / max(1, num_tokens)
+        metrics["at_version_token_frac"] = at_version_T.numel() / num_tokens if num_tokens else nan
     any_tokens = bool(lags_T.numel())
     metrics.update(
         {
@@ -222,7 +222,13 @@ def speed_metrics(stats: StepStats, speed: SpeedInputs, step_time_s: float) -> d
 
 
 def _mean(values) -> float:
-    return float(values.mean()) if values.numel() else math.nan
+    """The mean over the measured (finite) values; NaN when there are none."""
+    if values is None:
+        return math.nan
+    import torch
+
+    measured = values[torch.isfinite(values.float())] if values.numel() else values
+    return float(measured.float().mean()) if measured.numel() else math.nan
 
 
 def flops_per_token(model) -> float:
