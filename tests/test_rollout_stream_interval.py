@@ -7,7 +7,8 @@ second run must have handed the service its tokens in batches: vLLM's `generate`
 record the size of every delta it yields, and with interval 16 each completion's deltas between its
 first token and its end must hold at least 16 tokens. That holds however loaded the box is (a
 service that falls behind only gets larger, merged deltas), while a setting that did not reach vLLM
-gives one-token deltas (on a loaded box, fewer and merged, usually some still under 16). The output counts of
+gives one-token deltas (on a loaded box, fewer and merged, usually some still under 16), so the
+interval each request handed vLLM is checked too. The output counts of
 interval 1 are not compared: under load vLLM merges those deltas too (a full suite run saw 58
 outputs for 4 x 200 tokens).
 """
@@ -34,6 +35,7 @@ def test_stream_interval_batches_outputs_and_changes_no_result(tiny_model: Path)
     config = RolloutConfig(max_model_len=512, kv_cache_gib=1.0)
     engine = VllmEngine(config, tiny_model, seed=3)
     outputs_seen: list[int] = []
+    handed: list[int] = []  # stream_interval of the SamplingParams each vLLM request carried
     delta_sizes: list[dict[int, list[int]]] = []  # per run: completion index -> tokens per delta
 
     async def run(interval: int) -> list:
@@ -41,6 +43,11 @@ def test_stream_interval_batches_outputs_and_changes_no_result(tiny_model: Path)
         llm_generate = engine.llm.generate
 
         def counting_generate(*args, **kwargs):
+            # what vLLM was asked for, whatever the box's load does to the deltas
+            handed.extend(
+                a.stream_interval for a in [*args, *kwargs.values()] if hasattr(a, "stream_interval")
+            )
+
             async def stream():
                 async for output in llm_generate(*args, **kwargs):
                     outputs_seen[-1] += 1
@@ -71,6 +78,7 @@ def test_stream_interval_batches_outputs_and_changes_no_result(tiny_model: Path)
             await engine.shutdown()
 
     every_step, batched = asyncio.run(scenario())
+    assert handed == [1, BATCHED], handed  # one request per run, each with its interval
     assert len(every_step) == len(batched) == N
     for a, b in zip(every_step, batched, strict=True):
         assert len(a.token_ids) == MAX_TOKENS
