@@ -208,6 +208,13 @@ def test_out_directory_writes_compare_png_inside_and_prints_that_path(
     assert main([str(a), str(b), "--out", str(tmp_path / "x.svg")]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"wrote {tmp_path / 'x.svg'} (2 runs)"
     assert (tmp_path / "x.svg").read_bytes().lstrip().startswith(b"<?xml")
+    # Neither a figure nor a directory: refused, nothing created.
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for out in (tmp_path / "x.jpg", notes):
+        assert main([str(a), str(b), "--out", str(out)]) == 2
+        assert "--out: " in capsys.readouterr().err
+    assert not (tmp_path / "x.jpg").exists() and notes.read_text() == "mine"
 
 
 def test_runs_without_config_or_with_equal_configs_are_labelled_by_directory(tmp_path: Path) -> None:

@@ -274,8 +274,15 @@ def summary_table(runs: Sequence[Run]) -> str:
 def output_path(out: str | Path) -> Path:
     """`--out`: a path ending in .png/.svg/.pdf is the file; anything else is a directory for compare.png."""
     path = Path(out)
-    if path.suffix.lower() in FIGURE_SUFFIXES and not path.is_dir():
+    if path.is_dir():
+        return path / DEFAULT_NAME
+    if path.suffix.lower() in FIGURE_SUFFIXES:
         return path
+    if path.suffix or path.exists():  # x.jpg would become a directory x.jpg/ holding compare.png
+        raise CompareError(
+            f"--out: {out}: a figure ends in {', '.join(sorted(FIGURE_SUFFIXES))}; anything else names "
+            "a directory, and this is a file or looks like one"
+        )
     return path / DEFAULT_NAME
 
 
@@ -389,6 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs, table, _ = compare(args.run_dirs, args.out)
     except CompareError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the figure could not be written there
+        print(f"error: --out: {args.out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     print(table)
     print(f"wrote {output_path(args.out)} ({len(runs)} runs)")
