@@ -478,3 +478,9 @@ def test_a_toml_boolean_for_a_number_or_a_number_for_a_switch_is_refused(tmp_pat
     path.write_text("[run]\nskip_preflight = true\nsteps = 4\n")
     run = load(["--config", str(path)], home="run", environ={}).config.run
     assert (run.skip_preflight, run.steps) == (True, 4)
+
+
+def test_an_empty_config_path_is_named_as_such() -> None:
+    for argv in (["--config="], ["--config", ""]):
+        with pytest.raises(ConfigError, match=r"^--config: expected a TOML file path, got an empty one"):
+            load(argv, home="run", environ={})

@@ -208,6 +208,8 @@ def _from_flags(
                 if i >= len(tokens) or tokens[i].startswith("--"):
                     raise ConfigError("--config: expected a TOML file path")
                 value, i = tokens[i], i + 1
+            if not value.strip():
+                raise ConfigError("--config: expected a TOML file path, got an empty one")
             config_files.append(value)
             continue
         section, name = resolve_flag(flag, home)
