@@ -9,9 +9,12 @@ Invariants:
     (`rollout_id = f"{group_id}/{index}"`), per-token versions, min/max versions, the sampling
     params used (for the trainer's replay), rewards, logprobs mode, and the `traceparent` of the
     `publish` span.
-  - async mode: never start a new group while `backlog() + groups in flight >= max(1, max_lag) *
-    groups_per_step` (`backlog_limit`; so the stream never holds more unconsumed groups than that);
-    the time spent waiting is counted (`parity_rollout_backpressure_wait_seconds_total`). The
+  - async mode: the W rollout workers share the bound `max(1, max_lag) * groups_per_step`
+    (`backlog_limit`) on the stream's unconsumed groups plus the groups in flight. Each worker sees
+    the shared backlog but only its own groups in flight, so it starts a group only while its own
+    in flight are fewer than its share of the room left, ceil((limit - backlog) / W) (`may_start`):
+    the stream then never holds more than limit + W - 1 groups (with one worker, the limit). The
+    time spent waiting is counted (`parity_rollout_backpressure_wait_seconds_total`). The
     trainer acknowledges entries it drops (stale, lost version, duplicate) at once, so only groups
     it can still train hold the actor back.
   - sync mode: generate `groups_per_step` groups at the serving version, publish them, then wait
@@ -84,6 +87,14 @@ def backlog_limit(max_lag: int, groups_per_step: int) -> int:
     return max(1, max_lag) * max(1, groups_per_step)
 
 
+def may_start(own_in_flight: int, backlog: int, limit: int, workers: int) -> bool:
+    """Whether a worker may start another group (module docstring): its own groups in flight stay
+    under its share of the room the backlog leaves, rounded up so that some worker can always start
+    while there is room (the trainer may be waiting for the last group of its batch)."""
+    room = limit - backlog
+    return room > 0 and own_in_flight < -(-room // max(1, workers))
+
+
 class Actor:
     def __init__(self, run_config: ParityConfig, servicer) -> None:
         self.config = config = run_config.rollout
@@ -98,6 +109,7 @@ class Actor:
         self.task = get_task(run_config.task.name, seed=run_config.run.seed, config=run_config.task)
         self.scorer = build_scorer(self.task, run_config.task)
         self._stream_args = (run_config.run.seed, config.worker_index, run_config.run.rollout_workers)
+        self.workers = run_config.run.rollout_workers
         # Tests only: the episode loop injects the multi-turn classes of a parity fault (the engine the rest).
         self._fault = parse_fault(config.fault, "rollout.fault") if config.fault else None
         self.rewards_failed = 0
@@ -171,7 +183,7 @@ class Actor:
         return depth
 
     async def _admit(self) -> None:
-        """Wait until backlog + groups in flight < max_lag * groups_per_step, then claim a slot."""
+        """Wait until this worker may start a group (`may_start`), then claim a slot."""
         limit = backlog_limit(self.max_lag, self.groups_per_step)
         start = None
         async with self._admission:
@@ -179,7 +191,7 @@ class Actor:
             # the two reads is then counted twice, never not at all. Read after it, the stream once
             # held limit + 1 groups (the backlog read missed a publish whose group the decrement
             # had already taken off in flight).
-            while self._in_flight + await self._backlog() >= limit:
+            while not may_start(self._in_flight, await self._backlog(), limit, self.workers):
                 start = start or time.monotonic()
                 await asyncio.sleep(POLL_S)
             self._in_flight += 1
