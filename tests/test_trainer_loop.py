@@ -369,3 +369,20 @@ def test_consume_train_and_publish_spans_link_to_the_producer(
     assert consume.attributes["parity.lag"] == 0 and consume.attributes["parity.tokens"] == 32
     assert step.attributes["parity.weight_version"] == 0 and step.attributes["parity.tokens"] == 32
     assert publish.attributes["parity.weight_version"] == 1
+
+
+def test_without_checkpoints_the_consumed_stream_is_trimmed(
+    redis_url: str, tmp_path: Path, reference_model
+) -> None:
+    """checkpoint_every 0 (the default): the replay floor follows what the trainer consumed, so a
+    publisher's trim at maxlen removes trained entries; with the floor left at the start the stream
+    grew for the whole run."""
+    queue = RolloutQueue(redis_url, stream=STREAM, maxlen=2)
+    for index in range(6):
+        queue.publish(group(reference_model, f"t{index}", seed=index))
+    trainer = make_trainer(redis_url, tmp_path, steps=6, checkpoint_every=0, on_mismatch="warn")
+    for _ in range(6):  # the steps of `run`, without its final checkpoint (which sets the floor too)
+        trainer.train_step(trainer.consumer.collect(1, trainer.state.weight_version, 2, lambda: False))
+    assert queue.backlog() == 0
+    queue.publish(group(reference_model, "t6", seed=6))  # over maxlen: trims what is safe
+    assert queue.redis.xlen(STREAM) <= 2, queue.redis.xlen(STREAM)

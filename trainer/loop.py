@@ -335,6 +335,8 @@ class Trainer:
     ) -> None:
         """Ack the batch, count it, record the step (telemetry, samples), then let the gate judge."""
         self.queue.ack(batch.all_entry_ids())
+        if self.config.checkpoint_every == 0:
+            self._release_consumed()
         self._unpublished_steps += int(result.stepped)
         # A non-finite gradient skipped the optimizer step: the batch is dropped, not trained.
         nonfinite = metrics["trainable_tokens"] > 0 and not math.isfinite(result.grad_norm)
@@ -522,6 +524,17 @@ class Trainer:
             floor,
         )
         return path
+
+    def _release_consumed(self) -> None:
+        """Without periodic checkpoints (`checkpoint_every 0`) a restart begins again from the
+        initial weights, where entries of later versions are dropped as lost: nothing acknowledged
+        is worth keeping for a replay. The replay floor follows what is consumed, step by step, so
+        the stream is trimmed at `stream_maxlen` (with the floor left at the start it grew for the
+        whole run), and the dedupe memory is bounded as at a checkpoint."""
+        floor = self.queue.consumed_floor()
+        with self.lock:
+            self._bound_dedupe(floor)
+        self.queue.set_replay_floor(floor)
 
     def _bound_dedupe(self, floor: str) -> None:
         self.applied_entries = bound_dedupe(self.applied_entries, floor, self.config.dedupe_window)
