@@ -386,3 +386,17 @@ def test_without_checkpoints_the_consumed_stream_is_trimmed(
     assert queue.backlog() == 0
     queue.publish(group(reference_model, "t6", seed=6))  # over maxlen: trims what is safe
     assert queue.redis.xlen(STREAM) <= 2, queue.redis.xlen(STREAM)
+
+
+def test_a_group_from_a_version_the_trainer_never_had_is_dropped_and_counted(
+    redis_url: str, tmp_path: Path, reference_model
+) -> None:
+    """A fresh trainer (version 0) on a stream that still holds an earlier run's groups (version
+    44): those are not this lineage's; they were admitted as if lag could be negative."""
+    queue = RolloutQueue(redis_url, stream=STREAM)
+    queue.publish(group(reference_model, "old-run", version=44))
+    queue.publish(group(reference_model, "this-run", version=0, seed=1))
+    trainer = make_trainer(redis_url, tmp_path, steps=1)
+    trainer.run()
+    assert sorted(trained_ids(tmp_path)) == [f"this-run/{i}" for i in range(4)]
+    assert metrics(tmp_path)[0]["dropped_future_version"] == 1

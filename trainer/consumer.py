@@ -8,7 +8,9 @@ Invariants:
   and counted (`dropped_stale`). So are malformed entries.
 - An entry with a token sampled from a *lost* version (published by a process of this run that
   died before checkpointing it: `lost_versions`) is dropped whole and counted
-  (`dropped_future_version`): those weights are not in the lineage being trained.
+  (`dropped_future_version`): those weights are not in the lineage being trained. So is an entry
+  with a token of a version above the trainer's own (a fresh trainer on a stream that holds an
+  earlier run's groups): no weights of this lineage produced it.
 - Skipped entries (all of the above) are acknowledged here, as soon as they are read. Held pending
   until the step, they would count in the actors' backlog (undelivered + pending): a trainer that
   drops a whole backlog (after `--resume`, where the stream holds versions it lost or outgrew)
@@ -229,7 +231,8 @@ class RolloutConsumer:
                 batch.skipped_entry_ids.append(entry.entry_id)
                 span.set_attribute("parity.outcome", "duplicate")
                 return
-            if self.lost_versions and uses_lost_version(group, self.lost_versions):
+            beyond = int(group.max_weight_version) > trainer_version  # not this lineage's weights
+            if beyond or (self.lost_versions and uses_lost_version(group, self.lost_versions)):
                 batch.dropped_future_version += 1
                 batch.skipped_entry_ids.append(entry.entry_id)
                 span.set_attribute("parity.outcome", "dropped_future_version")
