@@ -87,6 +87,19 @@ def backlog_limit(max_lag: int, groups_per_step: int) -> int:
     return max(1, max_lag) * max(1, groups_per_step)
 
 
+async def all_or_none(coroutines) -> list:
+    """Run `coroutines` together and return their results in order. On the first failure the
+    others are cancelled and that error is raised: `asyncio.gather` left them running, so a
+    supervised restart of the loop ran beside what was left of the failed one."""
+    tasks: list[asyncio.Task] = []
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coroutines]
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
 def may_start(own_in_flight: int, backlog: int, limit: int, workers: int) -> bool:
     """Whether a worker may start another group (module docstring): its own groups in flight stay
     under its share of the room the backlog leaves, rounded up so that some worker can always start
@@ -453,7 +466,14 @@ class Actor:
         position = None if draw is None else (self.producer, draw)
         with tracing.span("publish", attrs, kind="producer", parent_traceparent=parent):
             traceparent = tracing.current_traceparent()
-            entry_id = await asyncio.to_thread(self.queue.publish, group, traceparent, position)
+            try:
+                entry_id = await asyncio.to_thread(self.queue.publish, group, traceparent, position)
+            except Exception as exc:
+                metrics.UNPUBLISHED_GROUPS.inc()  # counted, not silently gone
+                log.error(
+                    "group %s (draw %s) not published: %s: %s", group.group_id, draw, type(exc).__name__, exc
+                )
+                raise
         self.groups_published += 1
         return entry_id
 
@@ -517,7 +537,7 @@ class Actor:
                 drawn = [
                     self._next_prompt() for _ in range(self._round_size(self.groups_per_step - published))
                 ]
-                groups = await asyncio.gather(*(bounded(*d) for d in drawn))
+                groups = await all_or_none(bounded(*d) for d in drawn)
                 for index, group in enumerate(groups):
                     if published >= self.groups_per_step:
                         self._return_surplus(drawn[index:], groups[index:])
@@ -565,7 +585,7 @@ class Actor:
             if self.mode == "sync":
                 await self._sync_loop()
             else:
-                await asyncio.gather(*(self._async_worker() for _ in range(self.config.concurrency)))
+                await all_or_none(self._async_worker() for _ in range(self.config.concurrency))
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -78,6 +78,11 @@ ENGINE_RESTARTS = Counter(
 REGENERATED_GROUPS = Counter(
     "parity_rollout_regenerated_groups", "Actor groups lost with a dead engine and generated again."
 )
+UNPUBLISHED_GROUPS = Counter(
+    "parity_rollout_unpublished_groups",
+    "Actor groups generated and scored whose publish failed (Redis out past its outage limit): lost, "
+    "and the actor loop restarts.",
+)
 INFLIGHT_REQUESTS = Gauge("parity_rollout_inflight_requests", "Generate RPCs admitted and not yet finished.")
 REFUSED_REQUESTS = Counter(
     "parity_rollout_refused_requests",

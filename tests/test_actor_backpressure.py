@@ -40,3 +40,44 @@ def test_a_worker_alone_may_always_take_the_last_slot() -> None:
     assert not may_start(0, backlog=8, limit=8, workers=4)
     # the old rule (own in flight + backlog < limit) let each of 3 workers hold the whole room
     assert sum(may_start(n, 0, 8, 3) for n in range(8)) == 3
+
+
+def test_a_failed_worker_cancels_its_siblings_and_its_error_is_raised() -> None:
+    """The actor's workers run under all_or_none: one that fails takes the others down with it
+    (asyncio.gather left them running beside the loop its supervisor restarted)."""
+    import asyncio
+
+    from rollout.actor import all_or_none
+
+    cancelled: list[int] = []
+
+    async def sibling(index: int) -> int:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(index)
+            raise
+        return index
+
+    async def failing() -> int:
+        await asyncio.sleep(0.01)
+        raise ConnectionError("redis is out")
+
+    async def scenario() -> str:
+        try:
+            await asyncio.wait_for(all_or_none([sibling(0), failing(), sibling(2)]), timeout=10)
+        except ConnectionError as exc:
+            return str(exc)
+        return "no error"
+
+    assert asyncio.run(scenario()) == "redis is out"
+    assert sorted(cancelled) == [0, 2]
+
+    async def fine() -> list:
+        async def value(v: int) -> int:
+            await asyncio.sleep(0.01 * (3 - v))
+            return v
+
+        return await all_or_none(value(v) for v in range(3))
+
+    assert asyncio.run(fine()) == [0, 1, 2]  # in order, whatever order they finish in
