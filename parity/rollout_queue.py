@@ -383,7 +383,13 @@ class RolloutQueue:
         deliver them a second time, and an entry the trainer skipped and acknowledged after the
         claim would be pending again after the `>` delivery, never read nor acknowledged, in the
         actors' backlog for good. Returns how many pending entries were released this way."""
-        self.redis.xgroup_setid(self.stream, self.group, previous_id(floor))
+        # With ENTRIESREAD given, Redis keeps counting the group's lag after the SETID; without it
+        # the lag reads "unknown", and every `backlog()` (the actors poll it) scanned the whole
+        # undelivered backlog, payloads included. One scan of the ids here instead.
+        start = previous_id(floor)
+        again = self._count_after(start)
+        added = int(self.redis.xinfo_stream(self.stream)["entries-added"])
+        self.redis.xgroup_setid(self.stream, self.group, start, entries_read=max(0, added - again))
         released = 0
         while True:
             rows = self.redis.xpending_range(self.stream, self.group, "-", "+", 1000)

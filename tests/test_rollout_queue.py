@@ -111,8 +111,11 @@ def test_replay_floor_protects_acknowledged_entries_and_rewind_redelivers_them(r
     assert queue.redis.xlen("s") == 7  # the floor keeps them for replay
     assert queue.backlog() == 1
     queue.rewind(ids[2])  # the checkpoint covered g0 and g1
+    # Redis still counts the group's lag after the rewind: the backlog is read, not scanned
+    assert queue._group_info(queue.group)["lag"] == 5 and queue.backlog() == 5
     replay = queue.read("c", count=10, block_ms=10)
     assert [e.group.group_id for e in replay] == ["g2", "g3", "g4", "g5", "g6"]
+    assert queue._group_info(queue.group)["lag"] == 0 and queue.backlog() == 5  # all pending now
 
 
 def test_id_helpers_order_ids() -> None:
