@@ -142,6 +142,8 @@ class Actor:
         self._dropped_in_a_row = 0
         self.surplus_groups = 0
         self._returned: list[tuple[Prompt, int, int]] = []  # surplus draws, generated again next
+        # sync mode: (version, groups published at it), kept across an in-process restart of the loop
+        self._sync_progress: tuple[int, int] = (-1, 0)
         self.backpressure_wait_s = 0.0
         self.queue = None
         self._group_traceparents: dict[str, str] = {}  # group_id -> its rollout_group span
@@ -479,13 +481,17 @@ class Actor:
 
     def _return_surplus(self, drawn: list, groups: list) -> None:
         """Put a sync round's draws after the step's last published group back on the stream."""
+        self._return_draws(drawn, groups)
+        self.surplus_groups += len(drawn)
+        metrics.SURPLUS_GROUPS.inc(len(drawn))
+
+    def _return_draws(self, drawn: list, groups: list) -> None:
+        """Draws (and their groups, if any) to generate again: they come first from the stream."""
         for group in groups:
             if group is not None:
                 self._group_traceparents.pop(group.group_id, None)
                 self._group_draws.pop(group.group_id, None)
         self._returned = list(drawn) + self._returned
-        self.surplus_groups += len(drawn)
-        metrics.SURPLUS_GROUPS.inc(len(drawn))
 
     async def offer(self, group: rollouts_pb2.RolloutGroup) -> bool:
         """Publish `group` unless dynamic sampling drops it; True when it was published."""
@@ -532,7 +538,10 @@ class Actor:
         while not self._done() and not self.servicer.shutting_down:
             await self._ready()
             version = self.engine.weight_version
-            published = 0
+            # A loop restarted mid-step (its supervisor, after a failed publish) finishes the share
+            # it began: publishing a whole share again put part of every later step at lag 1.
+            done_version, done = self._sync_progress
+            published = done if done_version == version else 0
             while published < self.groups_per_step and not self.servicer.shutting_down:
                 drawn = [
                     self._next_prompt() for _ in range(self._round_size(self.groups_per_step - published))
@@ -543,7 +552,12 @@ class Actor:
                         self._return_surplus(drawn[index:], groups[index:])
                         break
                     if group is not None:
-                        published += await self.offer(group)
+                        try:
+                            published += await self.offer(group)
+                        except BaseException:  # not published: these draws come first after a restart
+                            self._return_draws(drawn[index:], groups[index:])
+                            raise
+                        self._sync_progress = (version, published)
             log.info(
                 "sync step at v%d: published %d groups (%d dropped for zero variance so far, %d surplus "
                 "returned to the stream); waiting for v%d",

@@ -81,3 +81,68 @@ def test_a_failed_worker_cancels_its_siblings_and_its_error_is_raised() -> None:
         return await all_or_none(value(v) for v in range(3))
 
     assert asyncio.run(fine()) == [0, 1, 2]  # in order, whatever order they finish in
+
+
+def test_a_sync_loop_restarted_mid_step_finishes_its_share_and_loses_no_prompt() -> None:
+    """Sync mode, 4 groups a step: the third publish fails (Redis out past its limit), the loop's
+    supervisor starts it again at the same version. It must publish the 2 missing groups, not a
+    whole share again (which put half of every later step at lag 1), starting with the draw whose
+    publish failed (a draw is never skipped)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from parity.config import load
+    from parity.v1 import rollouts_pb2
+    from rollout.actor import Actor
+
+    cfg = load(
+        [
+            "--model",
+            "tiny",
+            "--mode",
+            "sync",
+            "--groups_per_step",
+            "4",
+            "--max_groups",
+            "6",
+            "--concurrency",
+            "2",
+        ],
+        home="rollout",
+        environ={},
+    ).config
+    servicer = SimpleNamespace(engine=SimpleNamespace(weight_version=0), shutting_down=False, caught_up=True)
+    actor = Actor(cfg, servicer)
+    published: list[tuple[int, int]] = []  # (version, draw)
+    fail_at = [3]
+
+    async def one_group(prompt, seed=None, draw=None):
+        return rollouts_pb2.RolloutGroup(
+            group_id=f"d{draw}", max_weight_version=servicer.engine.weight_version
+        )
+
+    async def offer(group) -> bool:
+        if len(published) + 1 == fail_at[0]:
+            fail_at[0] = 0
+            raise ConnectionError("redis is out")
+        published.append((servicer.engine.weight_version, int(group.group_id[1:])))
+        actor.groups_published += 1
+        if len(published) == 4:
+            servicer.engine.weight_version = 1  # the trainer stepped and published
+        return True
+
+    actor.one_group, actor.offer = one_group, offer
+
+    async def supervised() -> None:
+        for _ in range(3):
+            try:
+                await asyncio.wait_for(actor._sync_loop(), timeout=30)
+                return
+            except ConnectionError:
+                continue
+
+    asyncio.run(supervised())
+    # step 1 whole at v0 (its third draw published after the restart), then one whole step at v1
+    assert [v for v, _ in published] == [0, 0, 0, 0, 1, 1, 1, 1], published
+    assert sorted(d for _, d in published) == list(range(8))  # every draw, none skipped or twice
+    assert [d for v, d in published if v == 0] == [0, 1, 2, 3]
