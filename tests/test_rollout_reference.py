@@ -413,6 +413,7 @@ def _sync_actor_stand_in(concurrency: int, groups_per_step: int, versions: int, 
     actor.groups_per_step, actor.groups_published, actor.backpressure_wait_s = groups_per_step, 0, 0.0
     actor.zero_variance_dropped, actor._dropped_in_a_row, actor.surplus_groups = 0, 0, 0
     actor._group_traceparents, actor._group_draws, actor._returned = {}, {}, []
+    actor._sync_progress = (-1, 0)
     actor._seed_base = 0
     actor._draws, actor._prompts = itertools.count(), itertools.repeat(None)
     actor.servicer = SimpleNamespace(caught_up=True, shutting_down=False)
