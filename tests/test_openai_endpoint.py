@@ -481,3 +481,43 @@ def test_the_tool_call_example_plays_its_episodes_and_publishes_each_group(
         assert len(group.samples) == 2
         assert all(s.reward in (0.0, 1.0) and len(s.token_ids) > 0 for s in group.samples)
         assert all(s.token_mismatches == 0 for s in group.samples)
+
+
+def test_a_finish_while_the_publish_backlog_is_full_is_refused_and_keeps_its_session(tmp_path: Path) -> None:
+    """Redis out for long: the finished groups held for it are bounded; the next finish answers 503
+    publish_backlog_full before it touches its session, so the harness can finish it again later."""
+    import asyncio
+    import urllib.error
+    import urllib.request
+
+    from parity.config import ParityConfig
+    from services.rollout import openai_api
+    from services.rollout.openai_api import OpenAIServer
+
+    async def scenario() -> tuple[int, dict, bool]:
+        config = ParityConfig(rollout={"openai_port": 0}, run={"redis_url": "redis://127.0.0.1:1/0"})
+        server = OpenAIServer(config, servicer=None)  # refused before any engine or Redis is needed
+        server._unpublished = [
+            rollouts_pb2.RolloutGroup(group_id=f"g{i}") for i in range(openai_api.MAX_UNPUBLISHED_GROUPS)
+        ]
+        port = await server.start()
+
+        def finish() -> tuple[int, dict]:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/sessions/s1/finish", data=b'{"reward": 1.0}', method="POST"
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return response.status, json.loads(response.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.loads(exc.read())
+
+        try:
+            code, body = await asyncio.to_thread(finish)
+            return code, body, len(server._unpublished) == openai_api.MAX_UNPUBLISHED_GROUPS
+        finally:
+            await server.stop()
+
+    code, body, unchanged = asyncio.run(scenario())
+    assert code == 503 and body["error"]["code"] == "publish_backlog_full", body
+    assert unchanged

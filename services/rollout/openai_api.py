@@ -67,6 +67,9 @@ from rollout.validation import MAX_TOP_LOGPROBS, generation_spec
 log = logging.getLogger("parity.rollout.openai")
 
 SESSION_HEADER = "X-Parity-Session"
+# finished groups kept in memory while their publish fails; past this a finish is refused (503) and
+# its session kept, so that an outage costs the harness a retry, not the service's memory
+MAX_UNPUBLISHED_GROUPS = 256
 MAX_SESSION_ID_CHARS = 128
 SWEEP_S = 1.0
 _HTTP_FOR_CODE = {
@@ -587,6 +590,14 @@ class OpenAIServer:
         if not self.run_config.run.redis_url:
             raise ApiError(
                 503, "run.redis_url is not set: a finished episode has no stream to go to", None, "no_stream"
+            )
+        if len(self._unpublished) >= MAX_UNPUBLISHED_GROUPS:  # Redis out: hold no more in memory
+            raise ApiError(
+                503,
+                f"publish: {len(self._unpublished)} finished groups wait for the stream (Redis is out); "
+                "the session is kept: finish it again later",
+                None,
+                "publish_backlog_full",
             )
         session = self.sessions.take(session_id)
         key = key or f"session:{session_id}"
