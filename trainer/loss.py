@@ -12,8 +12,9 @@ mask excludes the token), the old one (a recomputed logprob at a version whose m
 the behaviour one. Such a token gets zero loss, no KL to the reference, and NaN (not measured) in
 the per-token statistics; it is counted in `nonfinite_tokens`. Its logprobs are replaced by zeros
 before any arithmetic, so nothing non-finite reaches the gradient. Likewise a token whose
-reference logprob is not finite (outside the reference's top-k/top-p set) gets no KL penalty. The loss is already divided by the whole
-batch's token (or sequence) count, so summing micro-batch gradients gives the batch gradient.
+reference logprob is not finite (outside the reference's top-k/top-p set) gets no KL penalty.
+The loss is already divided by the whole batch's token (or sequence) count, so summing
+micro-batch gradients gives the batch gradient.
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ ADV_EPS = 1e-6
 MAX_LOG_RATIO = 20.0  # log-ratios are clamped to ±this before exp (module docstring)
 
 
+def clamp_log_ratio(delta: torch.Tensor) -> torch.Tensor:
+    """A log-ratio bounded to ±MAX_LOG_RATIO, so that its `exp` stays finite in float32."""
+    return delta.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
 @dataclass(frozen=True)
 class Advantages:
     values_GN: torch.Tensor
@@ -71,7 +76,7 @@ def ppo_clip_token_loss(
     """(per-token loss [T], clipped indicator [T]). The ratio's gradient flows through new_logprobs."""
     import torch
 
-    ratio_T = torch.exp((new_logprobs_T - old_logprobs_T).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    ratio_T = torch.exp(clamp_log_ratio(new_logprobs_T - old_logprobs_T))
     clipped_T = ratio_T.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss_T = -torch.minimum(ratio_T * advantages_T, clipped_T * advantages_T)
     return loss_T, clip_indicator(ratio_T.detach(), eps_low, eps_high)
@@ -97,7 +102,7 @@ def gspo_sequence_ratio(
     import torch
 
     mean_S = segment_mean(new_logprobs_T - old_logprobs_T, seq_index_T, num_seqs)
-    return torch.exp(mean_S.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    return torch.exp(clamp_log_ratio(mean_S))
 
 
 def gspo_sequence_loss(
@@ -122,7 +127,7 @@ def kl_k3(new_logprobs_T: torch.Tensor, ref_logprobs_T: torch.Tensor) -> torch.T
     """Per-token k3 estimate of KL(new || ref) on samples from new: e^(ref-new) - (ref-new) - 1."""
     import torch
 
-    delta_T = (ref_logprobs_T - new_logprobs_T).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    delta_T = clamp_log_ratio(ref_logprobs_T - new_logprobs_T)
     return torch.exp(delta_T) - delta_T - 1.0
 
 

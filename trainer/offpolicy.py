@@ -19,10 +19,10 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
+from trainer.objectives import clamp_log_ratio
+
 if TYPE_CHECKING:
     import torch
-
-MAX_LOG_RATIO = 20.0
 
 
 def token_lags(trainer_version: int, token_versions: Sequence[int]) -> list[int]:
@@ -64,7 +64,7 @@ def is_weights(
                 0, seq_index_T, delta_T
             )
             delta_T = delta_S[seq_index_T]
-        raw_T = torch.exp(delta_T.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+        raw_T = torch.exp(clamp_log_ratio(delta_T))
         if kind == "none":
             return torch.ones_like(raw_T), torch.zeros_like(raw_T)
         over_T = raw_T > cap

@@ -223,12 +223,10 @@ def speed_metrics(stats: StepStats, speed: SpeedInputs, step_time_s: float) -> d
 
 def _mean(values) -> float:
     """The mean over the measured (finite) values; NaN when there are none."""
-    if values is None:
-        return math.nan
     import torch
 
-    measured = values[torch.isfinite(values.float())] if values.numel() else values
-    return float(measured.float().mean()) if measured.numel() else math.nan
+    measured = values[torch.isfinite(values.float())].float()
+    return float(measured.mean()) if measured.numel() else math.nan
 
 
 def flops_per_token(model) -> float:
