@@ -11,9 +11,10 @@ Invariants:
   - `run` registers before its first heartbeat, retrying with backoff (0.2 s doubling to 5 s) until
     the broadcast service answers. A refusal no retry can change (UNAUTHENTICATED or
     PERMISSION_DENIED: the token; INVALID_ARGUMENT: the worker's id or address) raises
-    `MembershipRefused`, naming the setting, instead of retrying forever. Every successful registration calls `on_registered` with the
-    reply's `latest_version`: a worker must not serve before its weight version reaches it (the
-    broadcast service pushes that version to a worker that registers behind).
+    `MembershipRefused`, naming the setting, instead of retrying forever. Every successful
+    registration calls `on_registered` with the reply's `latest_version`: a worker must not serve
+    before its weight version reaches it (the broadcast service pushes that version to a worker that
+    registers behind).
   - Heartbeats go every `heartbeat_interval_s`, or the interval the registration reply names.
     One answered NOT_FOUND (the worker was dropped, or the service restarted and never knew it)
     triggers a new registration, and so does FAILED_PRECONDITION, the code a broadcast service of
