@@ -144,6 +144,19 @@ def waiting_for(done_steps: int, steps: int) -> str:
     return "first step" if done_steps == 0 else f"step {done_steps + 1}"
 
 
+def make_run_dir(path: Path, exist_ok: bool) -> None:
+    """Create the run directory `path`; one it cannot be is a RunConfigError naming run.out (an
+    existing one, unless `exist_ok`, raises FileExistsError)."""
+    try:
+        path.mkdir(parents=True, exist_ok=exist_ok)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as exc:
+        if isinstance(exc, FileExistsError) and not exist_ok:
+            raise
+        raise RunConfigError(f"run.out: {path}: cannot write a run there ({exc.strerror or exc})") from None
+
+
 def claim_run_dir(cfg: ParityConfig) -> Path:
     """`run.out`, or a new runs/<UTC time> directory claimed by creating it (a -2, -3, ... suffix
     when another launch took that second's name: two launches never share a directory)."""
@@ -153,14 +166,10 @@ def claim_run_dir(cfg: ParityConfig) -> Path:
     for index in range(1, 1000):
         candidate = base if index == 1 else base.with_name(f"{base.name}-{index}")
         try:
-            candidate.mkdir(parents=True, exist_ok=False)
+            make_run_dir(candidate, exist_ok=False)
             return candidate
         except FileExistsError:
             continue
-        except OSError as exc:
-            raise RunConfigError(
-                f"run.out: {candidate}: cannot write a run there ({exc.strerror or exc})"
-            ) from None
     raise RunConfigError(f"run.out: every name under {base.parent} for this second is taken; give --out")
 
 
@@ -359,14 +368,7 @@ def run_pipeline(cfg: ParityConfig, run_dir: Path, argv: list[str], resume: Resu
     """One launch of the run in `run_dir`: a new run, or (`resume`) the continuation of one."""
     run_started = time.monotonic()
     task = validate_inputs(cfg)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not os.access(run_dir, os.W_OK):
-            raise PermissionError(13, "not writable")
-    except OSError as exc:
-        raise RunConfigError(
-            f"run.out: {run_dir}: cannot write a run there ({exc.strerror or exc})"
-        ) from None
+    make_run_dir(run_dir, exist_ok=True)
     if resume is None and (run_dir / "metrics.jsonl").exists():
         raise RunConfigError(
             f"run.out: {run_dir} already holds a run (metrics.jsonl); choose another directory, "
